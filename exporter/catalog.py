@@ -1,0 +1,216 @@
+"""The metric catalog: family types, labels, semantics and buckets, loaded from YAML and validated."""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from exporter.defaults import default_path
+from exporter.errors import ConfigError, UnknownFamilyError
+from exporter.labels import LABEL_NAME_RE, label_name_problem
+
+
+class MetricType(str, Enum):
+    """Prometheus metric types a family can have."""
+
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    HISTOGRAM = "histogram"
+
+
+class Semantics(str, Enum):
+    """How a family's per-rank values combine into a rollup."""
+
+    PER_SHARD = "per_shard"
+    REPLICATED = "replicated"
+
+
+class FamilySpec(BaseModel):
+    """One metric family as ranks push it (names are without the namespace)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=LABEL_NAME_RE.pattern)
+    type: MetricType
+    semantics: Semantics
+    help: str = Field(min_length=1)
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+    preset: dict[str, tuple[str, ...]] = Field(default_factory=dict)
+    attempt_level: bool = False
+    duration_histogram: str | None = None
+
+    @field_validator("labels")
+    @classmethod
+    def _labels_are_usable(cls, labels: tuple[str, ...]) -> tuple[str, ...]:
+        for name in labels:
+            problem = label_name_problem(name)
+            if problem:
+                raise ValueError(problem)
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"labels repeat a name: {list(labels)}")
+        return labels
+
+    @model_validator(mode="after")
+    def _shape_matches_type(self) -> "FamilySpec":
+        if self.type is MetricType.HISTOGRAM:
+            if not self.buckets:
+                raise ValueError(f"histogram {self.name!r} needs `buckets`")
+            if any(not math.isfinite(b) for b in self.buckets):
+                raise ValueError(f"histogram {self.name!r}: buckets must be finite (+Inf is implied)")
+            if list(self.buckets) != sorted(set(self.buckets)):
+                raise ValueError(f"histogram {self.name!r}: buckets must be strictly ascending")
+        elif self.buckets is not None:
+            raise ValueError(f"{self.type.value} {self.name!r} cannot have `buckets`")
+        if self.type is MetricType.COUNTER and not self.name.endswith("_total"):
+            raise ValueError(f"counter {self.name!r} must end in '_total'")
+        if self.type is not MetricType.COUNTER and self.name.endswith("_total"):
+            raise ValueError(f"{self.type.value} {self.name!r} must not end in '_total'")
+        unknown = set(self.preset) - set(self.labels)
+        if unknown:
+            raise ValueError(f"{self.name!r}: preset names labels it does not have: {sorted(unknown)}")
+        if self.duration_histogram is not None:
+            if self.type is not MetricType.COUNTER or not self.name.endswith("_bytes_total"):
+                raise ValueError(
+                    f"{self.name!r}: only a '*_bytes_total' counter can name a duration_histogram"
+                )
+        return self
+
+    @property
+    def bandwidth_name(self) -> str:
+        """Name of the active-bandwidth gauge derived from this bytes counter."""
+        return self.name[: -len("_bytes_total")] + "_active_bandwidth_bytes_per_second"
+
+    @property
+    def base_name(self) -> str:
+        """Name without the counter's `_total` suffix."""
+        return self.name[: -len("_total")] if self.name.endswith("_total") else self.name
+
+    def preset_label_sets(self) -> list[dict[str, str]]:
+        """Label sets to create at 0 on every rank: the cross product of `preset`, if it covers all labels."""
+        if not self.labels or set(self.preset) != set(self.labels):
+            return [] if self.labels else [{}]
+        combos: list[dict[str, str]] = [{}]
+        for label in self.labels:
+            combos = [{**c, label: v} for c in combos for v in self.preset[label]]
+        return combos
+
+
+class Catalog(BaseModel):
+    """The validated set of families; look families up by name."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    families: tuple[FamilySpec, ...]
+
+    @model_validator(mode="after")
+    def _families_are_consistent(self) -> "Catalog":
+        names = [f.name for f in self.families]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"families defined twice: {repeated}")
+        by_name = {f.name: f for f in self.families}
+        for fam in self.families:
+            if fam.duration_histogram is None:
+                continue
+            hist = by_name.get(fam.duration_histogram)
+            if hist is None or hist.type is not MetricType.HISTOGRAM:
+                raise ValueError(
+                    f"{fam.name!r}: duration_histogram {fam.duration_histogram!r} is not a histogram family"
+                )
+            if hist.labels != fam.labels or hist.semantics is not fam.semantics:
+                raise ValueError(
+                    f"{fam.name!r} and {hist.name!r} must have the same labels and semantics"
+                )
+        return self
+
+    def __iter__(self) -> Iterator[FamilySpec]:  # type: ignore[override]
+        return iter(self.families)
+
+    def __len__(self) -> int:
+        return len(self.families)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def get(self, name: str) -> FamilySpec:
+        """The family called `name`; raises UnknownFamilyError naming the catalog's families."""
+        try:
+            return self._index[name]
+        except KeyError:
+            raise UnknownFamilyError(
+                f"family {name!r} is not in the metric catalog (known: {', '.join(sorted(self._index))})"
+            ) from None
+
+    def find(self, name: str) -> FamilySpec | None:
+        """The family called `name`, or None."""
+        return self._index.get(name)
+
+    @property
+    def _index(self) -> dict[str, FamilySpec]:
+        index = self.__dict__.get("_cached_index")
+        if index is None:
+            index = {f.name: f for f in self.families}
+            object.__setattr__(self, "_cached_index", index)
+        return index
+
+    def bandwidth_pairs(self) -> list[tuple[FamilySpec, FamilySpec]]:
+        """(bytes counter, duration histogram) pairs that get active-bandwidth gauges."""
+        return [(f, self.get(f.duration_histogram)) for f in self.families if f.duration_histogram]
+
+    def static_label_conflicts(self, names: set[str]) -> set[str]:
+        """Static label names that collide with a family's own labels."""
+        return names & {label for fam in self.families for label in fam.labels}
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    """One line per problem, each naming the field path, for a person to fix."""
+    lines = [f"{source}: {err.error_count()} problem(s)"]
+    for problem in err.errors():
+        loc = ".".join(str(part) for part in problem["loc"]) or "(top level)"
+        lines.append(f"  {loc}: {problem['msg']}")
+    return "\n".join(lines)
+
+
+def catalog_from_data(data: Any, source: str = "catalog") -> Catalog:
+    """Validate parsed YAML as a catalog, dropping `x-` keys that hold YAML anchors."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping with a `families` list")
+    data = {k: v for k, v in data.items() if not str(k).startswith("x-")}
+    try:
+        return Catalog.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def load_yaml(path: Path) -> Any:
+    """Parse a YAML file, turning I/O and syntax errors into ConfigError."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return yaml.safe_load(handle)
+    except OSError as err:
+        raise ConfigError(f"cannot read {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {err}") from None
+
+
+def load_catalog(path: Path | str | None = None) -> Catalog:
+    """Load the catalog at `path`, or the packaged default."""
+    resolved = Path(path) if path is not None else default_path("catalog.yaml")
+    return catalog_from_data(load_yaml(resolved), str(resolved))
+
+
+_default_catalog: Catalog | None = None
+
+
+def default_catalog() -> Catalog:
+    """The packaged catalog, parsed once per process."""
+    global _default_catalog
+    if _default_catalog is None:
+        _default_catalog = load_catalog()
+    return _default_catalog

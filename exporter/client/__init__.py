@@ -1,0 +1,113 @@
+"""The rank side: bind counters once, increment them in memory, push snapshots in the background."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Any, Mapping
+
+from exporter.catalog import Catalog, MetricType, default_catalog
+from exporter.client.metrics import CounterChild, GaugeChild, HistogramChild, LabelError, MetricSet
+from exporter.client.pusher import Pusher, PushStats
+from exporter.labels import RANK_KEYS, label_name_problem
+from exporter.protocol.messages import PROTOCOL_VERSION
+
+DEFAULT_SOCKET = "/run/hicache/metrics.sock"
+
+__all__ = ["RankClient", "CounterChild", "GaugeChild", "HistogramChild", "LabelError", "PushStats"]
+
+
+class RankClient:
+    """One rank's metrics: in-memory children plus a background pusher to the sidecar."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        rank: Mapping[str, int] | None = None,
+        labels: Mapping[str, Any] | None = None,
+        interval: float = 1.0,
+        *,
+        world: Mapping[str, int] | None = None,
+        catalog: Catalog | None = None,
+        max_backoff: float = 5.0,
+    ) -> None:
+        rank = dict(rank or {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0})
+        if set(rank) != set(RANK_KEYS):
+            raise LabelError(f"rank must have exactly the keys {list(RANK_KEYS)}, got {sorted(rank)}")
+        self.rank = {key: int(rank[key]) for key in RANK_KEYS}
+        self.labels = {str(k): str(v) for k, v in (labels or {}).items()}
+        for name in self.labels:
+            problem = label_name_problem(name)
+            if problem:
+                raise LabelError(f"static label: {problem}")
+        if interval <= 0:
+            raise ValueError("interval must be positive")
+        self.world = dict(world) if world else None
+        self.epoch = uuid.uuid4().hex
+        self.metrics = MetricSet(catalog or default_catalog())
+        self.metrics.preset()
+        path = socket_path or os.environ.get("HICACHE_EXPORTER_SOCKET") or DEFAULT_SOCKET
+        self.socket_path = os.fspath(path)
+        self._pusher = Pusher(self.socket_path, self._hello, self._snapshot, interval, max_backoff)
+
+    # --- binding (once, off the hot path) ---
+
+    def counter(self, family: str, **labels: Any) -> CounterChild:
+        """The counter child of `family` with `labels`; keep it and call `.inc()` on the hot path."""
+        child = self.metrics.child(family, labels, MetricType.COUNTER)
+        assert isinstance(child, CounterChild)
+        return child
+
+    def gauge(self, family: str, **labels: Any) -> GaugeChild:
+        """The gauge child of `family` with `labels`."""
+        child = self.metrics.child(family, labels, MetricType.GAUGE)
+        assert isinstance(child, GaugeChild)
+        return child
+
+    def histogram(self, family: str, **labels: Any) -> HistogramChild:
+        """The histogram child of `family` with `labels`."""
+        child = self.metrics.child(family, labels, MetricType.HISTOGRAM)
+        assert isinstance(child, HistogramChild)
+        return child
+
+    # --- pushing ---
+
+    @property
+    def stats(self) -> PushStats:
+        return self._pusher.stats
+
+    def start(self) -> "RankClient":
+        """Start the background pusher (first push right away)."""
+        self._pusher.start()
+        return self
+
+    def push_now(self) -> None:
+        """Push at the next opportunity instead of waiting for the interval."""
+        self._pusher.push_now()
+
+    def close(self) -> None:
+        """Send a last snapshot and `bye`, then stop; safe to call twice."""
+        self._pusher.close()
+
+    def __enter__(self) -> "RankClient":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _hello(self) -> dict[str, Any]:
+        hello: dict[str, Any] = {
+            "type": "hello",
+            "protocol": PROTOCOL_VERSION,
+            "epoch": self.epoch,
+            "pid": os.getpid(),
+            "rank": self.rank,
+            "labels": self.labels,
+        }
+        if self.world:
+            hello["world"] = self.world
+        return hello
+
+    def _snapshot(self, seq: int) -> dict[str, Any]:
+        return {"type": "snapshot", "seq": seq, "time": time.time(), "samples": self.metrics.samples()}

@@ -1,0 +1,205 @@
+"""The background pusher: sends cumulative snapshots over the Unix socket, reconnecting with backoff.
+
+Nothing here ever raises into the rank: failures are logged, counted in `PushStats`,
+and retried after a capped exponential backoff with jitter.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from exporter.errors import ErrorCode, ProtocolError
+from exporter.protocol.framing import FrameDecoder, encode_frame
+from exporter.protocol.messages import ErrorMessage, Welcome, parse_server_message
+
+log = logging.getLogger("hicache_exporter.client")
+
+# Codes after which retrying the same hello can never succeed.
+FATAL_CODES = frozenset({ErrorCode.STALE_EPOCH.value, ErrorCode.INVALID_HELLO.value,
+                         ErrorCode.UNSUPPORTED_PROTOCOL.value, ErrorCode.PEER_REFUSED.value})
+
+
+@dataclass
+class PushStats:
+    """What the pusher has done, for tests and for the rank's own logs."""
+
+    snapshots_sent: int = 0
+    connects: int = 0
+    failures: int = 0
+    errors_by_code: dict[str, int] = field(default_factory=dict)
+    last_error: str | None = None
+    fatal: str | None = None
+
+
+class Pusher:
+    """Owns the socket and the background thread; `payloads` builds hello and snapshot bodies."""
+
+    def __init__(
+        self,
+        socket_path: str,
+        hello: Callable[[], dict[str, Any]],
+        snapshot: Callable[[int], dict[str, Any]],
+        interval: float = 1.0,
+        max_backoff: float = 5.0,
+        io_timeout: float = 2.0,
+    ) -> None:
+        self.socket_path = socket_path
+        self._hello = hello
+        self._snapshot = snapshot
+        self.interval = interval
+        self.max_backoff = max_backoff
+        self.io_timeout = io_timeout
+        self.stats = PushStats()
+        self._sock: socket.socket | None = None
+        self._decoder = FrameDecoder()
+        self._seq = 0
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._io_lock = threading.Lock()  # the thread and close() never write at once
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="hicache-pusher", daemon=True)
+        self._thread.start()
+
+    def push_now(self) -> None:
+        """Ask the background thread to push without waiting for the interval."""
+        self._wake.set()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread, then send a last snapshot and `bye` (best effort, bounded in time)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._io_lock:
+            if self.stats.fatal is None:
+                try:
+                    self._ensure_connected()
+                    self._send_snapshot()
+                    self._send({"type": "bye"})
+                except (OSError, ProtocolError) as err:
+                    self._failed(err)
+            self._disconnect()
+
+    # --- the thread ---
+
+    def _run(self) -> None:
+        backoff = min(0.05, self.max_backoff)
+        while not self._stop.is_set():
+            with self._io_lock:
+                if self._stop.is_set():
+                    return
+                try:
+                    self._ensure_connected()
+                    self._send_snapshot()
+                    self._drain_replies()
+                    backoff = min(0.05, self.max_backoff)
+                    delay = self.interval
+                except (OSError, ProtocolError) as err:
+                    self._failed(err)
+                    self._disconnect()
+                    if self.stats.fatal is not None:
+                        return
+                    delay = backoff * random.uniform(0.5, 1.0)
+                    backoff = min(backoff * 2, self.max_backoff)
+            self._wake.wait(delay)
+            self._wake.clear()
+
+    def _failed(self, err: Exception) -> None:
+        self.stats.failures += 1
+        self.stats.last_error = str(err)
+        if self.stats.failures == 1 or self.stats.failures % 100 == 0:
+            log.warning("push to %s failed (%d so far): %s", self.socket_path, self.stats.failures, err)
+
+    # --- socket I/O (called with _io_lock held) ---
+
+    def _ensure_connected(self) -> None:
+        if self._sock is not None:
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.io_timeout)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        self._decoder = FrameDecoder()
+        self._send(self._hello())
+        reply = self._read_reply()
+        if isinstance(reply, ErrorMessage):
+            self._record_error(reply)
+            raise ProtocolError(ErrorCode(reply.code) if reply.code in ErrorCode._value2member_map_
+                                else ErrorCode.MALFORMED_FRAME, f"sidecar refused hello: {reply.code}: {reply.message}")
+        self.stats.connects += 1
+
+    def _disconnect(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+
+    def _send(self, message: dict[str, Any]) -> None:
+        assert self._sock is not None
+        payload = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+        self._sock.sendall(encode_frame(payload))
+
+    def _send_snapshot(self) -> None:
+        self._seq += 1
+        self._send(self._snapshot(self._seq))
+        self.stats.snapshots_sent += 1
+
+    def _read_reply(self) -> Welcome | ErrorMessage:
+        assert self._sock is not None
+        while True:
+            chunk = self._sock.recv(65536)
+            if not chunk:
+                raise ConnectionResetError("sidecar closed the connection before answering hello")
+            frames = self._decoder.feed(chunk)
+            if frames:
+                return parse_server_message(frames[0])
+
+    def _drain_replies(self) -> None:
+        """Read error frames the sidecar sent about earlier snapshots, without waiting."""
+        assert self._sock is not None
+        self._sock.setblocking(False)
+        try:
+            while True:
+                try:
+                    chunk = self._sock.recv(65536)
+                except (BlockingIOError, InterruptedError):
+                    return
+                if not chunk:
+                    raise ConnectionResetError("sidecar closed the connection")
+                for frame in self._decoder.feed(chunk):
+                    reply = parse_server_message(frame)
+                    if isinstance(reply, ErrorMessage):
+                        self._record_error(reply)
+        finally:
+            if self._sock is not None:
+                self._sock.settimeout(self.io_timeout)
+
+    def _record_error(self, reply: ErrorMessage) -> None:
+        count = self.stats.errors_by_code.get(reply.code, 0) + 1
+        self.stats.errors_by_code[reply.code] = count
+        self.stats.last_error = f"{reply.code}: {reply.message}"
+        if reply.code in FATAL_CODES:
+            self.stats.fatal = self.stats.last_error
+            log.error("sidecar refused this rank for good: %s", self.stats.last_error)
+        elif count == 1:
+            log.warning("sidecar rejected data: %s", self.stats.last_error)

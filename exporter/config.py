@@ -1,0 +1,162 @@
+"""Sidecar configuration: strict pydantic models, loaded from defaults, a file, env and flags."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from exporter.catalog import format_validation_error, load_yaml
+from exporter.errors import ConfigError
+
+ENV_CONFIG = "HICACHE_EXPORTER_CONFIG"
+ENV_PORT = "HICACHE_EXPORTER_PORT"
+ENV_SOCKET = "HICACHE_EXPORTER_SOCKET"
+NAMESPACE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)?$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _parse_mode(value: Any) -> int:
+    """File modes may be written as octal strings ("0660") or integers."""
+    if isinstance(value, str):
+        try:
+            value = int(value, 8)
+        except ValueError:
+            raise ValueError(f"{value!r} is not an octal file mode like \"0660\"") from None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 0o777:
+        raise ValueError("a file mode must be between 0000 and 0777")
+    return value
+
+
+class HttpConfig(_Strict):
+    """Where /metrics and the health routes listen."""
+
+    host: str = "0.0.0.0"
+    port: int = Field(9400, ge=0, le=65535)
+
+
+class IngestConfig(_Strict):
+    """The Unix socket ranks push to, and its limits."""
+
+    socket_path: Path = Path("/run/hicache/metrics.sock")
+    socket_mode: int = 0o660
+    dir_mode: int = 0o750
+    max_frame_bytes: int = Field(1 << 20, ge=64, le=64 << 20)
+    max_connections: int = Field(1024, ge=1)
+    hello_timeout_seconds: float = Field(5.0, gt=0)
+    idle_timeout_seconds: float = Field(120.0, gt=0)
+    allowed_uids: tuple[int, ...] | None = None
+
+    _modes = field_validator("socket_mode", "dir_mode", mode="before")(_parse_mode)
+
+
+class RanksConfig(_Strict):
+    """When a silent rank turns stale, then expires; per-rank bounds."""
+
+    stale_after_seconds: float = Field(10.0, gt=0)
+    expire_after_seconds: float = Field(300.0, gt=0)
+    max_series_per_rank: int = Field(4096, ge=1)
+    max_label_value_length: int = Field(128, ge=1, le=4096)
+    max_static_labels: int = Field(8, ge=0, le=64)
+
+    @model_validator(mode="after")
+    def _expire_after_stale(self) -> "RanksConfig":
+        if self.expire_after_seconds < self.stale_after_seconds:
+            raise ValueError("expire_after_seconds must be at least stale_after_seconds")
+        return self
+
+
+class MetricsConfig(_Strict):
+    """Exported names and the catalog that defines the families."""
+
+    namespace: str = "sglang_"
+    catalog: Path | None = None
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace_is_a_name_prefix(cls, value: str) -> str:
+        if not NAMESPACE_RE.match(value):
+            raise ValueError(f"{value!r} is not a valid metric name prefix")
+        return value
+
+
+class RollupConfig(_Strict):
+    """The window behind active bandwidth and replica spread."""
+
+    window_seconds: float = Field(60.0, gt=0)
+
+
+class SidecarConfig(_Strict):
+    """The whole sidecar config."""
+
+    http: HttpConfig = HttpConfig()
+    ingest: IngestConfig = IngestConfig()
+    ranks: RanksConfig = RanksConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    rollup: RollupConfig = RollupConfig()
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def config_from_data(data: Any, source: str) -> SidecarConfig:
+    """Validate a parsed config mapping; the error names every bad field."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the config must be a mapping, got {type(data).__name__}")
+    try:
+        return SidecarConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def load_config(
+    path: Path | str | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    port: int | None = None,
+    host: str | None = None,
+    socket_path: Path | str | None = None,
+) -> SidecarConfig:
+    """Build the config: flags beat environment, which beats the file, which beats defaults."""
+    env = os.environ if env is None else env
+    if path is None and env.get(ENV_CONFIG):
+        path = env[ENV_CONFIG]
+    data: dict[str, Any] = {}
+    source = "built-in defaults"
+    if path is not None:
+        source = str(path)
+        loaded = load_yaml(Path(path))
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{source}: the config must be a mapping, got {type(loaded).__name__}")
+        data = loaded or {}
+    overrides: dict[str, Any] = {}
+    if env.get(ENV_PORT):
+        try:
+            overrides.setdefault("http", {})["port"] = int(env[ENV_PORT])
+        except ValueError:
+            raise ConfigError(f"{ENV_PORT}={env[ENV_PORT]!r} is not a port number") from None
+    if env.get(ENV_SOCKET):
+        overrides.setdefault("ingest", {})["socket_path"] = env[ENV_SOCKET]
+    if port is not None:
+        overrides.setdefault("http", {})["port"] = port
+    if host is not None:
+        overrides.setdefault("http", {})["host"] = host
+    if socket_path is not None:
+        overrides.setdefault("ingest", {})["socket_path"] = str(socket_path)
+    return config_from_data(_deep_merge(data, overrides), source)

@@ -1,0 +1,86 @@
+"""The error hierarchy: every error names what went wrong and what to do about it."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    """Codes sent to ranks in `error` frames and used as the `reason` of rejection counters."""
+
+    # Connection-level: the sidecar answers with an error frame and closes the connection.
+    MALFORMED_FRAME = "malformed_frame"
+    FRAME_TOO_LARGE = "frame_too_large"
+    HELLO_REQUIRED = "hello_required"
+    HELLO_TIMEOUT = "hello_timeout"
+    INVALID_HELLO = "invalid_hello"
+    UNSUPPORTED_PROTOCOL = "unsupported_protocol"
+    DUPLICATE_RANK = "duplicate_rank"
+    STALE_EPOCH = "stale_epoch"
+    PEER_REFUSED = "peer_refused"
+    TOO_MANY_CONNECTIONS = "too_many_connections"
+    IDLE_TIMEOUT = "idle_timeout"
+    # Sample-level: the sample is dropped and counted; the rest of the snapshot applies.
+    UNKNOWN_FAMILY = "unknown_family"
+    WRONG_LABELS = "wrong_labels"
+    TYPE_MISMATCH = "type_mismatch"
+    INVALID_VALUE = "invalid_value"
+    COUNTER_DECREASED = "counter_decreased"
+    BUCKET_MISMATCH = "bucket_mismatch"
+    SERIES_LIMIT = "series_limit"
+    # Snapshot-level: ignored, the connection stays open.
+    OLD_SEQ = "old_seq"
+
+
+CONNECTION_ERROR_CODES: frozenset[ErrorCode] = frozenset(
+    {
+        ErrorCode.MALFORMED_FRAME,
+        ErrorCode.FRAME_TOO_LARGE,
+        ErrorCode.HELLO_REQUIRED,
+        ErrorCode.HELLO_TIMEOUT,
+        ErrorCode.INVALID_HELLO,
+        ErrorCode.UNSUPPORTED_PROTOCOL,
+        ErrorCode.DUPLICATE_RANK,
+        ErrorCode.STALE_EPOCH,
+        ErrorCode.PEER_REFUSED,
+        ErrorCode.TOO_MANY_CONNECTIONS,
+        ErrorCode.IDLE_TIMEOUT,
+    }
+)
+
+
+class HicacheExporterError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class ConfigError(HicacheExporterError):
+    """The sidecar config or the metric catalog is invalid; the message names the field."""
+
+
+class SocketInUseError(HicacheExporterError):
+    """Another live sidecar already listens on the ingest socket path."""
+
+
+class ProtocolError(HicacheExporterError):
+    """A peer broke wire protocol v1; `code` is what the sidecar reports back."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class SampleRejected(HicacheExporterError):
+    """One sample of a snapshot is invalid; it is dropped and the rest of the snapshot applies."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class UnknownFamilyError(HicacheExporterError, KeyError):
+    """Client code asked for a family that the metric catalog does not define."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,50 @@
+"""Rank labels: the upstream label rule and the checks shared by the client and the sidecar."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+RANK_KEYS: tuple[str, str, str] = ("tp_rank", "pp_rank", "dp_rank")
+LABEL_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+# Names Prometheus gives meaning to, or that the exposition adds itself.
+RESERVED_LABEL_NAMES: frozenset[str] = frozenset({"le", "quantile", "__name__", *RANK_KEYS})
+
+
+def radix_cache_metric_labels(
+    cache_type: str, parallel: Any, dp_attention_enabled: bool
+) -> dict[str, Any]:
+    """Rank labels of one cache, exactly as the upstream engine derives them.
+
+    With DP attention the KV cache is split by attention domain, so the rank inside that
+    domain is what identifies a shard; without it every rank is its own tp_rank and dp_rank is 0.
+    The keys match the storage (L3) collector's so one rank's L2 and L3 series line up.
+    """
+    if dp_attention_enabled:
+        tp_rank, dp_rank = parallel.attn_tp_rank, parallel.attn_dp_rank
+    else:
+        tp_rank, dp_rank = parallel.tp_rank, 0
+    return {
+        "cache_type": cache_type,
+        "tp_rank": tp_rank,
+        "pp_rank": parallel.pp_rank,
+        "dp_rank": dp_rank,
+    }
+
+
+def split_rank_labels(labels: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, str]]:
+    """Split a label dict into (rank keys as ints, static labels as strings)."""
+    rank = {key: int(labels[key]) for key in RANK_KEYS}
+    static = {str(k): str(v) for k, v in labels.items() if k not in RANK_KEYS}
+    return rank, static
+
+
+def label_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a static label name, or None when it can."""
+    if not LABEL_NAME_RE.match(name):
+        return f"label name {name!r} must match [a-zA-Z_][a-zA-Z0-9_]*"
+    if name in RESERVED_LABEL_NAMES:
+        return f"label name {name!r} is reserved"
+    if name.startswith("__"):
+        return f"label name {name!r} starts with '__', which Prometheus reserves"
+    return None

@@ -1,0 +1,1 @@
+"""The sidecar: ingest server, per-rank state, rollups and the HTTP exposition."""

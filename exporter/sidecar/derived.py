@@ -1,0 +1,90 @@
+"""Values derived at scrape time: gauge rollups, active bandwidth and replica spread."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from exporter.catalog import FamilySpec, MetricType, Semantics
+from exporter.sidecar.ranks import RankState
+from exporter.sidecar.series import GroupKey, LabelValues, RollupKey, StaticKey
+from exporter.sidecar.state import SidecarState
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """Active bandwidth of one series over the window: bytes moved per second of transfer time."""
+
+    bytes_delta: float
+    seconds_delta: float
+
+    @property
+    def value(self) -> float:
+        return self.bytes_delta / self.seconds_delta
+
+
+def gauge_rollups(state: SidecarState) -> dict[RollupKey, float]:
+    """Gauges over live ranks: per_shard sums every live rank, replicated sums each group's leader."""
+    out: dict[RollupKey, float] = defaultdict(float)
+    gauges = {f.name: f for f in state.catalog if f.type is MetricType.GAUGE}
+    if not gauges:
+        return {}
+    for rank in state.live_ranks():
+        leads = state.groups[rank.group].leader is rank
+        for (family, labels), value in rank.values.items():
+            spec = gauges.get(family)
+            if spec is None or not isinstance(value, float):
+                continue
+            if spec.semantics is Semantics.PER_SHARD or leads:
+                out[(family, rank.static, labels)] += value
+    return dict(out)
+
+
+def window_increases(state: SidecarState, now: float) -> dict[int, dict[tuple[str, LabelValues], float]]:
+    """Per rank (by id), the increase of every windowed series over the window ending now."""
+    return {id(rank): rank.history.increases(now, rank.totals) for rank in state.ranks.values()}
+
+
+def bandwidths(
+    state: SidecarState, increases: dict[int, dict[tuple[str, LabelValues], float]]
+) -> tuple[list[tuple[FamilySpec, RankState, LabelValues, Bandwidth]], dict[RollupKey, Bandwidth]]:
+    """Per-rank and rolled-up active bandwidth; a series only where the window saw transfer time."""
+    per_rank: list[tuple[FamilySpec, RankState, LabelValues, Bandwidth]] = []
+    rolled: dict[RollupKey, list[float]] = {}
+    pairs = state.catalog.bandwidth_pairs()
+    for rank in state.ranks.values():
+        inc = increases[id(rank)]
+        for bytes_spec, duration_spec in pairs:
+            for (family, labels), seconds in inc.items():
+                if family != duration_spec.name or seconds <= 0:
+                    continue
+                moved = max(inc.get((bytes_spec.name, labels), 0.0), 0.0)
+                if not rank.expired:
+                    per_rank.append((bytes_spec, rank, labels, Bandwidth(moved, seconds)))
+                acc = rolled.setdefault((bytes_spec.name, rank.static, labels), [0.0, 0.0])
+                acc[0] += moved
+                acc[1] += seconds
+    return per_rank, {key: Bandwidth(b, s) for key, (b, s) in rolled.items() if s > 0}
+
+
+def replica_spreads(
+    state: SidecarState, increases: dict[int, dict[tuple[str, LabelValues], float]]
+) -> dict[tuple[str, GroupKey, LabelValues], float]:
+    """(max - min) / max of live replicas' increases over the window, per replicated counter and group."""
+    replicated = {f.name for f in state.catalog if f.type is MetricType.COUNTER and f.semantics is Semantics.REPLICATED}
+    spreads: dict[tuple[str, GroupKey, LabelValues], float] = {}
+    for group_key, group in state.groups.items():
+        live = [r for r in group.members if r.live and r.ready]
+        if len(live) < 2:
+            continue
+        per_rank = [increases[id(rank)] for rank in live]
+        keys = {key for inc in per_rank for key in inc if key[0] in replicated}
+        for family, labels in keys:
+            # A replica that never pushed a series has counted none of it.
+            values = [inc.get((family, labels), 0.0) for inc in per_rank]
+            top, bottom = max(values), min(values)
+            spreads[(family, group_key, labels)] = (top - bottom) / top if top > 0 else 0.0
+    return spreads
+
+
+__all__ = ["Bandwidth", "bandwidths", "gauge_rollups", "replica_spreads", "window_increases", "StaticKey"]

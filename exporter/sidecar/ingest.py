@@ -1,0 +1,242 @@
+"""The ingest server: an asyncio Unix-socket server speaking protocol v1 with each rank."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import stat
+import struct
+import time
+from pathlib import Path
+
+from exporter import __version__
+from exporter.config import IngestConfig
+from exporter.errors import ErrorCode, ProtocolError, SocketInUseError
+from exporter.protocol.framing import FrameDecoder, encode_message
+from exporter.protocol.messages import Bye, ErrorMessage, Hello, Snapshot, Welcome, parse_client_message
+from exporter.sidecar.ranks import RankState
+from exporter.sidecar.state import SidecarState
+from exporter.sidecar.stats import SidecarStats
+
+log = logging.getLogger("hicache_exporter.ingest")
+READ_CHUNK = 1 << 16
+# Error replies are skipped while this much is still unsent: a peer that never reads cannot grow our buffer.
+MAX_PENDING_REPLY_BYTES = 1 << 16
+
+
+class _Closing(Exception):
+    """Internal: the connection ends here (after an error reply or a bye)."""
+
+
+def prepare_socket_path(path: Path, dir_mode: int) -> None:
+    """Create the socket's directory; replace a dead sidecar's socket file, refuse a live one."""
+    directory = path.parent
+    if not directory.exists():
+        directory.mkdir(parents=True, mode=dir_mode)
+        os.chmod(directory, dir_mode)  # mkdir's mode is filtered by the umask
+    if not os.path.lexists(path):
+        return
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise SocketInUseError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        os.unlink(path)  # nobody listens: a dead sidecar's leftover
+        return
+    finally:
+        probe.close()
+    raise SocketInUseError(
+        f"another sidecar is already listening on {path}; stop it or give this one another --socket"
+    )
+
+
+def peer_uid(sock: socket.socket | None) -> int | None:
+    """The uid of the process at the other end of a Unix socket (Linux SO_PEERCRED)."""
+    if sock is None or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+class IngestServer:
+    """Accepts rank connections on the Unix socket and feeds their frames to the state."""
+
+    def __init__(self, config: IngestConfig, state: SidecarState, stats: SidecarStats) -> None:
+        self.config = config
+        self.state = state
+        self.stats = stats
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def path(self) -> Path:
+        return self.config.socket_path
+
+    async def start(self) -> None:
+        prepare_socket_path(self.path, self.config.dir_mode)
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=READ_CHUNK)
+        os.chmod(self.path, self.config.socket_mode)
+        self.stats.ingest_listening = True
+        log.info("ingest listening on %s", self.path)
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """Stop accepting, give open connections `grace` seconds to finish, remove the socket."""
+        self.stats.ingest_listening = False
+        if self._server is not None:
+            self._server.close()
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self.stats.connections_accepted += 1
+        self.stats.connections_open += 1
+        connection = _Connection(self, reader, writer)
+        try:
+            await connection.run()
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # a bug must cost one connection, never the sidecar
+            log.exception("connection handler failed")
+        finally:
+            connection.release()
+            self.stats.connections_open -= 1
+            self._tasks.discard(task)
+            writer.close()
+            try:
+                await asyncio.wait_for(writer.wait_closed(), 1.0)
+            except (OSError, asyncio.TimeoutError, asyncio.CancelledError):
+                pass
+
+
+class _Connection:
+    """One rank connection: hello first, then snapshots until bye or EOF."""
+
+    def __init__(self, server: IngestServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.server = server
+        self.state = server.state
+        self.stats = server.stats
+        self.config = server.config
+        self.reader = reader
+        self.writer = writer
+        self.decoder = FrameDecoder(self.config.max_frame_bytes)
+        self.rank: RankState | None = None
+        self.pending: list[bytes] = []
+
+    async def run(self) -> None:
+        try:
+            self._admit()
+            hello_deadline = time.monotonic() + self.config.hello_timeout_seconds
+            first = await self._next_frame(hello_deadline, ErrorCode.HELLO_TIMEOUT)
+            if first is None:
+                return
+            self._handle_hello(first)
+            while True:
+                frame = await self._next_frame(time.monotonic() + self.config.idle_timeout_seconds, ErrorCode.IDLE_TIMEOUT)
+                if frame is None:
+                    return
+                self._handle_frame(frame)
+        except ProtocolError as err:
+            self.stats.reject(err.code)
+            log.info("closing connection (%s): %s", err.code.value, err.message)
+            await self._reply_and_close(ErrorMessage(code=err.code.value, message=err.message))
+        except _Closing:
+            pass
+
+    def _admit(self) -> None:
+        if self.stats.connections_open > self.config.max_connections:
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_CONNECTIONS,
+                f"the sidecar already holds max_connections={self.config.max_connections} connections",
+            )
+        allowed = self.config.allowed_uids
+        if allowed is not None:
+            uid = peer_uid(self.writer.get_extra_info("socket"))
+            if uid not in allowed:
+                raise ProtocolError(ErrorCode.PEER_REFUSED, f"peer uid {uid} is not in ingest.allowed_uids")
+
+    async def _next_frame(self, deadline: float, timeout_code: ErrorCode) -> bytes | None:
+        """The next frame's payload, None on EOF; raise ProtocolError on a bad frame or timeout."""
+        while not self.pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ProtocolError(timeout_code, f"no complete frame within the deadline ({timeout_code.value})")
+            try:
+                chunk = await asyncio.wait_for(self.reader.read(READ_CHUNK), remaining)
+            except asyncio.TimeoutError:
+                raise ProtocolError(timeout_code, f"no complete frame within the deadline ({timeout_code.value})") from None
+            except (ConnectionError, OSError):
+                return None
+            if not chunk:
+                return None
+            self.stats.bytes_received += len(chunk)
+            frames = self.decoder.feed(chunk)
+            self.stats.frames_received += len(frames)
+            self.pending.extend(frames)
+        return self.pending.pop(0)
+
+    def _handle_hello(self, payload: bytes) -> None:
+        message = parse_client_message(payload)
+        if not isinstance(message, Hello):
+            raise ProtocolError(ErrorCode.HELLO_REQUIRED, f"the first frame must be a hello, got {message.type!r}")
+        result = self.state.hello(self, message)
+        self.rank = result.rank
+        self.stats.hellos_accepted += 1
+        self._send(Welcome(server=f"hicache-exporter/{__version__}", restart=result.restart, reconnect=result.reconnect))
+
+    def _handle_frame(self, payload: bytes) -> None:
+        started = time.perf_counter()
+        message = parse_client_message(payload)
+        if isinstance(message, Bye):
+            raise _Closing()
+        if isinstance(message, Hello):
+            raise ProtocolError(ErrorCode.MALFORMED_FRAME, "hello may only be the first frame of a connection")
+        assert isinstance(message, Snapshot) and self.rank is not None
+        self.stats.snapshots_received += 1
+        result = self.state.snapshot(self.rank, message)
+        if result.ignored:
+            self.stats.reject(ErrorCode.OLD_SEQ)
+            return
+        self.stats.snapshots_applied += 1
+        self.stats.samples_applied += result.applied
+        self.stats.ingest_duration.observe(time.perf_counter() - started)
+        if result.rejections:
+            for rejection in result.rejections:
+                self.stats.reject(rejection.code)
+            first = result.rejections[0]
+            more = len(result.rejections) - 1
+            self._send(ErrorMessage(
+                code=first.code.value,
+                message=first.message + (f" (and {more} more samples dropped)" if more else ""),
+            ))
+
+    def _send(self, message: Welcome | ErrorMessage) -> None:
+        transport = self.writer.transport
+        if transport.is_closing() or transport.get_write_buffer_size() > MAX_PENDING_REPLY_BYTES:
+            return
+        self.writer.write(encode_message(message))
+
+    async def _reply_and_close(self, message: ErrorMessage) -> None:
+        self._send(message)
+        try:
+            await asyncio.wait_for(self.writer.drain(), 1.0)
+        except (OSError, asyncio.TimeoutError):
+            pass
+
+    def release(self) -> None:
+        if self.rank is not None:
+            self.state.disconnect(self, self.rank)

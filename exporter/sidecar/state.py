@@ -1,0 +1,351 @@
+"""Per-rank state and rollups: applies hellos, snapshots and disconnects; pure and clock-driven.
+
+Rollup counters are sums of per-rank deltas, so they never decrease while the sidecar runs:
+* per_shard families add every rank's delta;
+* replicated families add only the delta of each replica group's leader (the eligible rank
+  with the lowest (pp_rank, tp_rank)). The group's rollup follows one rank at a time: when
+  leadership passes to another rank (at once, or after a gap with no leader), the snapshot in
+  which the new leader first leads is its baseline and it contributes from its next delta on.
+  Nothing is copied in, nothing is counted twice; only a group's very first leader, and a leader
+  that comes back with no other rank having led in between, count their deltas from zero.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from exporter.catalog import Catalog, FamilySpec, MetricType, Semantics
+from exporter.config import RanksConfig
+from exporter.errors import ErrorCode, ProtocolError, SampleRejected
+from exporter.labels import label_name_problem
+from exporter.protocol.messages import Hello, HistogramSample, ScalarSample, Snapshot
+from exporter.sidecar.ranks import RankIdentity, RankState
+from exporter.sidecar.series import (
+    GroupKey,
+    HistAccumulator,
+    HistValue,
+    RollupKey,
+    SeriesKey,
+    static_key,
+)
+from exporter.sidecar.window import WindowHistory
+
+Clock = Callable[[], float]
+HISTORY_POINTS = 60  # entries kept per rank per window: bounds memory whatever the push rate
+
+
+@dataclass
+class HelloResult:
+    """How a hello relates to what the sidecar knew of that identity."""
+
+    rank: RankState
+    restart: bool = False
+    reconnect: bool = False
+
+
+@dataclass
+class SnapshotResult:
+    """Outcome of one snapshot: samples applied and samples rejected."""
+
+    applied: int = 0
+    ignored: bool = False  # an old seq: the whole snapshot was skipped
+    rejections: list[SampleRejected] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class ReplicaGroup:
+    """The ranks sharing a dp_rank and static labels, and which of them leads."""
+
+    members: list[RankState] = field(default_factory=list)
+    leader: RankState | None = None
+    counting: RankState | None = None  # the rank whose deltas the replicated rollups last followed
+
+    def elect(self) -> RankState | None:
+        eligible = [r for r in self.members if r.eligible]
+        self.leader = min(eligible, key=lambda r: r.order) if eligible else None
+        return self.leader
+
+
+class RollupStore:
+    """Accumulated rollup counters and histograms, keyed by family, static labels and labels."""
+
+    def __init__(self) -> None:
+        self.counters: dict[RollupKey, float] = {}
+        self.histograms: dict[RollupKey, HistAccumulator] = {}
+
+    def add_counter(self, key: RollupKey, delta: float) -> None:
+        self.counters[key] = self.counters.get(key, 0.0) + delta
+
+    def add_histogram(self, key: RollupKey, n_buckets: int, deltas: list[float] | None, dsum: float) -> None:
+        acc = self.histograms.get(key)
+        if acc is None:
+            acc = self.histograms[key] = HistAccumulator.empty(n_buckets)
+        if deltas is not None:
+            acc.add(deltas, dsum)
+
+
+class SidecarState:
+    """Everything the sidecar knows; every method runs on the event loop, none does I/O."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        ranks_config: RanksConfig | None = None,
+        window_seconds: float = 60.0,
+        clock: Clock = time.monotonic,
+        wall_clock: Clock = time.time,
+    ) -> None:
+        self.catalog = catalog
+        self.config = ranks_config or RanksConfig()
+        self.window = window_seconds
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.ranks: dict[RankIdentity, RankState] = {}
+        self.groups: dict[GroupKey, ReplicaGroup] = {}
+        self.rollups = RollupStore()
+        self.generation = 0  # bumped on every change that affects the exposition
+        # Series whose increase over the window matters: bytes/duration pairs and replicated counters.
+        self.windowed: frozenset[str] = frozenset(
+            {f.name for pair in catalog.bandwidth_pairs() for f in pair}
+            | {f.name for f in catalog if f.type is MetricType.COUNTER and f.semantics is Semantics.REPLICATED}
+        )
+        self._family_labels = {name for f in catalog for name in f.labels}
+
+    # --- hello / disconnect ---
+
+    def hello(self, connection: object, msg: Hello) -> HelloResult:
+        """Bind `connection` to the rank identity in `msg`; raise ProtocolError to refuse it."""
+        self._check_static_labels(msg.labels)
+        static = static_key(msg.labels)
+        identity = (msg.rank.tp_rank, msg.rank.pp_rank, msg.rank.dp_rank, static)
+        now = self.clock()
+        rank = self.ranks.get(identity)
+        result: HelloResult
+        if rank is None:
+            rank = RankState(
+                tp_rank=msg.rank.tp_rank, pp_rank=msg.rank.pp_rank, dp_rank=msg.rank.dp_rank,
+                static=static, epoch=msg.epoch, pid=msg.pid,
+                history=WindowHistory(self.window, self.window / HISTORY_POINTS),
+            )
+            self.ranks[identity] = rank
+            self.groups.setdefault(rank.group, ReplicaGroup()).members.append(rank)
+            result = HelloResult(rank)
+        elif rank.connected:
+            raise ProtocolError(
+                ErrorCode.DUPLICATE_RANK,
+                f"rank {rank.describe()} is already connected (pid {rank.pid}); two processes "
+                "must not share one identity: give each replica group a distinguishing static label",
+            )
+        elif msg.epoch in rank.replaced_epochs:
+            raise ProtocolError(
+                ErrorCode.STALE_EPOCH,
+                f"epoch {msg.epoch!r} of rank {rank.describe()} was replaced by a newer process start",
+            )
+        elif msg.epoch != rank.epoch:
+            rank.replaced_epochs.append(rank.epoch)
+            rank.epoch = msg.epoch
+            rank.values.clear()  # the new epoch counts from zero
+            rank.seq = -1
+            rank.restarts += 1
+            result = HelloResult(rank, restart=True)
+        else:
+            rank.reconnects += 1
+            result = HelloResult(rank, reconnect=True)
+        rank.pid = msg.pid
+        rank.world = msg.world
+        rank.connection = connection
+        rank.ready = False
+        rank.stale = False
+        rank.expired = False
+        rank.last_activity = now
+        self.generation += 1
+        return result
+
+    def disconnect(self, connection: object, rank: RankState) -> None:
+        """The connection holding `rank` closed (bye, EOF or error)."""
+        if rank.connection is not connection:
+            return
+        rank.connection = None
+        rank.ready = False
+        self.groups[rank.group].elect()
+        self.generation += 1
+
+    def _check_static_labels(self, labels: dict[str, str]) -> None:
+        limits = self.config
+        if len(labels) > limits.max_static_labels:
+            raise ProtocolError(
+                ErrorCode.INVALID_HELLO,
+                f"{len(labels)} static labels; at most {limits.max_static_labels} are allowed",
+            )
+        for name, value in labels.items():
+            problem = label_name_problem(name)
+            if problem is None and name in self._family_labels:
+                problem = f"label name {name!r} is a family label in the catalog"
+            if problem is None and len(value) > limits.max_label_value_length:
+                problem = f"value of label {name!r} is longer than {limits.max_label_value_length} characters"
+            if problem:
+                raise ProtocolError(ErrorCode.INVALID_HELLO, f"static label: {problem}")
+
+    # --- snapshots ---
+
+    def snapshot(self, rank: RankState, msg: Snapshot) -> SnapshotResult:
+        """Apply a snapshot from `rank`'s open connection."""
+        now = self.clock()
+        if msg.seq <= rank.seq:
+            return SnapshotResult(ignored=True)
+        rank.seq = msg.seq
+        group = self.groups[rank.group]
+        rank.ready = True
+        rank.stale = False
+        rank.expired = False
+        rank.last_activity = now
+        rank.last_push_wall = self.wall_clock()
+        rank.snapshots += 1
+        count_replicated = False
+        if group.elect() is rank:
+            # Another rank's deltas were followed until now: this snapshot is our baseline.
+            count_replicated = group.counting is None or group.counting is rank
+            group.counting = rank
+        result = SnapshotResult()
+        for sample in msg.samples:
+            try:
+                self._apply(rank, sample, count_replicated)
+                result.applied += 1
+            except SampleRejected as rejection:
+                result.rejections.append(rejection)
+        rank.history.record(now, rank.totals)
+        self.generation += 1
+        return result
+
+    def _apply(self, rank: RankState, sample: ScalarSample | HistogramSample, count_replicated: bool) -> None:
+        spec = self.catalog.find(sample.family)
+        if spec is None:
+            raise SampleRejected(ErrorCode.UNKNOWN_FAMILY, f"family {sample.family!r} is not in the catalog")
+        label_values = self._label_values(spec, sample.labels)
+        key: SeriesKey = (spec.name, label_values)
+        previous = rank.values.get(key)
+        if previous is None and len(rank.values) >= self.config.max_series_per_rank:
+            raise SampleRejected(
+                ErrorCode.SERIES_LIMIT,
+                f"rank {rank.describe()} already has {self.config.max_series_per_rank} series (max_series_per_rank)",
+            )
+        counted = spec.semantics is Semantics.PER_SHARD or count_replicated
+        rollup_key: RollupKey = (spec.name, rank.static, label_values)
+        if spec.type is MetricType.HISTOGRAM:
+            if not isinstance(sample, HistogramSample):
+                raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{spec.name!r} is a histogram: send buckets, sum and count")
+            self._apply_histogram(rank, spec, key, rollup_key, sample, previous, counted)
+            return
+        if not isinstance(sample, ScalarSample):
+            raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{spec.name!r} is a {spec.type.value}: send a value")
+        value = sample.value
+        if spec.type is MetricType.GAUGE:
+            rank.values[key] = value
+            return
+        if value < 0:
+            raise SampleRejected(ErrorCode.INVALID_VALUE, f"counter {spec.name!r} is negative ({value})")
+        before = previous if isinstance(previous, float) else 0.0
+        if value < before:
+            raise SampleRejected(
+                ErrorCode.COUNTER_DECREASED,
+                f"counter {spec.name!r}{dict(zip(spec.labels, label_values))} went down from {before} to {value} "
+                "within one epoch; a restarted process must say hello with a new epoch",
+            )
+        delta = value - before
+        rank.values[key] = value
+        if spec.name in self.windowed:
+            rank.totals[key] = rank.totals.get(key, 0.0) + delta
+        self.rollups.add_counter(rollup_key, delta if counted else 0.0)
+
+    def _apply_histogram(
+        self,
+        rank: RankState,
+        spec: FamilySpec,
+        key: SeriesKey,
+        rollup_key: RollupKey,
+        sample: HistogramSample,
+        previous: object,
+        counted: bool,
+    ) -> None:
+        assert spec.buckets is not None
+        expected = len(spec.buckets) + 1
+        buckets = sample.buckets
+        if len(buckets) != expected:
+            raise SampleRejected(
+                ErrorCode.BUCKET_MISMATCH,
+                f"{spec.name!r} has {expected} buckets (catalog), the sample has {len(buckets)}",
+            )
+        for (bound, _), want in zip(buckets, (*spec.buckets, "+Inf")):
+            if bound != want:
+                raise SampleRejected(
+                    ErrorCode.BUCKET_MISMATCH,
+                    f"{spec.name!r}: bucket bound {bound!r} where the catalog has {want!r}",
+                )
+        counts = tuple(count for _, count in buckets)
+        if any(later < earlier for earlier, later in zip(counts, counts[1:])):
+            raise SampleRejected(ErrorCode.BUCKET_MISMATCH, f"{spec.name!r}: bucket counts are not cumulative")
+        if counts[-1] != sample.count:
+            raise SampleRejected(
+                ErrorCode.BUCKET_MISMATCH,
+                f"{spec.name!r}: the +Inf bucket ({counts[-1]}) must equal count ({sample.count})",
+            )
+        if not math.isfinite(sample.sum):
+            raise SampleRejected(ErrorCode.INVALID_VALUE, f"{spec.name!r}: sum is not finite")
+        before = previous if isinstance(previous, HistValue) else None
+        if before is not None and any(now < was for now, was in zip(counts, before.counts)):
+            raise SampleRejected(
+                ErrorCode.COUNTER_DECREASED,
+                f"histogram {spec.name!r} bucket counts went down within one epoch",
+            )
+        deltas = [float(c) for c in counts] if before is None else [float(n - w) for n, w in zip(counts, before.counts)]
+        dsum = sample.sum - (before.sum if before is not None else 0.0)
+        rank.values[key] = HistValue(counts, sample.sum)
+        if spec.name in self.windowed:
+            rank.totals[key] = rank.totals.get(key, 0.0) + dsum
+        self.rollups.add_histogram(rollup_key, expected, deltas if counted else None, dsum)
+
+    def _label_values(self, spec: FamilySpec, labels: dict[str, str]) -> tuple[str, ...]:
+        if len(labels) != len(spec.labels) or any(name not in labels for name in spec.labels):
+            raise SampleRejected(
+                ErrorCode.WRONG_LABELS,
+                f"{spec.name!r} takes labels {list(spec.labels)}, got {sorted(labels)}",
+            )
+        values = tuple(labels[name] for name in spec.labels)
+        limit = self.config.max_label_value_length
+        if any(len(v) > limit for v in values):
+            raise SampleRejected(ErrorCode.WRONG_LABELS, f"{spec.name!r}: a label value is longer than {limit} characters")
+        return values
+
+    # --- time ---
+
+    def tick(self) -> None:
+        """Mark silent ranks stale, then expired; re-elect leaders where that changed anything."""
+        now = self.clock()
+        stale_after = self.config.stale_after_seconds
+        expire_after = self.config.expire_after_seconds
+        changed_groups: set[GroupKey] = set()
+        for rank in self.ranks.values():
+            silent = now - rank.last_activity
+            if not rank.stale and silent >= stale_after:
+                rank.stale = True
+                rank.ready = False
+                changed_groups.add(rank.group)
+            if not rank.expired and silent >= expire_after:
+                rank.expired = True
+                changed_groups.add(rank.group)
+        for key in changed_groups:
+            self.groups[key].elect()
+        if changed_groups:
+            self.generation += 1
+
+    # --- read side ---
+
+    def exposed_ranks(self) -> list[RankState]:
+        """Ranks whose per-rank series are on /metrics (all but expired), in a stable order."""
+        return sorted((r for r in self.ranks.values() if not r.expired), key=lambda r: (r.static, r.dp_rank, r.pp_rank, r.tp_rank))
+
+    def live_ranks(self) -> list[RankState]:
+        return [r for r in self.ranks.values() if r.live]

@@ -1,0 +1,27 @@
+"""Shared fixtures: a real sidecar per test on a temporary socket and an ephemeral port."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.helpers import SidecarThread, sidecar_config
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    # Unix socket paths are limited to ~108 bytes, so stay short instead of using tmp_path.
+    with tempfile.TemporaryDirectory(prefix="hc-", dir="/tmp") as directory:
+        yield Path(directory)
+
+
+@pytest.fixture
+def sidecar(socket_dir: Path) -> Iterator[SidecarThread]:
+    running = SidecarThread(sidecar_config(socket_dir / "run" / "metrics.sock")).start()
+    try:
+        yield running
+    finally:
+        running.stop()

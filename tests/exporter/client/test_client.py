@@ -1,0 +1,124 @@
+"""RankClient against a real sidecar: pushes, survives the sidecar's absence, closes cleanly."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from exporter.catalog import catalog_from_data, default_catalog
+from exporter.client import LabelError, RankClient
+from tests.helpers import SidecarThread, http_get, sidecar_config, wait_until
+
+RANK = {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0}
+
+
+def _ranks(sidecar: SidecarThread) -> list[dict]:
+    return json.loads(http_get(sidecar.url + "/api/v1/ranks")[1])["ranks"]
+
+
+def test_push_reaches_metrics_and_close_says_bye(sidecar: SidecarThread) -> None:
+    client = RankClient(sidecar.socket_path, rank=RANK, labels={"cache_type": "HiRadixCache"}, interval=0.05)
+    tokens = client.counter("load_back_tokens_total", pool="kv")
+    client.start()
+    for _ in range(1000):
+        tokens.inc(2)
+    wait_until(lambda: sidecar.scrape().find("sglang_load_back_tokens_total", pool="kv") != []
+               and sidecar.scrape().value("sglang_load_back_tokens_total", pool="kv") == 2000)
+    scrape = sidecar.scrape()
+    # Presets arrive with the first snapshot: every documented reason at 0.
+    reasons = {s.labels["reason"] for s in scrape.find("sglang_storage_prefetch_unfulfilled_tokens_total")}
+    assert len(reasons) == 10 and "anchor_lost" in reasons
+    client.close()
+    assert _ranks(sidecar)[0]["status"] == "departed"
+    assert client.stats.failures == 0 and client.stats.connects == 1
+
+
+def test_client_works_while_the_sidecar_is_absent_then_delivers_everything(socket_dir: Path) -> None:
+    path = socket_dir / "late" / "metrics.sock"
+    client = RankClient(str(path), rank=RANK, interval=0.05, max_backoff=0.2).start()
+    moved = client.counter("load_back_bytes_total")
+    started = time.perf_counter()
+    for _ in range(10_000):
+        moved.inc(4096)
+    assert time.perf_counter() - started < 5  # increments never wait on the missing sidecar
+    wait_until(lambda: client.stats.failures >= 3)
+    sidecar = SidecarThread(sidecar_config(path)).start()
+    try:
+        wait_until(lambda: sidecar.scrape().find("sglang_load_back_bytes_total") != []
+                   and sidecar.scrape().value("sglang_load_back_bytes_total") == 10_000 * 4096)
+        assert sidecar.scrape().value("sglang_rollup_load_back_bytes_total") == 10_000 * 4096
+        client.close()
+    finally:
+        sidecar.stop()
+
+
+def test_sidecar_restart_loses_nothing(socket_dir: Path) -> None:
+    path = socket_dir / "metrics.sock"
+    first = SidecarThread(sidecar_config(path)).start()
+    client = RankClient(str(path), rank=RANK, interval=0.05, max_backoff=0.2).start()
+    tokens = client.counter("evicted_tokens_total")
+    tokens.inc(100)
+    wait_until(lambda: first.scrape().find("sglang_evicted_tokens_total") != []
+               and first.scrape().value("sglang_evicted_tokens_total") == 100)
+    first.stop()
+    tokens.inc(23)  # counted while no sidecar runs
+    second = SidecarThread(sidecar_config(path)).start()
+    try:
+        wait_until(lambda: second.scrape().find("sglang_evicted_tokens_total") != []
+                   and second.scrape().value("sglang_evicted_tokens_total") == 123)
+        assert client.stats.connects >= 2
+        client.close()
+    finally:
+        second.stop()
+
+
+def test_close_without_a_sidecar_returns_promptly(socket_dir: Path) -> None:
+    client = RankClient(str(socket_dir / "nobody.sock"), rank=RANK, interval=0.05).start()
+    started = time.perf_counter()
+    client.close()
+    client.close()  # twice is harmless
+    assert time.perf_counter() - started < 6
+    assert client.stats.failures >= 1 and client.stats.snapshots_sent == 0
+
+
+def test_sidecar_rejections_are_recorded_not_raised(sidecar: SidecarThread) -> None:
+    # A rank built against a catalog with a family this sidecar does not know.
+    extended = catalog_from_data({"families": [f.model_dump() for f in default_catalog()] + [
+        {"name": "made_up_tokens_total", "type": "counter", "semantics": "replicated", "help": "x"}]})
+    client = RankClient(sidecar.socket_path, rank=RANK, interval=0.05, catalog=extended).start()
+    client.counter("made_up_tokens_total").inc(5)
+    wait_until(lambda: client.stats.errors_by_code.get("unknown_family", 0) >= 1)
+    assert client.stats.fatal is None
+    client.close()
+
+
+def test_stale_epoch_is_fatal_for_the_old_process(sidecar: SidecarThread) -> None:
+    old = RankClient(sidecar.socket_path, rank=RANK, interval=0.05).start()
+    wait_until(lambda: old.stats.snapshots_sent > 0)
+    old.close()
+    new = RankClient(sidecar.socket_path, rank=RANK, interval=0.05).start()
+    wait_until(lambda: new.stats.snapshots_sent > 0)
+    new.close()
+    ghost = RankClient(sidecar.socket_path, rank=RANK, interval=0.05)
+    ghost.epoch = old.epoch  # the same process start coming back after being replaced
+    ghost.start()
+    wait_until(lambda: ghost.stats.fatal is not None)
+    assert "stale_epoch" in ghost.stats.fatal
+    ghost.close()
+
+
+def test_binding_errors_are_raised_at_bind_time() -> None:
+    client = RankClient("/nonexistent.sock", rank=RANK)
+    with pytest.raises(LabelError, match="pool"):
+        client.counter("load_back_tokens_total")
+    with pytest.raises(LabelError, match="histogram"):
+        client.counter("load_back_duration_seconds")
+    with pytest.raises(KeyError, match="not in the metric catalog"):
+        client.counter("nope_total")
+    with pytest.raises(LabelError):
+        RankClient("/x.sock", rank={"tp_rank": 0})
+    with pytest.raises(LabelError, match="reserved"):
+        RankClient("/x.sock", rank=RANK, labels={"le": "1"})

@@ -1,0 +1,105 @@
+"""The HTTP side: content negotiation, gzip, health, readiness, the JSON and HTML views, promtool."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import subprocess
+import time
+
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+
+from exporter.catalog import MetricType, default_catalog
+from exporter.client import RankClient
+from tests.helpers import Scrape, SidecarThread, http_get, wait_until
+
+
+def _full_catalog_ranks(sidecar: SidecarThread) -> list[RankClient]:
+    """Two replicas pushing a value for every catalog family, with transfers in the window."""
+    clients = []
+    for tp in range(2):
+        client = RankClient(sidecar.socket_path, rank={"tp_rank": tp, "pp_rank": 0, "dp_rank": 0},
+                            labels={"cache_type": "UnifiedRadixCache"}, interval=0.1)
+        for spec in default_catalog():
+            labels = {name: "kv" if name == "pool" else "host_pressure" for name in spec.labels}
+            if spec.type is MetricType.COUNTER:
+                client.counter(spec.name, **labels).inc(1000 * (tp + 1))
+            elif spec.type is MetricType.GAUGE:
+                client.gauge(spec.name, **labels).set(512)
+            else:
+                client.histogram(spec.name, **labels).observe(0.004)
+        clients.append(client.start())
+    wait_until(lambda: sidecar.scrape().find("sglang_rollup_load_back_active_bandwidth_bytes_per_second") != []
+               and len(sidecar.scrape().find("hicache_exporter_rank_up")) == 2
+               and sidecar.scrape().total("hicache_exporter_rank_up") == 2)
+    return clients
+
+
+def test_metrics_is_prometheus_text_by_default(sidecar: SidecarThread) -> None:
+    status, body, headers = http_get(sidecar.url + "/metrics")
+    assert status == 200
+    assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    assert "hicache_exporter_build_info" in body.decode()
+
+
+def test_metrics_speaks_openmetrics_when_asked(sidecar: SidecarThread) -> None:
+    clients = _full_catalog_ranks(sidecar)
+    status, body, headers = http_get(sidecar.url + "/metrics",
+                                     {"Accept": "application/openmetrics-text; version=1.0.0; charset=utf-8"})
+    assert status == 200
+    assert headers["Content-Type"].startswith("application/openmetrics-text")
+    text = body.decode()
+    assert text.endswith("# EOF\n")
+    names = {family.name for family in parse_openmetrics(text)}
+    assert "sglang_rollup_load_back_bytes" in names
+    for client in clients:
+        client.close()
+
+
+def test_metrics_gzip_when_accepted(sidecar: SidecarThread) -> None:
+    status, body, headers = http_get(sidecar.url + "/metrics", {"Accept-Encoding": "gzip"})
+    assert status == 200 and headers.get("Content-Encoding") == "gzip"
+    assert b"hicache_exporter_build_info" in gzip.decompress(body)
+
+
+def test_health_and_readiness(sidecar: SidecarThread) -> None:
+    assert http_get(sidecar.url + "/-/healthy")[0] == 200
+    assert http_get(sidecar.url + "/-/ready")[0] == 200
+    assert sidecar.sidecar is not None
+    sidecar.call(lambda: setattr(sidecar.sidecar.stats, "ingest_listening", False))
+    assert http_get(sidecar.url + "/-/ready")[0] == 503
+
+
+def test_rank_json_and_status_page(sidecar: SidecarThread) -> None:
+    client = RankClient(sidecar.socket_path, rank={"tp_rank": 1, "pp_rank": 0, "dp_rank": 3},
+                        labels={"cache_type": "UnifiedRadixCache"}, interval=0.1).start()
+    wait_until(lambda: json.loads(http_get(sidecar.url + "/api/v1/ranks")[1])["ranks"] != [])
+    wait_until(lambda: json.loads(http_get(sidecar.url + "/api/v1/ranks")[1])["ranks"][0]["leader"])
+    row = json.loads(http_get(sidecar.url + "/api/v1/ranks")[1])["ranks"][0]
+    assert (row["tp_rank"], row["pp_rank"], row["dp_rank"]) == (1, 0, 3)
+    assert row["labels"] == {"cache_type": "UnifiedRadixCache"}
+    assert row["status"] == "live" and row["epoch"] == client.epoch
+    page = http_get(sidecar.url + "/")[1].decode()
+    assert "<table>" in page and "UnifiedRadixCache" in page and "live" in page
+    client.close()
+    wait_until(lambda: json.loads(http_get(sidecar.url + "/api/v1/ranks")[1])["ranks"][0]["status"] == "departed")
+
+
+def test_promtool_finds_nothing_to_lint_in_a_full_exposition(sidecar: SidecarThread) -> None:
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is required (Debian package `prometheus`; .ci/run installs it)"
+    clients = _full_catalog_ranks(sidecar)
+    time.sleep(0.3)  # a spread window with both replicas pushing
+    text = sidecar.metrics_text()
+    scrape = Scrape(text)
+    # The body really is full: per-rank, rollup, bandwidth, spread and self series are all there.
+    for name in ("sglang_prefetch_pgs_bucket", "sglang_rollup_hicache_host_pool_used_tokens",
+                 "sglang_storage_backup_active_bandwidth_bytes_per_second",
+                 "sglang_load_back_tokens_replica_spread_ratio", "hicache_exporter_scrape_duration_seconds_count"):
+        assert scrape.find(name), name
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "" and result.stderr.strip() == ""
+    for client in clients:
+        client.close()

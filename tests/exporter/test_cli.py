@@ -1,0 +1,115 @@
+"""The command line: help, version, check-config, and `serve` as a real process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from exporter import __version__
+from tests.helpers import free_port, http_get, wait_until
+
+CLI = [sys.executable, "-m", "exporter.cli"]
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_help_names_every_command_and_the_environment() -> None:
+    top = run_cli("--help")
+    assert top.returncode == 0
+    for command in ("serve", "demo", "check-config", "version"):
+        assert command in top.stdout
+    serve = run_cli("serve", "--help")
+    for word in ("--config", "--port", "--socket", "HICACHE_EXPORTER_PORT", "HICACHE_EXPORTER_SOCKET", "HICACHE_EXPORTER_CONFIG"):
+        assert word in serve.stdout
+    bare = run_cli()
+    assert bare.returncode == 2 and "serve" in bare.stdout
+
+
+def test_version() -> None:
+    result = run_cli("version")
+    assert result.returncode == 0 and result.stdout.strip() == f"hicache-exporter {__version__}"
+
+
+def test_check_config_accepts_the_default_and_names_bad_fields(tmp_path: Path) -> None:
+    good = run_cli("check-config", "config/sidecar.yaml")
+    assert good.returncode == 0 and "OK" in good.stdout and "28 families" in good.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("ranks:\n  stale_after_seconds: -1\n  typo_key: 3\n")
+    result = run_cli("check-config", str(bad))
+    assert result.returncode == 2
+    assert "ranks.stale_after_seconds" in result.stderr and "ranks.typo_key" in result.stderr
+    missing = run_cli("check-config", str(tmp_path / "absent.yaml"))
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
+
+
+def _start_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([*CLI, "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def _ready(port: int) -> bool:
+    try:
+        return http_get(f"http://127.0.0.1:{port}/-/ready")[0] == 200
+    except OSError:
+        return False
+
+
+def test_serve_flags_beat_environment_and_sigterm_cleans_up(socket_dir: Path) -> None:
+    env_port, flag_port = free_port(), free_port()
+    sock = socket_dir / "s" / "metrics.sock"
+    proc = _start_serve("--host", "127.0.0.1", "--port", str(flag_port),
+                        env={"HICACHE_EXPORTER_PORT": str(env_port), "HICACHE_EXPORTER_SOCKET": str(sock)})
+    try:
+        wait_until(lambda: _ready(flag_port))
+        assert not _ready(env_port)
+        assert sock.is_socket()
+        assert oct(sock.stat().st_mode & 0o777) == oct(0o660)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        assert time.monotonic() - started < 5
+        assert not sock.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_live_socket_is_refused_and_a_stale_one_replaced(socket_dir: Path) -> None:
+    sock = socket_dir / "metrics.sock"
+    port = free_port()
+    first = _start_serve("--host", "127.0.0.1", "--port", str(port), "--socket", str(sock))
+    try:
+        wait_until(lambda: _ready(port))
+        second = _start_serve("--host", "127.0.0.1", "--port", str(free_port()), "--socket", str(sock))
+        output, _ = second.communicate(timeout=20)
+        assert second.returncode == 2
+        assert "another sidecar is already listening" in output
+    finally:
+        first.kill()  # no clean-up: leaves a dead socket file behind
+        first.wait(10)
+    assert sock.exists()
+    port = free_port()
+    third = _start_serve("--host", "127.0.0.1", "--port", str(port), "--socket", str(sock))
+    try:
+        wait_until(lambda: _ready(port))
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.connect(str(sock))
+        probe.close()
+    finally:
+        third.send_signal(signal.SIGTERM)
+        third.wait(10)
+
+
+def test_bad_config_stops_start_up_with_the_field_named(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("http:\n  port: 70000\n")
+    result = run_cli("serve", "--config", str(config))
+    assert result.returncode == 2 and "http.port" in result.stderr

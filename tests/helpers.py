@@ -1,0 +1,183 @@
+"""Test helpers: a sidecar on a background event loop, a raw protocol client, scrape parsing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.config import SidecarConfig, config_from_data
+from exporter.protocol.framing import FrameDecoder, encode_frame
+from exporter.protocol.messages import ErrorMessage, Welcome, parse_server_message
+from exporter.sidecar.runner import Sidecar
+
+T = TypeVar("T")
+
+
+def sidecar_config(socket_path: Path, **sections: dict[str, Any]) -> SidecarConfig:
+    """A config on an ephemeral HTTP port and the given socket, with section overrides."""
+    data: dict[str, Any] = {"http": {"host": "127.0.0.1", "port": 0}, "ingest": {"socket_path": str(socket_path)}}
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return config_from_data(data, "test")
+
+
+class SidecarThread:
+    """Runs a real Sidecar (Unix socket + aiohttp) on its own event loop thread."""
+
+    def __init__(self, config: SidecarConfig) -> None:
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self.sidecar: Sidecar | None = None
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def start(self) -> "SidecarThread":
+        self._thread.start()
+
+        async def boot() -> Sidecar:
+            sidecar = Sidecar(self.config)
+            await sidecar.start()
+            return sidecar
+
+        self.sidecar = asyncio.run_coroutine_threadsafe(boot(), self.loop).result(10)
+        return self
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the sidecar's loop (state is only touched there)."""
+
+        async def run() -> T:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+
+    def stop(self) -> None:
+        if self.sidecar is not None:
+            asyncio.run_coroutine_threadsafe(self.sidecar.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+    @property
+    def url(self) -> str:
+        assert self.sidecar is not None
+        return f"http://127.0.0.1:{self.sidecar.http_port}"
+
+    @property
+    def socket_path(self) -> str:
+        return str(self.config.ingest.socket_path)
+
+    def metrics_text(self) -> str:
+        return http_get(self.url + "/metrics")[1].decode()
+
+    def scrape(self) -> "Scrape":
+        return Scrape(self.metrics_text())
+
+
+def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes, dict[str, str]]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read(), dict(response.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, err.read(), dict(err.headers)
+
+
+class Scrape:
+    """A parsed /metrics body with lookups by sample name and labels."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+    def find(self, name: str, **labels: str) -> list[Any]:
+        return [s for s in self.samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+
+    def value(self, name: str, **labels: str) -> float:
+        """The one sample matching; fails loudly if there are none or several."""
+        found = self.find(name, **labels)
+        assert len(found) == 1, f"expected one {name}{labels}, found {[(s.labels, s.value) for s in found]}"
+        return float(found[0].value)
+
+    def total(self, name: str, **labels: str) -> float:
+        return sum(s.value for s in self.find(name, **labels))
+
+
+class RawClient:
+    """Speaks protocol v1 by hand over a real Unix socket, for the rejection paths."""
+
+    def __init__(self, path: str, timeout: float = 5.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(path)
+        self.decoder = FrameDecoder()
+        self.pending: list[bytes] = []
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.send_raw(encode_frame(json.dumps(message).encode()))
+
+    def recv(self) -> Welcome | ErrorMessage | None:
+        """The next reply, or None when the sidecar closed the connection."""
+        while not self.pending:
+            try:
+                chunk = self.sock.recv(65536)
+            except ConnectionResetError:
+                return None
+            if not chunk:
+                return None
+            self.pending.extend(self.decoder.feed(chunk))
+        return parse_server_message(self.pending.pop(0))
+
+    def closed_by_peer(self) -> bool:
+        """True when the sidecar has closed its end (after any pending replies)."""
+        try:
+            while True:
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    return True
+        except ConnectionResetError:
+            return True
+        except socket.timeout:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def hello(tp: int = 0, pp: int = 0, dp: int = 0, epoch: str = "e1", **labels: str) -> dict[str, Any]:
+    return {"type": "hello", "protocol": 1, "epoch": epoch, "pid": 1234,
+            "rank": {"tp_rank": tp, "pp_rank": pp, "dp_rank": dp}, "labels": labels}
+
+
+def snapshot(seq: int, *samples: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "snapshot", "seq": seq, "time": time.time(), "samples": list(samples)}
+
+
+def counter(family: str, value: float, **labels: str) -> dict[str, Any]:
+    return {"family": family, "labels": labels, "value": value}
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> None:
+    """Poll `predicate` until true; fail with a clear message after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s")

@@ -74,6 +74,9 @@ class FamilySpec(BaseModel):
         unknown = set(self.preset) - set(self.labels)
         if unknown:
             raise ValueError(f"{self.name!r}: preset names labels it does not have: {sorted(unknown)}")
+        for label, values in self.preset.items():
+            if not values or len(set(values)) != len(values):
+                raise ValueError(f"{self.name!r}: preset {label!r} must list distinct values")
         if self.duration_histogram is not None:
             if self.type is not MetricType.COUNTER or not self.name.endswith("_bytes_total"):
                 raise ValueError(
@@ -106,7 +109,7 @@ class Catalog(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    families: tuple[FamilySpec, ...]
+    families: tuple[FamilySpec, ...] = Field(min_length=1)
 
     @model_validator(mode="after")
     def _families_are_consistent(self) -> "Catalog":

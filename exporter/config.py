@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -54,6 +55,13 @@ class IngestConfig(_Strict):
     allowed_uids: tuple[int, ...] | None = None
 
     _modes = field_validator("socket_mode", "dir_mode", mode="before")(_parse_mode)
+
+    @field_validator("socket_path", mode="before")
+    @classmethod
+    def _path_is_given(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("the socket path must not be empty")
+        return value
 
 
 class RanksConfig(_Strict):
@@ -113,14 +121,21 @@ def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, 
     return merged
 
 
-def config_from_data(data: Any, source: str) -> SidecarConfig:
-    """Validate a parsed config mapping; the error names every bad field."""
+def _normalise(data: Any, source: str) -> dict[str, Any]:
     if data is None:
-        data = {}
+        return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the config must be a mapping, got {type(data).__name__}")
+    # A section whose keys are all commented out parses as null: treat it as empty.
+    return {key: ({} if value is None else value) for key, value in data.items()}
+
+
+def config_from_data(data: Any, source: str) -> SidecarConfig:
+    """Validate a parsed config mapping strictly (no bool-as-int, no str-as-number); errors name every bad field."""
+    data = _normalise(data, source)
     try:
-        return SidecarConfig.model_validate(data)
+        # Strict JSON-mode validation: YAML scalars are JSON scalars, and paths/lists still map.
+        return SidecarConfig.model_validate_json(json.dumps(data, default=str), strict=True)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, source)) from None
 
@@ -133,30 +148,38 @@ def load_config(
     host: str | None = None,
     socket_path: Path | str | None = None,
 ) -> SidecarConfig:
-    """Build the config: flags beat environment, which beats the file, which beats defaults."""
+    """Build the config: flags beat environment, which beats the file, which beats defaults.
+
+    Each layer is validated on its own, so an error names where the bad value came from.
+    """
     env = os.environ if env is None else env
     if path is None and env.get(ENV_CONFIG):
         path = env[ENV_CONFIG]
     data: dict[str, Any] = {}
-    source = "built-in defaults"
     if path is not None:
-        source = str(path)
-        loaded = load_yaml(Path(path))
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{source}: the config must be a mapping, got {type(loaded).__name__}")
-        data = loaded or {}
-    overrides: dict[str, Any] = {}
+        data = _normalise(load_yaml(Path(path)), str(path))
+        config_from_data(data, str(path))
+    layers: list[tuple[str, dict[str, Any]]] = []
+    env_layer: dict[str, Any] = {}
     if env.get(ENV_PORT):
         try:
-            overrides.setdefault("http", {})["port"] = int(env[ENV_PORT])
+            env_layer.setdefault("http", {})["port"] = int(env[ENV_PORT])
         except ValueError:
             raise ConfigError(f"{ENV_PORT}={env[ENV_PORT]!r} is not a port number") from None
     if env.get(ENV_SOCKET):
-        overrides.setdefault("ingest", {})["socket_path"] = env[ENV_SOCKET]
+        env_layer.setdefault("ingest", {})["socket_path"] = env[ENV_SOCKET]
+    layers.append((f"environment ({ENV_PORT}, {ENV_SOCKET})", env_layer))
+    flag_layer: dict[str, Any] = {}
     if port is not None:
-        overrides.setdefault("http", {})["port"] = port
+        flag_layer.setdefault("http", {})["port"] = port
     if host is not None:
-        overrides.setdefault("http", {})["host"] = host
+        flag_layer.setdefault("http", {})["host"] = host
     if socket_path is not None:
-        overrides.setdefault("ingest", {})["socket_path"] = str(socket_path)
-    return config_from_data(_deep_merge(data, overrides), source)
+        flag_layer.setdefault("ingest", {})["socket_path"] = str(socket_path)
+    layers.append(("command-line flags", flag_layer))
+    config = config_from_data(data, str(path) if path is not None else "built-in defaults")
+    for source, layer in layers:
+        if layer:
+            data = _deep_merge(data, layer)
+            config = config_from_data(data, source)
+    return config

@@ -41,7 +41,7 @@ def split_rank_labels(labels: Mapping[str, Any]) -> tuple[dict[str, int], dict[s
 
 def label_name_problem(name: str) -> str | None:
     """Why `name` cannot be a static label name, or None when it can."""
-    if not LABEL_NAME_RE.match(name):
+    if not LABEL_NAME_RE.fullmatch(name):  # match() would let a trailing newline through
         return f"label name {name!r} must match [a-zA-Z_][a-zA-Z0-9_]*"
     if name in RESERVED_LABEL_NAMES:
         return f"label name {name!r} is reserved"

@@ -28,9 +28,9 @@ class CounterChild:
         self.value: float = 0
 
     def inc(self, amount: float = 1) -> None:
-        """Add `amount` (must not be negative)."""
-        if amount < 0:
-            raise ValueError("a counter can only increase; use a gauge for values that go down")
+        """Add `amount` (finite and not negative)."""
+        if not 0 <= amount < math.inf:  # one chained comparison also refuses NaN
+            raise ValueError(f"a counter only adds finite non-negative amounts, got {amount}")
         self.value += amount
 
     def sample(self) -> dict[str, Any]:
@@ -69,7 +69,9 @@ class HistogramChild:
         self.sum: float = 0.0
 
     def observe(self, value: float) -> None:
-        """Record one observation (bucket upper bounds are inclusive, as in Prometheus)."""
+        """Record one observation (inclusive upper bounds, as in Prometheus); NaN/Inf are ignored."""
+        if not -math.inf < value < math.inf:
+            return  # one bad observation must not poison the cumulative sum for good
         self.counts[bisect_left(self.bounds, value)] += 1
         self.sum += value
 
@@ -87,8 +89,6 @@ class HistogramChild:
         cumulative, total = self.cumulative()
         buckets: list[list[Any]] = [[b, c] for b, c in zip(self.bounds, cumulative)]
         buckets.append(["+Inf", cumulative[-1]])
-        if not math.isfinite(total):
-            total = 0.0  # a NaN observation must not poison the whole snapshot
         return {"buckets": buckets, "sum": total, "count": cumulative[-1]}
 
 

@@ -119,12 +119,12 @@ def _summarise(err: ValidationError, limit: int = 3) -> str:
 def _unsupported_protocol(payload: bytes) -> int | None:
     """The protocol a hello asks for, when it is a hello for another version."""
     try:
-        obj = json.loads(payload)
+        obj = json.loads(payload.decode("utf-8"))  # the wire is UTF-8 only, whatever json.loads could sniff
     except (ValueError, RecursionError):
         return None
     if isinstance(obj, dict) and obj.get("type") == "hello":
         version = obj.get("protocol")
-        if isinstance(version, int) and version != PROTOCOL_VERSION:
+        if type(version) is int and version != PROTOCOL_VERSION:  # bool is not a version
             return version
     return None
 

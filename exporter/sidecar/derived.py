@@ -52,7 +52,7 @@ def bandwidths(
     per_rank: list[tuple[FamilySpec, RankState, LabelValues, Bandwidth]] = []
     rolled: dict[RollupKey, list[float]] = {}
     pairs = state.catalog.bandwidth_pairs()
-    for rank in state.ranks.values():
+    for rank in sorted(state.ranks.values(), key=lambda r: (r.static, r.dp_rank, r.pp_rank, r.tp_rank)):
         inc = increases[id(rank)]
         for bytes_spec, duration_spec in pairs:
             for (family, labels), seconds in inc.items():

@@ -5,7 +5,8 @@ Rollup counters are sums of per-rank deltas, so they never decrease while the si
 * replicated families add only the delta of each replica group's leader (the eligible rank
   with the lowest (pp_rank, tp_rank)). The group's rollup follows one rank at a time: when
   leadership passes to another rank (at once, or after a gap with no leader), the snapshot in
-  which the new leader first leads is its baseline and it contributes from its next delta on.
+  which the new leader first leads is its baseline (per series: a series it omits there gets its
+  baseline from its next value) and it contributes from its next delta on.
   Nothing is copied in, nothing is counted twice; only a group's very first leader, and a leader
   that comes back with no other rank having led in between, count their deltas from zero.
 """
@@ -113,6 +114,9 @@ class SidecarState:
             | {f.name for f in catalog if f.type is MetricType.COUNTER and f.semantics is Semantics.REPLICATED}
         )
         self._family_labels = {name for f in catalog for name in f.labels}
+        self.replicated: frozenset[str] = frozenset(
+            f.name for f in catalog if f.type is not MetricType.GAUGE and f.semantics is Semantics.REPLICATED
+        )
 
     # --- hello / disconnect ---
 
@@ -148,6 +152,7 @@ class SidecarState:
             rank.replaced_epochs.append(rank.epoch)
             rank.epoch = msg.epoch
             rank.values.clear()  # the new epoch counts from zero
+            rank.baseline_pending.clear()
             rank.seq = -1
             rank.restarts += 1
             result = HelloResult(rank, restart=True)
@@ -204,15 +209,18 @@ class SidecarState:
         rank.last_activity = now
         rank.last_push_wall = self.wall_clock()
         rank.snapshots += 1
-        count_replicated = False
-        if group.elect() is rank:
-            # Another rank's deltas were followed until now: this snapshot is our baseline.
-            count_replicated = group.counting is None or group.counting is rank
+        leads = group.elect() is rank
+        takeover = leads and group.counting is not None and group.counting is not rank
+        if takeover:
+            # Another rank's deltas were followed until now: each replicated series' next value
+            # from this rank is its baseline (this snapshot's, or a later one for series it omits).
+            rank.baseline_pending = {key for key in rank.values if key[0] in self.replicated}
+        if leads:
             group.counting = rank
         result = SnapshotResult()
         for sample in msg.samples:
             try:
-                self._apply(rank, sample, count_replicated)
+                self._apply(rank, sample, leads, takeover)
                 result.applied += 1
             except SampleRejected as rejection:
                 result.rejections.append(rejection)
@@ -220,7 +228,7 @@ class SidecarState:
         self.generation += 1
         return result
 
-    def _apply(self, rank: RankState, sample: ScalarSample | HistogramSample, count_replicated: bool) -> None:
+    def _apply(self, rank: RankState, sample: ScalarSample | HistogramSample, leads: bool, takeover: bool) -> None:
         spec = self.catalog.find(sample.family)
         if spec is None:
             raise SampleRejected(ErrorCode.UNKNOWN_FAMILY, f"family {sample.family!r} is not in the catalog")
@@ -232,7 +240,10 @@ class SidecarState:
                 ErrorCode.SERIES_LIMIT,
                 f"rank {rank.describe()} already has {self.config.max_series_per_rank} series (max_series_per_rank)",
             )
-        counted = spec.semantics is Semantics.PER_SHARD or count_replicated
+        if spec.semantics is Semantics.PER_SHARD:
+            counted = True
+        else:
+            counted = leads and not takeover and key not in rank.baseline_pending
         rollup_key: RollupKey = (spec.name, rank.static, label_values)
         if spec.type is MetricType.HISTOGRAM:
             if not isinstance(sample, HistogramSample):
@@ -256,6 +267,7 @@ class SidecarState:
             )
         delta = value - before
         rank.values[key] = value
+        rank.baseline_pending.discard(key)
         if spec.name in self.windowed:
             rank.totals[key] = rank.totals.get(key, 0.0) + delta
         self.rollups.add_counter(rollup_key, delta if counted else 0.0)
@@ -285,6 +297,8 @@ class SidecarState:
                     f"{spec.name!r}: bucket bound {bound!r} where the catalog has {want!r}",
                 )
         counts = tuple(count for _, count in buckets)
+        if counts[0] < 0:
+            raise SampleRejected(ErrorCode.INVALID_VALUE, f"{spec.name!r}: bucket counts must not be negative")
         if any(later < earlier for earlier, later in zip(counts, counts[1:])):
             raise SampleRejected(ErrorCode.BUCKET_MISMATCH, f"{spec.name!r}: bucket counts are not cumulative")
         if counts[-1] != sample.count:
@@ -303,6 +317,7 @@ class SidecarState:
         deltas = [float(c) for c in counts] if before is None else [float(n - w) for n, w in zip(counts, before.counts)]
         dsum = sample.sum - (before.sum if before is not None else 0.0)
         rank.values[key] = HistValue(counts, sample.sum)
+        rank.baseline_pending.discard(key)
         if spec.name in self.windowed:
             rank.totals[key] = rank.totals.get(key, 0.0) + dsum
         self.rollups.add_histogram(rollup_key, expected, deltas if counted else None, dsum)

@@ -1,0 +1,125 @@
+"""One simulated rank process: a HiCache on the workload, pushing its metrics to the sidecar."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cache_core.geometry import ModelGeometry
+from cache_core.hicache import AdmitStatus, HiCache, HiCacheConfig, Request
+from cache_core.instrumentation import CacheMetrics
+from cache_core.parallel import ParallelState
+from cache_core.storage import FileStorage
+from cache_core.workload import Workload, WorkloadConfig
+from exporter.client import RankClient
+from exporter.labels import RANK_KEYS
+
+log = logging.getLogger("cache_core.rank")
+CACHE_TYPE = "HiRadixCache"
+BARRIER_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank process needs, picklable for multiprocessing spawn."""
+
+    attn_tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_size: int  # attention tp ranks per dp group
+    pp_size: int
+    dp_size: int
+    socket_path: str
+    storage_root: str
+    interval: float = 1.0
+    requests: int | None = None  # per dp group
+    batch: int = 4
+    step_delay: float = 0.2  # keeps eight ranks on two cores at a watchable pace
+    geometry: ModelGeometry = field(default_factory=lambda: ModelGeometry(layers=5))
+    # Small pools, so that a short run already evicts, loads back and prefetches from L3.
+    cache: HiCacheConfig = field(default_factory=lambda: HiCacheConfig(device_pages=48, host_pages=96, prefetch_threshold=128))
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    extra_labels: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def parallel(self) -> ParallelState:
+        return ParallelState.from_layout(self.attn_tp_rank, self.pp_rank, self.dp_rank, self.tp_size, self.pp_size, self.dp_size)
+
+
+def build_rank(spec: RankSpec) -> tuple[RankClient, HiCache]:
+    """The rank's client and cache, labelled exactly as the upstream engine labels them."""
+    parallel = spec.parallel
+    labels = parallel.metric_labels(CACHE_TYPE, dict(spec.extra_labels))
+    rank = {key: int(labels.pop(key)) for key in RANK_KEYS}
+    client = RankClient(spec.socket_path, rank=rank, labels=labels, interval=spec.interval,
+                        world={"tp_size": parallel.tp_size, "pp_size": parallel.pp_size, "dp_size": parallel.dp_size})
+    # With DP attention the KV heads are split over the attention tp group only.
+    shard = spec.geometry.shard(parallel.attn_tp_rank, parallel.attn_tp_size, parallel.pp_rank, parallel.pp_size)
+    storage = FileStorage(Path(spec.storage_root) / f"tp{parallel.tp_rank}-pp{parallel.pp_rank}", shard.page_bytes)
+    cache = HiCache(shard, spec.cache, CacheMetrics(client, shard.model.page_size, spec.cache.pool), storage)
+    return client, cache
+
+
+def run_batch(cache: HiCache, batch: list[list[int]]) -> int:
+    """Run requests through the cache as a scheduler would; returns how many completed."""
+    requests = [cache.begin(tokens) for tokens in batch]
+    cache.poll(wait=True)  # deterministic: replicas commit the same prefetches at the same step
+    running: list[Request] = []
+    completed = 0
+    for req in requests:
+        status = cache.admit(req)
+        if status is not AdmitStatus.ADMITTED and running:
+            # Running requests hold the device pages we need: let them finish, then retry once.
+            for done in running:
+                cache.finish(done)
+            completed += len(running)
+            running = []
+            status = cache.admit(req)
+        if status is AdmitStatus.ADMITTED:
+            running.append(req)
+        else:
+            cache.abort(req)
+    for req in running:
+        cache.finish(req)
+    cache.flush()  # storage writes land before the next step, so replicas query the same L3 state
+    return completed + len(running)
+
+
+def run_rank(spec: RankSpec, slot: int, steps: Any, completed: Any, stop_step: Any, stop: Any, group_barrier: Any) -> None:
+    """Process entry point: run until the request budget, the shared stop step, or `stop` is set.
+
+    `group_barrier` holds the replicas of this dp group in lock-step, one step at a time, as the
+    collectives of a real TP group do; the last wait before closing makes every replica's final
+    snapshot carry the same totals, so no leader hand-over at shutdown can count work twice.
+    """
+    torch.set_num_threads(1)
+    client, cache = build_rank(spec)
+    workload = Workload(spec.workload, spec.dp_rank)
+    client.start()
+    step = done = 0
+    try:
+        while not stop.is_set():
+            if spec.requests is not None and done >= spec.requests:
+                break
+            if 0 <= stop_step.value <= step:
+                break
+            size = spec.batch if spec.requests is None else min(spec.batch, spec.requests - done)
+            run_batch(cache, [workload.next_request() for _ in range(size)])
+            done += size
+            step += 1
+            steps[slot] = step
+            completed[slot] = done
+            group_barrier.wait(BARRIER_SECONDS)
+            if spec.step_delay:
+                time.sleep(spec.step_delay)
+    except threading.BrokenBarrierError:
+        log.warning("rank %d left the lock-step early (a replica stopped)", slot)
+    finally:
+        cache.close()
+        client.close()

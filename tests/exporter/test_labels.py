@@ -1,0 +1,102 @@
+"""Rank labels (DESIGN §3) and the label-name rules shared by the client and the sidecar."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from exporter.labels import RANK_KEYS, label_name_problem, radix_cache_metric_labels, split_rank_labels
+
+UPSTREAM = SimpleNamespace(tp_rank=3, pp_rank=1, attn_tp_rank=1, attn_dp_rank=2)
+
+
+def test_upstream_case_with_dp_attention():
+    labels = radix_cache_metric_labels("UnifiedRadixCache", UPSTREAM, True)
+    assert labels == {"cache_type": "UnifiedRadixCache", "tp_rank": 1, "pp_rank": 1, "dp_rank": 2}
+
+
+def test_upstream_case_without_dp_attention():
+    labels = radix_cache_metric_labels("UnifiedRadixCache", UPSTREAM, False)
+    assert labels == {"cache_type": "UnifiedRadixCache", "tp_rank": 3, "pp_rank": 1, "dp_rank": 0}
+
+
+def test_keys_are_exactly_cache_type_and_the_rank_keys():
+    for enabled in (True, False):
+        assert set(radix_cache_metric_labels("HiRadixCache", UPSTREAM, enabled)) == {
+            "cache_type", *RANK_KEYS
+        }
+    assert RANK_KEYS == ("tp_rank", "pp_rank", "dp_rank")
+
+
+def test_without_dp_attention_the_attention_ranks_are_not_needed():
+    parallel = SimpleNamespace(tp_rank=5, pp_rank=2)
+    assert radix_cache_metric_labels("C", parallel, False) == {
+        "cache_type": "C", "tp_rank": 5, "pp_rank": 2, "dp_rank": 0
+    }
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    tp=st.integers(0, 1023), pp=st.integers(0, 63), attn_tp=st.integers(0, 1023),
+    attn_dp=st.integers(0, 1023), cache_type=st.text(max_size=20), enabled=st.booleans(),
+)
+def test_rule_for_any_ranks(tp, pp, attn_tp, attn_dp, cache_type, enabled):
+    parallel = SimpleNamespace(tp_rank=tp, pp_rank=pp, attn_tp_rank=attn_tp, attn_dp_rank=attn_dp)
+    labels = radix_cache_metric_labels(cache_type, parallel, enabled)
+    expected_tp, expected_dp = (attn_tp, attn_dp) if enabled else (tp, 0)
+    assert labels == {"cache_type": cache_type, "tp_rank": expected_tp, "pp_rank": pp, "dp_rank": expected_dp}
+
+
+def test_split_rank_labels():
+    rank, static = split_rank_labels(
+        {"cache_type": "UnifiedRadixCache", "tp_rank": "1", "pp_rank": 1, "dp_rank": 2, "zone": 7}
+    )
+    assert rank == {"tp_rank": 1, "pp_rank": 1, "dp_rank": 2}
+    assert static == {"cache_type": "UnifiedRadixCache", "zone": "7"}
+
+
+def test_split_rank_labels_of_the_upstream_rule():
+    labels = radix_cache_metric_labels("UnifiedRadixCache", UPSTREAM, True)
+    rank, static = split_rank_labels(labels)
+    assert rank == {"tp_rank": 1, "pp_rank": 1, "dp_rank": 2}
+    assert static == {"cache_type": "UnifiedRadixCache"}
+
+
+@pytest.mark.parametrize("name", ["cache_type", "pool", "reason", "_private", "A", "zone1", "x_" * 20])
+def test_usable_label_names(name):
+    assert label_name_problem(name) is None
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["", "1abc", "a-b", "a b", "a.b", "a:b", "é", " pool", "pool ", "po\nol"],
+)
+def test_malformed_label_names(name):
+    problem = label_name_problem(name)
+    assert problem is not None
+    assert repr(name) in problem
+
+
+@pytest.mark.parametrize("name", ["pool\n", "zone\n", "cache_type\n"])
+def test_label_name_with_a_trailing_newline_is_malformed(name):
+    # `$` in a Python regex also matches before a final newline; a label name like this would
+    # be written raw into the text exposition and break /metrics for every rank.
+    problem = label_name_problem(name)
+    assert problem is not None
+    assert repr(name) in problem
+
+
+@pytest.mark.parametrize("name", ["le", "quantile", "__name__", "tp_rank", "pp_rank", "dp_rank"])
+def test_reserved_label_names(name):
+    problem = label_name_problem(name)
+    assert problem is not None
+    assert "reserved" in problem and name in problem
+
+
+@pytest.mark.parametrize("name", ["__meta", "__", "__address__"])
+def test_double_underscore_prefix_is_reserved_by_prometheus(name):
+    problem = label_name_problem(name)
+    assert problem is not None and name in problem

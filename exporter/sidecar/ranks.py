@@ -47,8 +47,9 @@ class RankState:
     snapshots: int = 0
     values: dict[SeriesKey, Value] = field(default_factory=dict)
     totals: Totals = field(default_factory=dict)  # windowed series: sums of deltas across epochs
-    # Replicated series whose next value is a baseline: the rank took over leadership since it last sent them.
-    baseline_pending: set[SeriesKey] = field(default_factory=set)
+    # After taking over leadership: the replicated series whose baseline has been seen since.
+    # Each series' first value after a takeover is a baseline, never a delta (None: no takeover).
+    baselined: set[SeriesKey] | None = None
     replaced_epochs: deque[str] = field(default_factory=lambda: deque(maxlen=REPLACED_EPOCHS_KEPT))
 
     @property

@@ -114,9 +114,6 @@ class SidecarState:
             | {f.name for f in catalog if f.type is MetricType.COUNTER and f.semantics is Semantics.REPLICATED}
         )
         self._family_labels = {name for f in catalog for name in f.labels}
-        self.replicated: frozenset[str] = frozenset(
-            f.name for f in catalog if f.type is not MetricType.GAUGE and f.semantics is Semantics.REPLICATED
-        )
 
     # --- hello / disconnect ---
 
@@ -152,7 +149,7 @@ class SidecarState:
             rank.replaced_epochs.append(rank.epoch)
             rank.epoch = msg.epoch
             rank.values.clear()  # the new epoch counts from zero
-            rank.baseline_pending.clear()
+            rank.baselined = None
             rank.seq = -1
             rank.restarts += 1
             result = HelloResult(rank, restart=True)
@@ -214,13 +211,13 @@ class SidecarState:
         if takeover:
             # Another rank's deltas were followed until now: each replicated series' next value
             # from this rank is its baseline (this snapshot's, or a later one for series it omits).
-            rank.baseline_pending = {key for key in rank.values if key[0] in self.replicated}
+            rank.baselined = set()
         if leads:
             group.counting = rank
         result = SnapshotResult()
         for sample in msg.samples:
             try:
-                self._apply(rank, sample, leads, takeover)
+                self._apply(rank, sample, leads)
                 result.applied += 1
             except SampleRejected as rejection:
                 result.rejections.append(rejection)
@@ -228,7 +225,7 @@ class SidecarState:
         self.generation += 1
         return result
 
-    def _apply(self, rank: RankState, sample: ScalarSample | HistogramSample, leads: bool, takeover: bool) -> None:
+    def _apply(self, rank: RankState, sample: ScalarSample | HistogramSample, leads: bool) -> None:
         spec = self.catalog.find(sample.family)
         if spec is None:
             raise SampleRejected(ErrorCode.UNKNOWN_FAMILY, f"family {sample.family!r} is not in the catalog")
@@ -243,7 +240,7 @@ class SidecarState:
         if spec.semantics is Semantics.PER_SHARD:
             counted = True
         else:
-            counted = leads and not takeover and key not in rank.baseline_pending
+            counted = leads and (rank.baselined is None or key in rank.baselined)
         rollup_key: RollupKey = (spec.name, rank.static, label_values)
         if spec.type is MetricType.HISTOGRAM:
             if not isinstance(sample, HistogramSample):
@@ -267,7 +264,7 @@ class SidecarState:
             )
         delta = value - before
         rank.values[key] = value
-        rank.baseline_pending.discard(key)
+        self._baseline_seen(rank, spec, key)
         if spec.name in self.windowed:
             rank.totals[key] = rank.totals.get(key, 0.0) + delta
         self.rollups.add_counter(rollup_key, delta if counted else 0.0)
@@ -314,13 +311,22 @@ class SidecarState:
                 ErrorCode.COUNTER_DECREASED,
                 f"histogram {spec.name!r} bucket counts went down within one epoch",
             )
+        if before is not None and counts == before.counts and sample.sum != before.sum:
+            raise SampleRejected(
+                ErrorCode.INVALID_VALUE, f"histogram {spec.name!r}: sum changed without new observations"
+            )
         deltas = [float(c) for c in counts] if before is None else [float(n - w) for n, w in zip(counts, before.counts)]
         dsum = sample.sum - (before.sum if before is not None else 0.0)
         rank.values[key] = HistValue(counts, sample.sum)
-        rank.baseline_pending.discard(key)
+        self._baseline_seen(rank, spec, key)
         if spec.name in self.windowed:
             rank.totals[key] = rank.totals.get(key, 0.0) + dsum
         self.rollups.add_histogram(rollup_key, expected, deltas if counted else None, dsum)
+
+    @staticmethod
+    def _baseline_seen(rank: RankState, spec: FamilySpec, key: SeriesKey) -> None:
+        if rank.baselined is not None and spec.semantics is Semantics.REPLICATED:
+            rank.baselined.add(key)
 
     def _label_values(self, spec: FamilySpec, labels: dict[str, str]) -> tuple[str, ...]:
         if len(labels) != len(spec.labels) or any(name not in labels for name in spec.labels):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -70,6 +70,7 @@ class Request:
     prefetch: StorageJob | None = None
     prefetch_start: int = 0
     deferred_span: tuple[int, int] | None = None  # (first page, pages) waiting for host room
+    device_deferred: bool = False  # admission already waited once for device pages
     anchor: Node | None = None
     anchor_on_device: bool = False
     l3_nodes: list[Node] = field(default_factory=list)
@@ -180,7 +181,12 @@ class HiCache:
             pages = self._device_alloc(len(host_nodes), partial=True)
             if not pages:
                 self._unlock(path)
-                self.metrics.deferred("device_capacity").inc(len(host_nodes) * self.page_size)
+                if not req.device_deferred:  # count the storage tokens that wait, once per request
+                    req.device_deferred = True
+                    waiting = {id(node) for node in host_nodes}
+                    from_storage = sum(1 for node in req.l3_nodes if id(node) in waiting)
+                    if from_storage:
+                        self.metrics.deferred("device_capacity").inc(from_storage * self.page_size)
                 return AdmitStatus.DEFERRED
             self._load_back(host_nodes[:len(pages)], pages)
             short = len(pages) < len(host_nodes)
@@ -249,6 +255,7 @@ class HiCache:
             self._account(req, "dropped", remaining)
         req.deferred_span = None
         req.state = "aborted"
+        self._update_host_gauges()
 
     def flush(self) -> None:
         """Wait for every storage write in flight and account it."""
@@ -315,6 +322,12 @@ class HiCache:
 
     def _commit(self, req: Request) -> None:
         """Attach a finished prefetch's pages to the tree as host copies, or give them a reason."""
+        try:
+            self._attach_prefetched(req)
+        finally:
+            self._update_host_gauges()
+
+    def _attach_prefetched(self, req: Request) -> None:
         job = req.prefetch
         assert job is not None
         req.prefetch = None
@@ -352,7 +365,6 @@ class HiCache:
                 child.host_page = page
                 req.l3_nodes.append(child)
             node = child
-        self._update_host_gauges()
 
     def _settle_storage_hits(self, req: Request, prefix: list[Node], load_back_short: bool) -> None:
         """At admission, L3 hits that did not become device prefix get their final reason."""
@@ -404,28 +416,24 @@ class HiCache:
         self._update_host_gauges()
 
     def _device_alloc(self, count: int, partial: bool) -> list[int]:
+        return self._alloc(self.device_pool, self._evict_device, count, partial)
+
+    def _host_alloc(self, count: int, partial: bool) -> list[int]:
+        pages = self._alloc(self.host_pool, self._evict_host, count, partial)
+        self._update_host_gauges()
+        return pages
+
+    @staticmethod
+    def _alloc(pool: PagePool, evict: Callable[[int], None], count: int, partial: bool) -> list[int]:
+        """`count` pages, evicting for room; with `partial`, as many as could be freed."""
         if count <= 0:
             return []
-        pool = self.device_pool
         if pool.free_pages < count:
-            self._evict_device(count - pool.free_pages)
+            evict(count - pool.free_pages)
         take = min(count, pool.free_pages)
         if take < count and not partial:
             return []
         return pool.alloc(take)
-
-    def _host_alloc(self, count: int, partial: bool) -> list[int]:
-        if count <= 0:
-            return []
-        pool = self.host_pool
-        if pool.free_pages < count:
-            self._evict_host(count - pool.free_pages)
-        take = min(count, pool.free_pages)
-        if take < count and not partial:
-            return []
-        pages = pool.alloc(take)
-        self._update_host_gauges()
-        return pages
 
     def _evict_device(self, need: int) -> None:
         """Free device pages, least recently used frontier first: demote, back up, or drop."""

@@ -1,0 +1,174 @@
+"""End to end with a real Prometheus: it scrapes a running sidecar fed by rank processes, with the
+shipped recording rules loaded; one rank is killed and restarted mid-run.
+
+Asserted through the Prometheus HTTP API: the sidecar's rollups and the recording rules agree
+with the per-rank series, rollups never reset, and tokens are read once per dp group.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+from tests.helpers import free_port, http_get, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+RULES = REPO / "config" / "prometheus" / "recording_rules.yml"
+TOKENS_PER_TICK = 64
+TICK_SECONDS = 0.05
+BYTES_PER_TOKEN = {0: 3072, 1: 2048}  # by tp_rank: the shards differ in size
+WINDOW = "40s"
+
+
+def rank_process(socket_path: str, tp: int, dp: int) -> None:
+    """A rank counting tokens at a steady rate, its replica doing the same; killed from outside."""
+    from exporter.client import RankClient
+
+    client = RankClient(socket_path, rank={"tp_rank": tp, "pp_rank": 0, "dp_rank": dp},
+                        labels={"cache_type": "HiRadixCache"}, interval=0.5, max_backoff=0.5)
+    tokens = client.counter("load_back_tokens_total", pool="kv")
+    moved = client.counter("load_back_bytes_total")
+    duration = client.histogram("load_back_duration_seconds")
+    client.start()
+    while True:
+        tokens.inc(TOKENS_PER_TICK)
+        moved.inc(TOKENS_PER_TICK * BYTES_PER_TOKEN[tp])
+        duration.observe(0.002)
+        time.sleep(TICK_SECONDS)
+
+
+class Prometheus:
+    """A real Prometheus server on loopback with its own TSDB directory."""
+
+    def __init__(self, workdir: Path, target: str, rules: list[Path]) -> None:
+        binary = shutil.which("prometheus")
+        assert binary, "the prometheus server is required (Debian package `prometheus`; .ci/run installs it)"
+        self.port = free_port()
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(p) for p in rules],
+            "scrape_configs": [{"job_name": "hicache", "static_configs": [{"targets": [target], "labels": {"pod": "pod-a"}}]}],
+        }
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.proc = subprocess.Popen(
+            [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=subprocess.DEVNULL, stderr=open(workdir / "prometheus.log", "w"),
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        wait_until(self._ready, timeout=60)
+
+    def _ready(self) -> bool:
+        try:
+            return http_get(self.url + "/-/ready")[0] == 200
+        except OSError:
+            return False
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        status, body, _ = http_get(self.url + "/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+        payload = json.loads(body)
+        assert status == 200 and payload["status"] == "success", payload
+        return payload["data"]["result"]
+
+    def scalar(self, expr: str) -> float:
+        result = self.query(expr)
+        assert len(result) == 1, f"{expr}: expected one series, got {result}"
+        return float(result[0]["value"][1])
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture
+def stack(socket_dir: Path, tmp_path: Path) -> Iterator[tuple[Prometheus, str, int]]:
+    assert RULES.exists(), f"{RULES} must ship with the repository"
+    port = free_port()
+    sock = str(socket_dir / "metrics.sock")
+    sidecar = subprocess.Popen([sys.executable, "-m", "exporter.cli", "serve", "--host", "127.0.0.1",
+                                "--port", str(port), "--socket", sock], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    prometheus = None
+    try:
+        wait_until(lambda: _up(f"http://127.0.0.1:{port}/-/ready"))
+        prometheus = Prometheus(tmp_path, f"127.0.0.1:{port}", [RULES])
+        yield prometheus, sock, port
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        sidecar.send_signal(signal.SIGTERM)
+        sidecar.wait(20)
+
+
+def _up(url: str) -> bool:
+    try:
+        return http_get(url)[0] == 200
+    except OSError:
+        return False
+
+
+def test_rollups_and_rules_agree_with_per_rank_series_across_a_rank_restart(stack: tuple[Prometheus, str, int]) -> None:
+    prom, sock, _ = stack
+    ctx = multiprocessing.get_context("spawn")
+    ranks = {(tp, dp): ctx.Process(target=rank_process, args=(sock, tp, dp), daemon=True) for tp in range(2) for dp in range(2)}
+    for proc in ranks.values():
+        proc.start()
+    try:
+        wait_until(lambda: len(prom.query("sglang_load_back_tokens_total")) == 4, timeout=60)
+        time.sleep(8)
+        # Kill the leader of dp group 0 mid-frame if it happens to be sending, then start it again (new epoch).
+        ranks[(0, 0)].kill()
+        ranks[(0, 0)].join(10)
+        time.sleep(3)
+        ranks[(0, 0)] = ctx.Process(target=rank_process, args=(sock, 0, 0), daemon=True)
+        ranks[(0, 0)].start()
+        wait_until(lambda: prom.scalar('sum(hicache_exporter_rank_restarts_total{tp_rank="0",dp_rank="0"})') >= 1, timeout=30)
+        time.sleep(15)
+
+        # The restart is visible as a reset of the per-rank series, never of a rollup.
+        assert prom.scalar(f'resets(sglang_load_back_tokens_total{{tp_rank="0",dp_rank="0"}}[2m])') >= 1
+        for family in ("load_back_tokens_total", "load_back_bytes_total", "load_back_duration_seconds_count"):
+            for series in prom.query(f"resets(sglang_rollup_{family}[2m])"):
+                assert float(series["value"][1]) == 0, f"sglang_rollup_{family} went backwards"
+
+        # Bytes: the sidecar's rollup increase equals the sum of per-rank increases.
+        per_rank_bytes = prom.scalar(f"sum(increase(sglang_load_back_bytes_total[{WINDOW}]))")
+        rollup_bytes = prom.scalar(f"sum(increase(sglang_rollup_load_back_bytes_total[{WINDOW}]))")
+        assert per_rank_bytes > 0
+        assert rollup_bytes == pytest.approx(per_rank_bytes, rel=0.1)
+
+        # Tokens: one replica per dp group, not the sum of both replicas.
+        all_replicas = prom.scalar(f"sum(increase(sglang_load_back_tokens_total[{WINDOW}]))")
+        one_per_group = prom.scalar(f"sum(max by (dp_rank) (increase(sglang_load_back_tokens_total[{WINDOW}])))")
+        rollup_tokens = prom.scalar(f"sum(increase(sglang_rollup_load_back_tokens_total[{WINDOW}]))")
+        assert rollup_tokens == pytest.approx(one_per_group, rel=0.1)
+        assert rollup_tokens == pytest.approx(all_replicas / 2, rel=0.1)
+
+        # The shipped recording rules agree with the sidecar's own rollups.
+        assert prom.scalar("sum(cluster:sglang_load_back_bytes:rate5m)") == pytest.approx(
+            prom.scalar("sum(rate(sglang_rollup_load_back_bytes_total[5m]))"), rel=0.1)
+        assert prom.scalar("sum(cluster:sglang_load_back_tokens:rate5m)") == pytest.approx(
+            prom.scalar("sum(rate(sglang_rollup_load_back_tokens_total[5m]))"), rel=0.1)
+        rule_bw = prom.scalar("sum(cluster:sglang_load_back_active_bandwidth_bytes_per_second:ratio_rate5m)")
+        expected_bw = sum(BYTES_PER_TOKEN.values()) * TOKENS_PER_TICK / (2 * 0.002)  # bytes per observed second
+        assert rule_bw == pytest.approx(expected_bw, rel=0.05)
+        sidecar_bw = prom.scalar("sglang_rollup_load_back_active_bandwidth_bytes_per_second")
+        assert sidecar_bw == pytest.approx(expected_bw, rel=0.05)
+    finally:
+        for proc in ranks.values():
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)

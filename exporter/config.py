@@ -35,11 +35,36 @@ def _parse_mode(value: Any) -> int:
     return value
 
 
+BCRYPT_RE = re.compile(r"^\$2[aby]\$\d{2}\$[./A-Za-z0-9]{53}$")
+
+
+class TLSServerConfig(_Strict):
+    """TLS for the HTTP side, named as in the Prometheus exporter-toolkit web config."""
+
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path | None = None  # when set, clients must present a certificate it signed
+    min_version: Literal["TLS12", "TLS13"] = "TLS12"
+
+
 class HttpConfig(_Strict):
-    """Where /metrics and the health routes listen."""
+    """Where /metrics and the health routes listen, and who may read them."""
 
     host: str = "0.0.0.0"
     port: int = Field(9400, ge=0, le=65535)
+    tls_server_config: TLSServerConfig | None = None
+    # user name -> bcrypt hash (as exporter-toolkit's basic_auth_users); empty: no authentication
+    basic_auth_users: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("basic_auth_users")
+    @classmethod
+    def _hashes_are_bcrypt(cls, users: dict[str, str]) -> dict[str, str]:
+        for user, hashed in users.items():
+            if not user or ":" in user:
+                raise ValueError(f"user name {user!r} must be non-empty and contain no ':'")
+            if not BCRYPT_RE.match(hashed):
+                raise ValueError(f"the password of {user!r} must be a bcrypt hash ($2b$...), not plain text")
+        return users
 
 
 class IngestConfig(_Strict):
@@ -72,6 +97,8 @@ class RanksConfig(_Strict):
     max_series_per_rank: int = Field(4096, ge=1)
     max_label_value_length: int = Field(128, ge=1, le=4096)
     max_static_labels: int = Field(8, ge=0, le=64)
+    max_series_total: int = Field(2_000_000, ge=1)  # cardinality guard over all ranks
+    max_ranks: int = Field(4096, ge=1)  # rank identities remembered (expired ones are forgotten first)
 
     @model_validator(mode="after")
     def _expire_after_stale(self) -> "RanksConfig":

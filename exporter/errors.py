@@ -19,6 +19,7 @@ class ErrorCode(str, Enum):
     STALE_EPOCH = "stale_epoch"
     PEER_REFUSED = "peer_refused"
     TOO_MANY_CONNECTIONS = "too_many_connections"
+    TOO_MANY_RANKS = "too_many_ranks"
     IDLE_TIMEOUT = "idle_timeout"
     # Sample-level: the sample is dropped and counted; the rest of the snapshot applies.
     UNKNOWN_FAMILY = "unknown_family"
@@ -44,6 +45,7 @@ CONNECTION_ERROR_CODES: frozenset[ErrorCode] = frozenset(
         ErrorCode.STALE_EPOCH,
         ErrorCode.PEER_REFUSED,
         ErrorCode.TOO_MANY_CONNECTIONS,
+        ErrorCode.TOO_MANY_RANKS,
         ErrorCode.IDLE_TIMEOUT,
     }
 )

@@ -11,6 +11,7 @@ from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
 from exporter import __version__
+from exporter.sidecar.security import BasicAuth, auth_middleware
 
 if TYPE_CHECKING:
     from exporter.sidecar.runner import Sidecar
@@ -20,7 +21,10 @@ SIDECAR_KEY: web.AppKey["Sidecar"] = web.AppKey("sidecar")
 
 def build_app(sidecar: "Sidecar") -> web.Application:
     """The aiohttp application; all routes read in-memory state only."""
-    app = web.Application()
+    middlewares = []
+    if sidecar.config.http.basic_auth_users:
+        middlewares.append(auth_middleware(BasicAuth(sidecar.config.http.basic_auth_users)))
+    app = web.Application(middlewares=middlewares)
     app[SIDECAR_KEY] = sidecar
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/-/healthy", _healthy)

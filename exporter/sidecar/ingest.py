@@ -71,7 +71,7 @@ class IngestServer:
         self.state = state
         self.stats = stats
         self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._connections: dict[asyncio.Task[None], _Connection] = {}
 
     @property
     def path(self) -> Path:
@@ -85,15 +85,25 @@ class IngestServer:
         log.info("ingest listening on %s", self.path)
 
     async def stop(self, grace: float = 2.0) -> None:
-        """Stop accepting, give open connections `grace` seconds to finish, remove the socket."""
+        """Stop accepting, let frames already arriving finish (up to `grace` s), remove the socket.
+
+        A connection between frames is closed at once: every frame it sent is applied, and the
+        next sidecar gets the rest from the rank's next cumulative snapshot.
+        """
         self.stats.ingest_listening = False
         if self._server is not None:
             self._server.close()
-        if self._tasks:
-            _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
-            for task in pending:
+        deadline = time.monotonic() + grace
+        while any(conn.mid_frame for conn in self._connections.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for connection in self._connections.values():
+            connection.writer.close()  # its pending read returns EOF and the handler ends normally
+        tasks = list(self._connections)
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=1.0)
+            for task in stuck:
                 task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            await asyncio.gather(*stuck, return_exceptions=True)
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -102,10 +112,10 @@ class IngestServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._tasks.add(task)
         self.stats.connections_accepted += 1
         self.stats.connections_open += 1
         connection = _Connection(self, reader, writer)
+        self._connections[task] = connection
         try:
             await connection.run()
         except asyncio.CancelledError:
@@ -115,7 +125,7 @@ class IngestServer:
         finally:
             connection.release()
             self.stats.connections_open -= 1
-            self._tasks.discard(task)
+            self._connections.pop(task, None)
             writer.close()
             try:
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
@@ -156,6 +166,11 @@ class _Connection:
             await self._reply_and_close(ErrorMessage(code=err.code.value, message=err.message))
         except _Closing:
             pass
+
+    @property
+    def mid_frame(self) -> bool:
+        """Part of a frame has arrived and the rest is still expected."""
+        return self.decoder.buffered > 0
 
     def _admit(self) -> None:
         if self.stats.connections_open > self.config.max_connections:

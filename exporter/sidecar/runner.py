@@ -16,6 +16,7 @@ from exporter.config import SidecarConfig
 from exporter.sidecar.exposition import SidecarCollector
 from exporter.sidecar.http import build_app
 from exporter.sidecar.ingest import IngestServer
+from exporter.sidecar.security import server_ssl_context
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import SidecarStats
 
@@ -39,10 +40,12 @@ class Sidecar:
         self.http_port: int | None = None
 
     async def start(self) -> None:
+        tls = self.config.http.tls_server_config
+        ssl_context = server_ssl_context(tls) if tls is not None else None  # fail before binding anything
         await self.ingest.start()
         self._runner = web.AppRunner(build_app(self), access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.http.host, self.config.http.port)
+        site = web.TCPSite(self._runner, self.config.http.host, self.config.http.port, ssl_context=ssl_context)
         try:
             await site.start()
         except OSError:

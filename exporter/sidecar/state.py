@@ -108,6 +108,7 @@ class SidecarState:
         self.groups: dict[GroupKey, ReplicaGroup] = {}
         self.rollups = RollupStore()
         self.generation = 0  # bumped on every change that affects the exposition
+        self.total_series = 0  # per-rank series held, for the max_series_total guard
         # Series whose increase over the window matters: bytes/duration pairs and replicated counters.
         self.windowed: frozenset[str] = frozenset(
             {f.name for pair in catalog.bandwidth_pairs() for f in pair}
@@ -126,6 +127,7 @@ class SidecarState:
         rank = self.ranks.get(identity)
         result: HelloResult
         if rank is None:
+            self._make_room_for_a_rank()
             rank = RankState(
                 tp_rank=msg.rank.tp_rank, pp_rank=msg.rank.pp_rank, dp_rank=msg.rank.dp_rank,
                 static=static, epoch=msg.epoch, pid=msg.pid,
@@ -148,6 +150,7 @@ class SidecarState:
         elif msg.epoch != rank.epoch:
             rank.replaced_epochs.append(rank.epoch)
             rank.epoch = msg.epoch
+            self.total_series -= len(rank.values)
             rank.values.clear()  # the new epoch counts from zero
             rank.baselined = None
             rank.seq = -1
@@ -165,6 +168,23 @@ class SidecarState:
         rank.last_activity = now
         self.generation += 1
         return result
+
+    def _make_room_for_a_rank(self) -> None:
+        """Forget expired identities when the registry is full; refuse the hello if none is expired."""
+        if len(self.ranks) < self.config.max_ranks:
+            return
+        for identity, rank in list(self.ranks.items()):
+            if rank.expired and not rank.connected:
+                # Its rollup contribution stays; only the per-rank memory goes.
+                del self.ranks[identity]
+                group = self.groups[rank.group]
+                group.members.remove(rank)  # group.counting may still name it: the next leader takes over
+                self.total_series -= len(rank.values)
+        if len(self.ranks) >= self.config.max_ranks:
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_RANKS,
+                f"the sidecar already tracks max_ranks={self.config.max_ranks} rank identities",
+            )
 
     def disconnect(self, connection: object, rank: RankState) -> None:
         """The connection holding `rank` closed (bye, EOF or error)."""
@@ -232,11 +252,17 @@ class SidecarState:
         label_values = self._label_values(spec, sample.labels)
         key: SeriesKey = (spec.name, label_values)
         previous = rank.values.get(key)
-        if previous is None and len(rank.values) >= self.config.max_series_per_rank:
-            raise SampleRejected(
-                ErrorCode.SERIES_LIMIT,
-                f"rank {rank.describe()} already has {self.config.max_series_per_rank} series (max_series_per_rank)",
-            )
+        if previous is None:
+            if len(rank.values) >= self.config.max_series_per_rank:
+                raise SampleRejected(
+                    ErrorCode.SERIES_LIMIT,
+                    f"rank {rank.describe()} already has {self.config.max_series_per_rank} series (max_series_per_rank)",
+                )
+            if self.total_series >= self.config.max_series_total:
+                raise SampleRejected(
+                    ErrorCode.SERIES_LIMIT,
+                    f"the sidecar already holds {self.config.max_series_total} series (max_series_total)",
+                )
         if spec.semantics is Semantics.PER_SHARD:
             counted = True
         else:
@@ -251,7 +277,7 @@ class SidecarState:
             raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{spec.name!r} is a {spec.type.value}: send a value")
         value = sample.value
         if spec.type is MetricType.GAUGE:
-            rank.values[key] = value
+            self._store(rank, key, value)
             return
         if value < 0:
             raise SampleRejected(ErrorCode.INVALID_VALUE, f"counter {spec.name!r} is negative ({value})")
@@ -263,7 +289,7 @@ class SidecarState:
                 "within one epoch; a restarted process must say hello with a new epoch",
             )
         delta = value - before
-        rank.values[key] = value
+        self._store(rank, key, value)
         self._baseline_seen(rank, spec, key)
         if spec.name in self.windowed:
             rank.totals[key] = rank.totals.get(key, 0.0) + delta
@@ -317,11 +343,16 @@ class SidecarState:
             )
         deltas = [float(c) for c in counts] if before is None else [float(n - w) for n, w in zip(counts, before.counts)]
         dsum = sample.sum - (before.sum if before is not None else 0.0)
-        rank.values[key] = HistValue(counts, sample.sum)
+        self._store(rank, key, HistValue(counts, sample.sum))
         self._baseline_seen(rank, spec, key)
         if spec.name in self.windowed:
             rank.totals[key] = rank.totals.get(key, 0.0) + dsum
         self.rollups.add_histogram(rollup_key, expected, deltas if counted else None, dsum)
+
+    def _store(self, rank: RankState, key: SeriesKey, value: float | HistValue) -> None:
+        if key not in rank.values:
+            self.total_series += 1
+        rank.values[key] = value
 
     @staticmethod
     def _baseline_seen(rank: RankState, spec: FamilySpec, key: SeriesKey) -> None:

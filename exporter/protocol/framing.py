@@ -49,6 +49,11 @@ class FrameDecoder:
         """Bytes received that do not yet form a whole frame."""
         return len(self._buffer)
 
+    @property
+    def in_frame(self) -> bool:
+        """Some of a frame (even just its header) has arrived, and the rest has not."""
+        return self._need is not None or bool(self._buffer)
+
     def feed(self, data: bytes) -> list[bytes]:
         """Add received bytes; return the payloads of every frame now complete.
 

@@ -24,6 +24,9 @@ log = logging.getLogger("hicache_exporter.ingest")
 READ_CHUNK = 1 << 16
 # Error replies are skipped while this much is still unsent: a peer that never reads cannot grow our buffer.
 MAX_PENDING_REPLY_BYTES = 1 << 16
+# After an error reply, input still arriving is read and dropped for this long (at most this much).
+LINGER_SECONDS = 0.5
+LINGER_BYTES = 4 << 20
 
 
 class _Closing(Exception):
@@ -170,7 +173,7 @@ class _Connection:
     @property
     def mid_frame(self) -> bool:
         """Part of a frame has arrived and the rest is still expected."""
-        return self.decoder.buffered > 0
+        return self.decoder.in_frame
 
     def _admit(self) -> None:
         if self.stats.connections_open > self.config.max_connections:
@@ -195,8 +198,11 @@ class _Connection:
             except asyncio.TimeoutError:
                 raise ProtocolError(timeout_code, f"no complete frame within the deadline ({timeout_code.value})") from None
             except (ConnectionError, OSError):
-                return None
+                chunk = b""
             if not chunk:
+                if self.mid_frame:  # the peer died or hung up half-way through a frame
+                    self.stats.reject(ErrorCode.MALFORMED_FRAME)
+                    log.info("connection ended in the middle of a frame (%d bytes buffered)", self.decoder.buffered)
                 return None
             self.stats.bytes_received += len(chunk)
             frames = self.decoder.feed(chunk)
@@ -246,12 +252,24 @@ class _Connection:
         self.writer.write(encode_message(message))
 
     async def _reply_and_close(self, message: ErrorMessage) -> None:
+        """Send the error, then linger briefly: closing with unread input would reset the reply away."""
+        self.release()  # the identity is free at once, whatever the lingering
         self._send(message)
         try:
             await asyncio.wait_for(self.writer.drain(), 1.0)
+            if self.writer.can_write_eof():
+                self.writer.write_eof()
+            deadline = time.monotonic() + LINGER_SECONDS
+            discarded = 0
+            while discarded < LINGER_BYTES and (remaining := deadline - time.monotonic()) > 0:
+                chunk = await asyncio.wait_for(self.reader.read(READ_CHUNK), remaining)
+                if not chunk:
+                    break
+                discarded += len(chunk)
         except (OSError, asyncio.TimeoutError):
             pass
 
     def release(self) -> None:
         if self.rank is not None:
             self.state.disconnect(self, self.rank)
+            self.rank = None

@@ -172,3 +172,22 @@ def test_rollups_and_rules_agree_with_per_rank_series_across_a_rank_restart(stac
             if proc.is_alive():
                 proc.kill()
                 proc.join(10)
+
+
+def test_every_dashboard_expression_parses_in_a_real_prometheus(tmp_path: Path) -> None:
+    from tests.deploy.test_grafana import dashboard_expressions
+
+    alerting = REPO / "config" / "prometheus" / "alerting_rules.yml"
+    prom = Prometheus(tmp_path, "127.0.0.1:9", [RULES, alerting])  # the target need not exist to parse
+    try:
+        expressions = dashboard_expressions()
+        assert len(expressions) >= 10
+        for expr in expressions:
+            status, body, _ = http_get(prom.url + "/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+            payload = json.loads(body)
+            assert status == 200 and payload["status"] == "success", f"{expr}: {payload.get('error')}"
+        rules = json.loads(http_get(prom.url + "/api/v1/rules")[1])["data"]["groups"]
+        assert {g["name"] for g in rules} >= {"hicache-per-shard", "hicache-replicated"}
+        assert all(rule["health"] != "err" for g in rules for rule in g["rules"])
+    finally:
+        prom.stop()

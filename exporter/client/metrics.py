@@ -15,6 +15,7 @@ from typing import Any, Iterator, Union
 from exporter.catalog import Catalog, FamilySpec, MetricType
 from exporter.errors import HicacheExporterError
 
+_INF = math.inf  # a module global is one lookup cheaper than math.inf on the hot path
 LabelValues = tuple[str, ...]
 SeriesKey = tuple[str, LabelValues]
 
@@ -29,9 +30,10 @@ class CounterChild:
 
     def inc(self, amount: float = 1) -> None:
         """Add `amount` (finite and not negative)."""
-        if not 0 <= amount < math.inf:  # one chained comparison also refuses NaN
+        if 0 <= amount < _INF:  # one chained comparison also refuses NaN
+            self.value += amount
+        else:
             raise ValueError(f"a counter only adds finite non-negative amounts, got {amount}")
-        self.value += amount
 
     def sample(self) -> dict[str, Any]:
         return {"value": self.value}
@@ -70,10 +72,9 @@ class HistogramChild:
 
     def observe(self, value: float) -> None:
         """Record one observation (inclusive upper bounds, as in Prometheus); NaN/Inf are ignored."""
-        if not -math.inf < value < math.inf:
-            return  # one bad observation must not poison the cumulative sum for good
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
+        if -_INF < value < _INF:  # a NaN/Inf observation must not poison the cumulative sum for good
+            self.counts[bisect_left(self.bounds, value)] += 1
+            self.sum += value
 
     def cumulative(self) -> tuple[list[int], float]:
         """(cumulative counts per bucket including +Inf, sum), read consistently enough."""

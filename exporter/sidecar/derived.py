@@ -31,12 +31,11 @@ def gauge_rollups(state: SidecarState) -> dict[RollupKey, float]:
         return {}
     for rank in state.live_ranks():
         leads = state.groups[rank.group].leader is rank
-        for (family, labels), value in rank.values.items():
-            spec = gauges.get(family)
-            if spec is None or not isinstance(value, float):
-                continue
-            if spec.semantics is Semantics.PER_SHARD or leads:
-                out[(family, rank.static, labels)] += value
+        values = rank.values
+        for key in rank.gauge_keys:
+            family, labels = key
+            if gauges[family].semantics is Semantics.PER_SHARD or leads:
+                out[(family, rank.static, labels)] += values[key]  # type: ignore[operator]
     return dict(out)
 
 
@@ -51,19 +50,19 @@ def bandwidths(
     """Per-rank and rolled-up active bandwidth; a series only where the window saw transfer time."""
     per_rank: list[tuple[FamilySpec, RankState, LabelValues, Bandwidth]] = []
     rolled: dict[RollupKey, list[float]] = {}
-    pairs = state.catalog.bandwidth_pairs()
+    bytes_of = {duration.name: bytes_spec for bytes_spec, duration in state.catalog.bandwidth_pairs()}
     for rank in sorted(state.ranks.values(), key=lambda r: (r.static, r.dp_rank, r.pp_rank, r.tp_rank)):
         inc = increases[id(rank)]
-        for bytes_spec, duration_spec in pairs:
-            for (family, labels), seconds in inc.items():
-                if family != duration_spec.name or seconds <= 0:
-                    continue
-                moved = max(inc.get((bytes_spec.name, labels), 0.0), 0.0)
-                if not rank.expired:
-                    per_rank.append((bytes_spec, rank, labels, Bandwidth(moved, seconds)))
-                acc = rolled.setdefault((bytes_spec.name, rank.static, labels), [0.0, 0.0])
-                acc[0] += moved
-                acc[1] += seconds
+        for (family, labels), seconds in inc.items():
+            bytes_spec = bytes_of.get(family)
+            if bytes_spec is None or seconds <= 0:
+                continue
+            moved = max(inc.get((bytes_spec.name, labels), 0.0), 0.0)
+            if not rank.expired:
+                per_rank.append((bytes_spec, rank, labels, Bandwidth(moved, seconds)))
+            acc = rolled.setdefault((bytes_spec.name, rank.static, labels), [0.0, 0.0])
+            acc[0] += moved
+            acc[1] += seconds
     return per_rank, {key: Bandwidth(b, s) for key, (b, s) in rolled.items() if s > 0}
 
 

@@ -65,11 +65,15 @@ class SidecarCollector(Collector):
         self.namespace = namespace
 
     def collect(self) -> Iterator[Metric]:
-        state = self.state
-        state.tick()
-        ranks = state.exposed_ranks()
+        self.state.tick()
+        ranks = self.state.exposed_ranks()
         rank_labels = {id(r): r.label_dict() for r in ranks}
         yield from self._per_rank(ranks, rank_labels)
+        yield from self.derived(ranks, rank_labels)
+
+    def derived(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
+        """Everything but the per-rank catalog series: rollups, bandwidth, spread, self-metrics."""
+        state = self.state
         yield from self._rollups()
         increases = window_increases(state, state.clock())
         yield from self._bandwidth(increases, rank_labels)

@@ -37,8 +37,8 @@ def build_app(sidecar: "Sidecar") -> web.Application:
 async def _metrics(request: web.Request) -> web.Response:
     sidecar = request.app[SIDECAR_KEY]
     started = time.perf_counter()
-    encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-    body = encoder(sidecar.registry)
+    _, content_type = choose_encoder(request.headers.get("Accept", ""))  # prometheus_client's negotiation
+    body = sidecar.renderer.render(openmetrics=content_type.startswith("application/openmetrics-text"))
     sidecar.stats.scrape_duration.observe(time.perf_counter() - started)
     headers = {"Content-Type": content_type}
     if "gzip" in request.headers.get("Accept-Encoding", ""):

@@ -46,6 +46,7 @@ class RankState:
     last_push_wall: float | None = None
     snapshots: int = 0
     values: dict[SeriesKey, Value] = field(default_factory=dict)
+    gauge_keys: set[SeriesKey] = field(default_factory=set)  # which of `values` are gauges
     totals: Totals = field(default_factory=dict)  # windowed series: sums of deltas across epochs
     # After taking over leadership: the replicated series whose baseline has been seen since.
     # Each series' first value after a takeover is a baseline, never a delta (None: no takeover).

@@ -16,6 +16,7 @@ from exporter.config import SidecarConfig
 from exporter.sidecar.exposition import SidecarCollector
 from exporter.sidecar.http import build_app
 from exporter.sidecar.ingest import IngestServer
+from exporter.sidecar.render import TextRenderer
 from exporter.sidecar.security import server_ssl_context
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import SidecarStats
@@ -32,8 +33,12 @@ class Sidecar:
         self.catalog = catalog or load_catalog(config.metrics.catalog)
         self.stats = SidecarStats()
         self.state = SidecarState(self.catalog, config.ranks, config.rollup.window_seconds, clock=clock)
+        collector = SidecarCollector(self.state, self.stats, config.metrics.namespace)
+        # The registry is the reference exposition (prometheus_client's own); /metrics is served by
+        # the renderer, which caches each rank's lines and gives the same samples much faster.
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(SidecarCollector(self.state, self.stats, config.metrics.namespace))
+        self.registry.register(collector)
+        self.renderer = TextRenderer(collector)
         self.ingest = IngestServer(config.ingest, self.state, self.stats)
         self._runner: web.AppRunner | None = None
         self._housekeeping: asyncio.Task[None] | None = None

@@ -13,16 +13,15 @@ Rollup counters are sums of per-rank deltas, so they never decrease while the si
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from exporter.catalog import Catalog, FamilySpec, MetricType, Semantics
+from exporter.catalog import Catalog, MetricType, Semantics
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode, ProtocolError, SampleRejected
 from exporter.labels import label_name_problem
-from exporter.protocol.messages import Hello, HistogramSample, ScalarSample, Snapshot
+from exporter.protocol.messages import Hello, Sample, Snapshot
 from exporter.sidecar.ranks import RankIdentity, RankState
 from exporter.sidecar.series import (
     GroupKey,
@@ -70,6 +69,19 @@ class ReplicaGroup:
         return self.leader
 
 
+@dataclass(frozen=True, slots=True)
+class _FamilyPlan:
+    """What applying a sample of one family needs, worked out once from the catalog."""
+
+    name: str
+    kind: MetricType
+    per_shard: bool
+    windowed: bool
+    labels: tuple[str, ...]
+    n_buckets: int
+    bounds: list[float | str]
+
+
 class RollupStore:
     """Accumulated rollup counters and histograms, keyed by family, static labels and labels."""
 
@@ -115,6 +127,13 @@ class SidecarState:
             | {f.name for f in catalog if f.type is MetricType.COUNTER and f.semantics is Semantics.REPLICATED}
         )
         self._family_labels = {name for f in catalog for name in f.labels}
+        self._plans = {
+            f.name: _FamilyPlan(
+                name=f.name, kind=f.type, per_shard=f.semantics is Semantics.PER_SHARD, windowed=f.name in self.windowed,
+                labels=f.labels, n_buckets=len(f.buckets or ()) + 1, bounds=[*(f.buckets or ()), "+Inf"],
+            )
+            for f in catalog
+        }
 
     # --- hello / disconnect ---
 
@@ -152,6 +171,7 @@ class SidecarState:
             rank.epoch = msg.epoch
             self.total_series -= len(rank.values)
             rank.values.clear()  # the new epoch counts from zero
+            rank.gauge_keys.clear()
             rank.baselined = None
             rank.seq = -1
             rank.restarts += 1
@@ -245,131 +265,133 @@ class SidecarState:
         self.generation += 1
         return result
 
-    def _apply(self, rank: RankState, sample: ScalarSample | HistogramSample, leads: bool) -> None:
-        spec = self.catalog.find(sample.family)
-        if spec is None:
-            raise SampleRejected(ErrorCode.UNKNOWN_FAMILY, f"family {sample.family!r} is not in the catalog")
-        label_values = self._label_values(spec, sample.labels)
-        key: SeriesKey = (spec.name, label_values)
-        previous = rank.values.get(key)
+    def _apply(self, rank: RankState, sample: Sample, leads: bool) -> None:
+        family = sample["family"]
+        plan = self._plans.get(family)
+        if plan is None:
+            raise SampleRejected(ErrorCode.UNKNOWN_FAMILY, f"family {family!r} is not in the catalog")
+        label_values = self._label_values(plan, sample.get("labels") or {})
+        key: SeriesKey = (family, label_values)
+        values = rank.values
+        previous = values.get(key)
         if previous is None:
-            if len(rank.values) >= self.config.max_series_per_rank:
-                raise SampleRejected(
-                    ErrorCode.SERIES_LIMIT,
-                    f"rank {rank.describe()} already has {self.config.max_series_per_rank} series (max_series_per_rank)",
-                )
-            if self.total_series >= self.config.max_series_total:
-                raise SampleRejected(
-                    ErrorCode.SERIES_LIMIT,
-                    f"the sidecar already holds {self.config.max_series_total} series (max_series_total)",
-                )
-        if spec.semantics is Semantics.PER_SHARD:
-            counted = True
-        else:
-            counted = leads and (rank.baselined is None or key in rank.baselined)
-        rollup_key: RollupKey = (spec.name, rank.static, label_values)
-        if spec.type is MetricType.HISTOGRAM:
-            if not isinstance(sample, HistogramSample):
-                raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{spec.name!r} is a histogram: send buckets, sum and count")
-            self._apply_histogram(rank, spec, key, rollup_key, sample, previous, counted)
+            self._check_series_room(rank)
+        counted = plan.per_shard or (leads and (rank.baselined is None or key in rank.baselined))
+        if plan.kind is MetricType.HISTOGRAM:
+            if "buckets" not in sample:
+                raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{family!r} is a histogram: send buckets, sum and count")
+            self._apply_histogram(rank, plan, key, sample, previous, counted)
             return
-        if not isinstance(sample, ScalarSample):
-            raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{spec.name!r} is a {spec.type.value}: send a value")
-        value = sample.value
-        if spec.type is MetricType.GAUGE:
+        if "value" not in sample:
+            raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{family!r} is a {plan.kind.value}: send a value")
+        value = sample["value"]
+        if value == previous and (rank.baselined is None or plan.per_shard):
+            return  # unchanged since the last snapshot: nothing to add, the common case when idle
+        if plan.kind is MetricType.GAUGE:
             self._store(rank, key, value)
+            rank.gauge_keys.add(key)
             return
         if value < 0:
-            raise SampleRejected(ErrorCode.INVALID_VALUE, f"counter {spec.name!r} is negative ({value})")
-        before = previous if isinstance(previous, float) else 0.0
-        if value < before:
+            raise SampleRejected(ErrorCode.INVALID_VALUE, f"counter {family!r} is negative ({value})")
+        before = previous if previous is not None else 0.0
+        if value < before:  # type: ignore[operator]
             raise SampleRejected(
                 ErrorCode.COUNTER_DECREASED,
-                f"counter {spec.name!r}{dict(zip(spec.labels, label_values))} went down from {before} to {value} "
+                f"counter {family!r}{dict(zip(plan.labels, label_values))} went down from {before} to {value} "
                 "within one epoch; a restarted process must say hello with a new epoch",
             )
-        delta = value - before
+        delta = value - before  # type: ignore[operator]
         self._store(rank, key, value)
-        self._baseline_seen(rank, spec, key)
-        if spec.name in self.windowed:
+        if rank.baselined is not None and not plan.per_shard:
+            rank.baselined.add(key)
+        if plan.windowed:
             rank.totals[key] = rank.totals.get(key, 0.0) + delta
-        self.rollups.add_counter(rollup_key, delta if counted else 0.0)
+        rollup_key: RollupKey = (family, rank.static, label_values)
+        counters = self.rollups.counters
+        counters[rollup_key] = counters.get(rollup_key, 0.0) + (delta if counted else 0.0)
+
+    def _check_series_room(self, rank: RankState) -> None:
+        if len(rank.values) >= self.config.max_series_per_rank:
+            raise SampleRejected(
+                ErrorCode.SERIES_LIMIT,
+                f"rank {rank.describe()} already has {self.config.max_series_per_rank} series (max_series_per_rank)",
+            )
+        if self.total_series >= self.config.max_series_total:
+            raise SampleRejected(
+                ErrorCode.SERIES_LIMIT,
+                f"the sidecar already holds {self.config.max_series_total} series (max_series_total)",
+            )
 
     def _apply_histogram(
-        self,
-        rank: RankState,
-        spec: FamilySpec,
-        key: SeriesKey,
-        rollup_key: RollupKey,
-        sample: HistogramSample,
-        previous: object,
-        counted: bool,
+        self, rank: RankState, plan: "_FamilyPlan", key: SeriesKey, sample: Sample, previous: object, counted: bool
     ) -> None:
-        assert spec.buckets is not None
-        expected = len(spec.buckets) + 1
-        buckets = sample.buckets
-        if len(buckets) != expected:
+        name = plan.name
+        buckets = sample["buckets"]
+        if len(buckets) != plan.n_buckets:
             raise SampleRejected(
                 ErrorCode.BUCKET_MISMATCH,
-                f"{spec.name!r} has {expected} buckets (catalog), the sample has {len(buckets)}",
+                f"{name!r} has {plan.n_buckets} buckets (catalog), the sample has {len(buckets)}",
             )
-        for (bound, _), want in zip(buckets, (*spec.buckets, "+Inf")):
-            if bound != want:
-                raise SampleRejected(
-                    ErrorCode.BUCKET_MISMATCH,
-                    f"{spec.name!r}: bucket bound {bound!r} where the catalog has {want!r}",
-                )
-        counts = tuple(count for _, count in buckets)
-        if counts[0] < 0:
-            raise SampleRejected(ErrorCode.INVALID_VALUE, f"{spec.name!r}: bucket counts must not be negative")
-        if any(later < earlier for earlier, later in zip(counts, counts[1:])):
-            raise SampleRejected(ErrorCode.BUCKET_MISMATCH, f"{spec.name!r}: bucket counts are not cumulative")
-        if counts[-1] != sample.count:
+        bounds = [bound for bound, _ in buckets]
+        if bounds != plan.bounds:
+            bad = next((b, w) for b, w in zip(bounds, plan.bounds) if b != w)
             raise SampleRejected(
-                ErrorCode.BUCKET_MISMATCH,
-                f"{spec.name!r}: the +Inf bucket ({counts[-1]}) must equal count ({sample.count})",
+                ErrorCode.BUCKET_MISMATCH, f"{name!r}: bucket bound {bad[0]!r} where the catalog has {bad[1]!r}"
             )
-        if not math.isfinite(sample.sum):
-            raise SampleRejected(ErrorCode.INVALID_VALUE, f"{spec.name!r}: sum is not finite")
+        counts = tuple([count for _, count in buckets])
+        total = sample["sum"]
         before = previous if isinstance(previous, HistValue) else None
-        if before is not None and any(now < was for now, was in zip(counts, before.counts)):
+        if before is not None and counts == before.counts:
+            if total != before.sum:
+                raise SampleRejected(ErrorCode.INVALID_VALUE, f"histogram {name!r}: sum changed without new observations")
+            if rank.baselined is None or plan.per_shard:
+                return  # nothing new: the common case of an idle histogram
+        if counts[0] < 0:
+            raise SampleRejected(ErrorCode.INVALID_VALUE, f"{name!r}: bucket counts must not be negative")
+        if counts[-1] != sample["count"]:
             raise SampleRejected(
-                ErrorCode.COUNTER_DECREASED,
-                f"histogram {spec.name!r} bucket counts went down within one epoch",
+                ErrorCode.BUCKET_MISMATCH,
+                f"{name!r}: the +Inf bucket ({counts[-1]}) must equal count ({sample['count']})",
             )
-        if before is not None and counts == before.counts and sample.sum != before.sum:
-            raise SampleRejected(
-                ErrorCode.INVALID_VALUE, f"histogram {spec.name!r}: sum changed without new observations"
-            )
-        deltas = [float(c) for c in counts] if before is None else [float(n - w) for n, w in zip(counts, before.counts)]
-        dsum = sample.sum - (before.sum if before is not None else 0.0)
-        self._store(rank, key, HistValue(counts, sample.sum))
-        self._baseline_seen(rank, spec, key)
-        if spec.name in self.windowed:
+        earlier = 0
+        for count in counts:
+            if count < earlier:
+                raise SampleRejected(ErrorCode.BUCKET_MISMATCH, f"{name!r}: bucket counts are not cumulative")
+            earlier = count
+        if before is not None:
+            deltas = [float(n - w) for n, w in zip(counts, before.counts)]
+            if min(deltas) < 0:
+                raise SampleRejected(ErrorCode.COUNTER_DECREASED, f"histogram {name!r} bucket counts went down within one epoch")
+        else:
+            deltas = [float(c) for c in counts]
+        dsum = total - (before.sum if before is not None else 0.0)
+        self._store(rank, key, HistValue(counts, total))
+        if rank.baselined is not None and not plan.per_shard:
+            rank.baselined.add(key)
+        if plan.windowed:
             rank.totals[key] = rank.totals.get(key, 0.0) + dsum
-        self.rollups.add_histogram(rollup_key, expected, deltas if counted else None, dsum)
+        self.rollups.add_histogram((name, rank.static, key[1]), plan.n_buckets, deltas if counted else None, dsum)
+
+    def _label_values(self, plan: "_FamilyPlan", labels: dict[str, str]) -> tuple[str, ...]:
+        names = plan.labels
+        try:
+            values = tuple([labels[name] for name in names])
+        except KeyError:
+            values = ()
+        if len(values) != len(names) or len(labels) != len(names):
+            raise SampleRejected(
+                ErrorCode.WRONG_LABELS, f"{plan.name!r} takes labels {list(names)}, got {sorted(labels)}"
+            )
+        limit = self.config.max_label_value_length
+        for value in values:
+            if len(value) > limit:
+                raise SampleRejected(ErrorCode.WRONG_LABELS, f"{plan.name!r}: a label value is longer than {limit} characters")
+        return values
 
     def _store(self, rank: RankState, key: SeriesKey, value: float | HistValue) -> None:
         if key not in rank.values:
             self.total_series += 1
         rank.values[key] = value
-
-    @staticmethod
-    def _baseline_seen(rank: RankState, spec: FamilySpec, key: SeriesKey) -> None:
-        if rank.baselined is not None and spec.semantics is Semantics.REPLICATED:
-            rank.baselined.add(key)
-
-    def _label_values(self, spec: FamilySpec, labels: dict[str, str]) -> tuple[str, ...]:
-        if len(labels) != len(spec.labels) or any(name not in labels for name in spec.labels):
-            raise SampleRejected(
-                ErrorCode.WRONG_LABELS,
-                f"{spec.name!r} takes labels {list(spec.labels)}, got {sorted(labels)}",
-            )
-        values = tuple(labels[name] for name in spec.labels)
-        limit = self.config.max_label_value_length
-        if any(len(v) > limit for v in values):
-            raise SampleRejected(ErrorCode.WRONG_LABELS, f"{spec.name!r}: a label value is longer than {limit} characters")
-        return values
 
     # --- time ---
 

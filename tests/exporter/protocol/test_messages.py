@@ -15,9 +15,8 @@ from exporter.protocol.messages import (
     Bye,
     ErrorMessage,
     Hello,
-    HistogramSample,
-    ScalarSample,
     Snapshot,
+    is_histogram,
     parse_client_message,
     parse_server_message,
 )
@@ -118,14 +117,14 @@ def test_design_snapshot_parses():
     assert message.seq == 17
     assert message.time == 1764400000.25
     tokens, nbytes, duration, used = message.samples
-    assert isinstance(tokens, ScalarSample)
-    assert (tokens.family, tokens.labels, tokens.value) == ("load_back_tokens_total", {"pool": "kv"}, 4096)
-    assert isinstance(nbytes, ScalarSample) and nbytes.value == 8388608 and nbytes.labels == {}
-    assert isinstance(duration, HistogramSample)
-    assert duration.family == "load_back_duration_seconds"
-    assert [tuple(b) for b in duration.buckets] == [(0.001, 3), (0.01, 9), ("+Inf", 12)]
-    assert duration.sum == 0.08 and duration.count == 12
-    assert isinstance(used, ScalarSample) and used.family == "hicache_host_used_tokens" and used.value == 512
+    assert not is_histogram(tokens)
+    assert (tokens["family"], tokens["labels"], tokens["value"]) == ("load_back_tokens_total", {"pool": "kv"}, 4096)
+    assert not is_histogram(nbytes) and nbytes["value"] == 8388608 and nbytes["labels"] == {}
+    assert is_histogram(duration)
+    assert duration["family"] == "load_back_duration_seconds"
+    assert [tuple(b) for b in duration["buckets"]] == [(0.001, 3), (0.01, 9), ("+Inf", 12)]
+    assert duration["sum"] == 0.08 and duration["count"] == 12
+    assert not is_histogram(used) and used["family"] == "hicache_host_used_tokens" and used["value"] == 512
 
 
 def test_design_bye_parses():
@@ -145,7 +144,7 @@ def test_epoch_of_1_to_64_chars_is_accepted(epoch):
 
 def test_integer_bucket_bound_is_a_number():
     message = parse_client_message(dumps(snapshot(histogram([[1, 1], [5, 2], ["+Inf", 3]], count=3))))
-    assert [tuple(b) for b in message.samples[0].buckets] == [(1.0, 1), (5.0, 2), ("+Inf", 3)]
+    assert [tuple(b) for b in message.samples[0]["buckets"]] == [(1.0, 1), (5.0, 2), ("+Inf", 3)]
 
 
 def test_design_error_and_welcome_parse_on_the_rank_side():

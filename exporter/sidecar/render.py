@@ -1,0 +1,130 @@
+"""Fast text exposition (Prometheus 0.0.4 and OpenMetrics 1.0) of the sidecar's state.
+
+The per-rank catalog series are most of a scrape: each rank's lines are rendered once after it
+pushes and reused until it pushes again, so a scrape only formats what changed. Rollups, derived
+gauges and self-metrics are few, and are formatted from the collector's Metric objects with a
+lean formatter. The output parses to exactly the samples prometheus_client's own exposition of
+`SidecarCollector` gives (tests/exporter/sidecar/test_render.py holds the two side by side).
+"""
+
+from __future__ import annotations
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.utils import floatToGoString
+
+from exporter.catalog import FamilySpec, MetricType
+from exporter.sidecar.exposition import SidecarCollector
+from exporter.sidecar.ranks import RankState
+from exporter.sidecar.series import HistValue
+
+SUFFIX = {MetricType.COUNTER: "_total", MetricType.GAUGE: "", MetricType.HISTOGRAM: ""}
+
+
+def escape_label_value(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def label_text(labels: dict[str, str]) -> str:
+    """`name="value",...` with values escaped (names are valid by construction)."""
+    return ",".join(f'{name}="{escape_label_value(value)}"' for name, value in labels.items())
+
+
+def header(name: str, kind: str, help_text: str, openmetrics: bool) -> str:
+    """HELP and TYPE lines; counters are named with `_total` in 0.0.4 and without it in OpenMetrics."""
+    help_text = help_text.replace("\\", "\\\\").replace("\n", "\\n")
+    if openmetrics:
+        help_text = help_text.replace('"', '\\"')
+    elif kind == "counter":
+        name += "_total"
+    return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n"
+
+
+def format_metric(metric: Metric, openmetrics: bool) -> str:
+    """One collector Metric, header and samples."""
+    lines = [header(metric.name, metric.type, metric.documentation, openmetrics)]
+    for sample in metric.samples:
+        labels = label_text(sample.labels)
+        value = floatToGoString(sample.value)
+        lines.append(f"{sample.name}{{{labels}}} {value}\n" if labels else f"{sample.name} {value}\n")
+    return "".join(lines)
+
+
+class _RankLines:
+    """One rank's rendered lines per family, valid while the rank has not pushed again."""
+
+    __slots__ = ("version", "families")
+
+    def __init__(self, version: tuple[int, int, str], families: dict[str, str]) -> None:
+        self.version = version
+        self.families = families
+
+
+class TextRenderer:
+    """Renders /metrics bodies, caching per-rank lines between that rank's snapshots."""
+
+    def __init__(self, collector: SidecarCollector) -> None:
+        self.collector = collector
+        self.state = collector.state
+        self.namespace = collector.namespace
+        self.specs = {spec.name: spec for spec in self.state.catalog}
+        self.exported = {
+            spec.name: self.namespace + (spec.base_name if spec.type is MetricType.COUNTER else spec.name)
+            for spec in self.state.catalog
+        }
+        self.bounds = {
+            spec.name: [floatToGoString(b) for b in spec.buckets] + ["+Inf"]
+            for spec in self.state.catalog if spec.buckets
+        }
+        self._ranks: dict[object, _RankLines] = {}
+        self._family_labels: dict[tuple[str, tuple[str, ...]], str] = {}
+
+    def render(self, openmetrics: bool = False) -> bytes:
+        state = self.state
+        state.tick()
+        ranks = state.exposed_ranks()
+        live = {rank.identity for rank in ranks}
+        for identity in [i for i in self._ranks if i not in live]:
+            del self._ranks[identity]  # expired or forgotten: drop its cached lines
+        per_rank = [self._rank_lines(rank) for rank in ranks]
+        parts: list[str] = []
+        for spec in state.catalog:
+            parts.append(header(self.exported[spec.name], spec.type.value, spec.help, openmetrics))
+            parts.extend(lines.families.get(spec.name, "") for lines in per_rank)
+        rank_labels = {id(r): r.label_dict() for r in ranks}
+        parts.extend(format_metric(metric, openmetrics) for metric in self.collector.derived(ranks, rank_labels))
+        if openmetrics:
+            parts.append("# EOF\n")
+        return "".join(parts).encode()
+
+    def _rank_lines(self, rank: RankState) -> _RankLines:
+        version = (id(rank), rank.snapshots, rank.epoch)
+        cached = self._ranks.get(rank.identity)
+        if cached is not None and cached.version == version:
+            return cached
+        base = label_text(rank.label_dict())
+        families: dict[str, list[str]] = {}
+        for (family, values), value in rank.values.items():
+            spec = self.specs[family]
+            labels = self._labels_of(spec, values) + base
+            out = families.setdefault(family, [])
+            name = self.exported[family]
+            if isinstance(value, HistValue):
+                for bound, count in zip(self.bounds[family], value.counts):
+                    out.append(f'{name}_bucket{{{labels},le="{bound}"}} {floatToGoString(count)}\n')
+                out.append(f"{name}_count{{{labels}}} {floatToGoString(value.counts[-1])}\n")
+                out.append(f"{name}_sum{{{labels}}} {floatToGoString(value.sum)}\n")
+            else:
+                out.append(f"{name}{SUFFIX[spec.type]}{{{labels}}} {floatToGoString(value)}\n")
+        lines = _RankLines(version, {family: "".join(chunk) for family, chunk in families.items()})
+        self._ranks[rank.identity] = lines
+        return lines
+
+    def _labels_of(self, spec: FamilySpec, values: tuple[str, ...]) -> str:
+        """The family's own labels as text, with the separator before the rank labels."""
+        key = (spec.name, values)
+        text = self._family_labels.get(key)
+        if text is None:
+            text = "".join(f'{name}="{escape_label_value(value)}",' for name, value in zip(spec.labels, values))
+            if len(self._family_labels) < 100_000:
+                self._family_labels[key] = text
+        return text

@@ -1,10 +1,11 @@
 # Two commands: `make demo` runs the sidecar with simulated ranks; `make test` runs the tests.
+# `make bench` runs the benchmarks (`make bench BENCH_ARGS=--quick` for a short pass).
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test serve venv clean
+.PHONY: demo test bench serve venv clean
 
 venv: $(STAMP)
 
@@ -22,6 +23,17 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# Every benchmark, one table of ratios against anchors measured in the same run (a few minutes on
+# 2 cores); writes bench/results/latest.json and bench/results/scrape_vs_ranks.png.
+BENCH_STAMP := $(VENV)/.installed-bench
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[cache,test,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) -m bench.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

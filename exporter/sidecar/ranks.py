@@ -45,6 +45,7 @@ class RankState:
     last_activity: float = 0.0  # monotonic time of the last hello or snapshot
     last_push_wall: float | None = None
     snapshots: int = 0
+    version: int = 0  # bumped whenever `values` changes: exposition caches key on it
     values: dict[SeriesKey, Value] = field(default_factory=dict)
     gauge_keys: set[SeriesKey] = field(default_factory=set)  # which of `values` are gauges
     totals: Totals = field(default_factory=dict)  # windowed series: sums of deltas across epochs

@@ -15,7 +15,7 @@ from prometheus_client.utils import floatToGoString
 from exporter.catalog import FamilySpec, MetricType
 from exporter.sidecar.exposition import SidecarCollector
 from exporter.sidecar.ranks import RankState
-from exporter.sidecar.series import HistValue
+from exporter.sidecar.series import HistValue, SeriesKey
 
 SUFFIX = {MetricType.COUNTER: "_total", MetricType.GAUGE: "", MetricType.HISTOGRAM: ""}
 
@@ -50,13 +50,15 @@ def format_metric(metric: Metric, openmetrics: bool) -> str:
 
 
 class _RankLines:
-    """One rank's rendered lines per family, valid while the rank has not pushed again."""
+    """One rank's rendered lines per family, valid while its values have not changed, and the
+    per-series line prefixes (name and labels), valid for as long as the rank exists."""
 
-    __slots__ = ("version", "families")
+    __slots__ = ("version", "families", "prefixes")
 
-    def __init__(self, version: tuple[int, int, str], families: dict[str, str]) -> None:
-        self.version = version
-        self.families = families
+    def __init__(self) -> None:
+        self.version: tuple[int, int, str] | None = None
+        self.families: dict[str, str] = {}
+        self.prefixes: dict[SeriesKey, tuple[str, ...]] = {}
 
 
 class TextRenderer:
@@ -97,27 +99,44 @@ class TextRenderer:
         return "".join(parts).encode()
 
     def _rank_lines(self, rank: RankState) -> _RankLines:
-        version = (id(rank), rank.snapshots, rank.epoch)
         cached = self._ranks.get(rank.identity)
-        if cached is not None and cached.version == version:
+        if cached is None:
+            cached = self._ranks[rank.identity] = _RankLines()
+        version = (id(rank), rank.version, rank.epoch)
+        if cached.version == version:
             return cached
-        base = label_text(rank.label_dict())
+        prefixes = cached.prefixes
         families: dict[str, list[str]] = {}
-        for (family, values), value in rank.values.items():
-            spec = self.specs[family]
-            labels = self._labels_of(spec, values) + base
-            out = families.setdefault(family, [])
-            name = self.exported[family]
+        for key, value in rank.values.items():
+            parts = prefixes.get(key)
+            if parts is None:
+                parts = prefixes[key] = self._prefixes(rank, key)
+            out = families.get(key[0])
+            if out is None:
+                out = families[key[0]] = []
+            # Values are finite (the protocol refuses NaN/Inf), so repr() is an exact, parseable and
+            # much cheaper rendering than floatToGoString; `le` bounds keep Go's canonical spelling.
             if isinstance(value, HistValue):
-                for bound, count in zip(self.bounds[family], value.counts):
-                    out.append(f'{name}_bucket{{{labels},le="{bound}"}} {floatToGoString(count)}\n')
-                out.append(f"{name}_count{{{labels}}} {floatToGoString(value.counts[-1])}\n")
-                out.append(f"{name}_sum{{{labels}}} {floatToGoString(value.sum)}\n")
+                counts = value.counts
+                out.extend([prefix + repr(count) for prefix, count in zip(parts, counts)])
+                out.append(parts[-2] + repr(counts[-1]))
+                out.append(parts[-1] + repr(value.sum))
             else:
-                out.append(f"{name}{SUFFIX[spec.type]}{{{labels}}} {floatToGoString(value)}\n")
-        lines = _RankLines(version, {family: "".join(chunk) for family, chunk in families.items()})
-        self._ranks[rank.identity] = lines
-        return lines
+                out.append(parts[0] + repr(value))
+        cached.version = version
+        cached.families = {family: "\n".join(chunk) + "\n" for family, chunk in families.items()}
+        return cached
+
+    def _prefixes(self, rank: RankState, key: SeriesKey) -> tuple[str, ...]:
+        """`name{labels} ` for each line of one series (every bucket, count and sum of a histogram)."""
+        family, values = key
+        spec = self.specs[family]
+        labels = self._labels_of(spec, values) + label_text(rank.label_dict())
+        name = self.exported[family]
+        if spec.type is not MetricType.HISTOGRAM:
+            return (f"{name}{SUFFIX[spec.type]}{{{labels}}} ",)
+        buckets = tuple(f'{name}_bucket{{{labels},le="{bound}"}} ' for bound in self.bounds[family])
+        return (*buckets, f"{name}_count{{{labels}}} ", f"{name}_sum{{{labels}}} ")
 
     def _labels_of(self, spec: FamilySpec, values: tuple[str, ...]) -> str:
         """The family's own labels as text, with the separator before the rank labels."""

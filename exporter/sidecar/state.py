@@ -171,6 +171,7 @@ class SidecarState:
             rank.epoch = msg.epoch
             self.total_series -= len(rank.values)
             rank.values.clear()  # the new epoch counts from zero
+            rank.version += 1
             rank.gauge_keys.clear()
             rank.baselined = None
             rank.seq = -1
@@ -270,7 +271,11 @@ class SidecarState:
         plan = self._plans.get(family)
         if plan is None:
             raise SampleRejected(ErrorCode.UNKNOWN_FAMILY, f"family {family!r} is not in the catalog")
-        label_values = self._label_values(plan, sample.get("labels") or {})
+        labels = sample.get("labels")
+        if plan.labels or labels:
+            label_values = self._label_values(plan, labels or {})
+        else:
+            label_values = ()  # most families have no labels of their own: skip the checks
         key: SeriesKey = (family, label_values)
         values = rank.values
         previous = values.get(key)
@@ -306,9 +311,12 @@ class SidecarState:
             rank.baselined.add(key)
         if plan.windowed:
             rank.totals[key] = rank.totals.get(key, 0.0) + delta
-        rollup_key: RollupKey = (family, rank.static, label_values)
         counters = self.rollups.counters
-        counters[rollup_key] = counters.get(rollup_key, 0.0) + (delta if counted else 0.0)
+        if counted:
+            rollup_key: RollupKey = (family, rank.static, label_values)
+            counters[rollup_key] = counters.get(rollup_key, 0.0) + delta
+        elif previous is None:
+            counters.setdefault((family, rank.static, label_values), 0.0)  # the rollup series exists from the start
 
     def _check_series_room(self, rank: RankState) -> None:
         if len(rank.values) >= self.config.max_series_per_rank:
@@ -392,6 +400,7 @@ class SidecarState:
         if key not in rank.values:
             self.total_series += 1
         rank.values[key] = value
+        rank.version += 1
 
     # --- time ---
 

@@ -1,0 +1,345 @@
+"""Scrape: /metrics latency of the sidecar against prometheus_client's MultiProcessCollector.
+
+    python -m bench.scrape [--ranks 16,64,128,256] [--repeats 100] [--budget 6] [--json FILE] [--plot FILE]
+
+Sidecar: a real `serve` process fed over its Unix socket by raw-protocol ranks, each holding the
+full catalog (every family and label set with a value: 39 series, 156 sample lines per rank).
+Before each timed GET every rank pushes a new snapshot with every value moved, and the bench
+waits (on /api/v1/ranks, untimed) until the sidecar has applied them all: as between two real
+scrapes, whose interval (15 s or more) exceeds the 1 s push interval, so nothing rendered for the
+previous scrape can be reused. Latency is client-side: HTTP request to the last byte of the body,
+over a kept-alive connection. The JSON rows also carry `unchanged_p50_ms`: scrapes with no push
+in between (the best case, when the sidecar can reuse what it rendered).
+
+Anchor: in a subprocess with PROMETHEUS_MULTIPROC_DIR set before prometheus_client is imported,
+one forked process per rank creates the same series (Counter, Gauge with
+multiprocess_mode="livesum", Histogram with the catalog's buckets; labels tp_rank, pp_rank,
+dp_rank, cache_type plus the family's own), gives every one a value and exits, leaving its .db
+files. `generate_latest(registry)` with a MultiProcessCollector over a directory holding the first
+N processes' files is timed in a fresh interpreter (in-process, no HTTP, which favours the anchor).
+For each rank count the anchor and the sidecar are timed back to back, so that the machine's
+noise at that moment hits both.
+
+Each (contender, rank count) gets `repeats` timed scrapes, fewer when one scrape is slow, so
+that it takes about `budget` seconds (never fewer than 7). p99 is nearest-rank: with fewer than
+100 samples it is the slowest scrape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from exporter.catalog import MetricType, default_catalog
+
+from bench.common import (NAMESPACE, advance, REPO_ROOT, STATIC_LABELS, RawRank, Sidecar, child_env, label_sets,
+                          percentile, progress_printer, rank_id, row, series_count)
+
+GOAL_SPEEDUP = 20.0
+GOAL_RANKS = (64, 256)
+MIN_REPEATS = 7
+
+
+def _reps(first_s: float, repeats: int, budget_s: float) -> int:
+    return max(min(repeats, MIN_REPEATS), min(repeats, int(budget_s / max(first_s, 1e-6))))
+
+
+# --- the anchor: MultiProcessCollector over real processes' files ---
+
+def _mp_rank_process(index: int) -> None:
+    """Runs in a forked child: create the full catalog as prometheus_client metrics, give values, exit."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    rng = random.Random(index)
+    rank = {k: str(v) for k, v in rank_id(index).items()}
+    base = {**rank, **STATIC_LABELS}
+    for spec in default_catalog():
+        names = [*base, *spec.labels]
+        name = NAMESPACE + spec.name
+        if spec.type is MetricType.COUNTER:
+            metric: Any = Counter(name, spec.help, names, registry=None)
+        elif spec.type is MetricType.GAUGE:
+            metric = Gauge(name, spec.help, names, registry=None, multiprocess_mode="livesum")
+        else:
+            metric = Histogram(name, spec.help, names, registry=None, buckets=spec.buckets)
+        for labels in label_sets(spec):
+            advance(spec, metric.labels(**base, **labels), rng)  # prometheus_client children share the API
+
+
+def _mp_prepare(root: str, counts: list[int], progress: bool) -> None:
+    """Runs in a subprocess whose PROMETHEUS_MULTIPROC_DIR is `root`/all: fork the rank processes,
+    then give each rank count N a directory `root`/ranks_N holding (hard links to) the first N's files."""
+    say = progress_printer(progress, "scrape/multiprocess")
+    import prometheus_client
+
+    all_dir = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    assert prometheus_client.values.ValueClass.__name__ != "MutexValue", "not in multiprocess mode"
+    total = max(counts)
+    say(f"forking {total} rank processes that write their .db files ...")
+    pids: list[int] = []
+    running: set[int] = set()
+    for index in range(total):
+        while len(running) >= 8:
+            pid, status = os.wait()
+            running.discard(pid)
+            if status:
+                raise RuntimeError(f"a rank process failed with status {status}")
+        pid = os.fork()
+        if pid == 0:  # the rank process
+            code = 0
+            try:
+                _mp_rank_process(index)
+            except BaseException:  # noqa: BLE001 - report and exit, never return into the parent's code
+                import traceback
+                traceback.print_exc()
+                code = 1
+            os._exit(code)
+        pids.append(pid)
+        running.add(pid)
+    for pid in running:
+        _, status = os.waitpid(pid, 0)
+        if status:
+            raise RuntimeError(f"a rank process failed with status {status}")
+    files = {pid: sorted(all_dir.glob(f"*_{pid}.db")) for pid in pids}
+    if any(len(found) != 3 for found in files.values()):
+        raise RuntimeError("each rank process should leave counter, gauge_livesum and histogram files")
+    for count in counts:
+        sub = Path(root) / f"ranks_{count}"
+        sub.mkdir()
+        for pid in pids[:count]:
+            for path in files[pid]:
+                os.link(path, sub / path.name)
+
+
+def _mp_time(repeats: int, budget_s: float) -> dict[str, Any]:
+    """Runs in a subprocess whose PROMETHEUS_MULTIPROC_DIR is one ranks_N directory: time its scrapes."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)  # reads PROMETHEUS_MULTIPROC_DIR, as an engine's /metrics handler does
+    started = time.perf_counter()
+    text = generate_latest(registry)
+    first = time.perf_counter() - started
+    latencies = []
+    for _ in range(_reps(first, repeats, budget_s)):
+        started = time.perf_counter()
+        generate_latest(registry)
+        latencies.append(time.perf_counter() - started)
+    return {"latencies": latencies, "series": series_count(text.decode()), "bytes": len(text),
+            "files": len(os.listdir(os.environ["PROMETHEUS_MULTIPROC_DIR"]))}
+
+
+def _mp_subprocess(args: list[str], multiproc_dir: Path, progress: bool) -> str:
+    proc = subprocess.run([sys.executable, "-m", "bench.scrape", *args] + ([] if progress else ["--quiet"]),
+                          env=child_env(PROMETHEUS_MULTIPROC_DIR=str(multiproc_dir)), cwd=REPO_ROOT,
+                          stdout=subprocess.PIPE, text=True, timeout=900)
+    if proc.returncode:
+        raise RuntimeError(f"the multiprocess anchor failed (exit {proc.returncode}): {args}")
+    return proc.stdout
+
+
+# --- the sidecar ---
+
+class SidecarStages:
+    """One sidecar, fed rank by rank: `stage(count)` connects ranks up to `count` and times scrapes."""
+
+    def __init__(self, sidecar: Sidecar, repeats: int, budget_s: float, say: Any) -> None:
+        self.sidecar = sidecar
+        self.repeats = repeats
+        self.budget_s = budget_s
+        self.say = say
+        self.ranks: list[RawRank] = []
+        self.pushed = 0
+
+    def _push_all(self) -> None:
+        for rank in self.ranks:
+            rank.push()
+        self.pushed += len(self.ranks)
+
+    def stage(self, count: int) -> dict[str, Any]:
+        sidecar = self.sidecar
+        self.say(f"sidecar: connecting ranks {len(self.ranks)}..{count - 1} and pushing full snapshots ...")
+        while len(self.ranks) < count:
+            self.ranks.append(RawRank(sidecar.socket_path, len(self.ranks)))
+        started = time.perf_counter()
+        self._push_all()
+        sidecar.wait_applied(self.pushed)
+        round_s = time.perf_counter() - started
+        text = sidecar.get().decode()
+        started = time.perf_counter()
+        sidecar.get()
+        first = time.perf_counter() - started
+        reps = _reps(first + round_s, self.repeats, self.budget_s)
+        self.say(f"sidecar, {count} ranks: timing {reps} scrapes, every rank pushing before each ...")
+        latencies = []
+        for _ in range(reps):
+            # Between two scrapes every rank has pushed (a scrape interval >= the push interval), and
+            # the sidecar has applied it all: the timed scrape renders every rank's changed values.
+            self._push_all()
+            sidecar.wait_applied(self.pushed)
+            started = time.perf_counter()
+            sidecar.get()
+            latencies.append(time.perf_counter() - started)
+        unchanged = []
+        for _ in range(min(10, reps)):  # nothing pushed in between: what the sidecar can reuse
+            started = time.perf_counter()
+            sidecar.get()
+            unchanged.append(time.perf_counter() - started)
+        return {"latencies": latencies, "unchanged": unchanged, "series": series_count(text), "bytes": len(text)}
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.close()
+
+
+def measure(counts: list[int], repeats: int, budget_s: float, progress: bool
+            ) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
+    """(sidecar, multiprocess) results per rank count; the two are timed back to back per count, so
+    that the machine's noise hits a figure and its anchor alike."""
+    say = progress_printer(progress, "scrape")
+    counts = sorted(counts)
+    root = Path(tempfile.mkdtemp(prefix="hcb-mpdir-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    side: dict[int, dict[str, Any]] = {}
+    mp: dict[int, dict[str, Any]] = {}
+    try:
+        (root / "all").mkdir()
+        _mp_subprocess(["--mp-prepare", str(root), "--ranks", ",".join(map(str, counts))], root / "all", progress)
+        with Sidecar() as sidecar:
+            stages = SidecarStages(sidecar, repeats, budget_s, say)
+            try:
+                for count in counts:
+                    say(f"multiprocess, {count} ranks: timing generate_latest ...")
+                    mp[count] = json.loads(_mp_subprocess(
+                        ["--mp-time", "--repeats", str(repeats), "--budget", str(budget_s)],
+                        root / f"ranks_{count}", progress))
+                    say(f"multiprocess, {count} ranks: {len(mp[count]['latencies'])} scrapes of "
+                        f"{mp[count]['files']} files, median {statistics.median(mp[count]['latencies']) * 1000:.1f} ms")
+                    side[count] = stages.stage(count)
+                    say(f"sidecar, {count} ranks: median {statistics.median(side[count]['latencies']) * 1000:.1f} ms")
+            finally:
+                stages.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return side, mp
+
+
+def run(ranks: tuple[int, ...] = (16, 64, 128, 256), repeats: int = 100, budget_s: float = 6.0,
+        goal_ranks: tuple[int, ...] = GOAL_RANKS, progress: bool = True) -> list[dict[str, Any]]:
+    """Rows for every rank count; the goal is judged at `goal_ranks` (64 and 256), the rest are info."""
+    counts = sorted(set(ranks))
+    side, mp = measure(counts, repeats, budget_s, progress)
+    rows = []
+    for count in counts:
+        for label, q in (("p50", 50.0), ("p99", 99.0)):
+            value = percentile(side[count]["latencies"], q) * 1000
+            anchor = percentile(mp[count]["latencies"], q) * 1000
+            speedup = anchor / value
+            has_goal = count in goal_ranks
+            rows.append(row(
+                f"scrape {label}: sidecar, {count} ranks", value, "ms",
+                f"MultiProcessCollector, {count} processes", anchor, speedup,
+                f"ratio >= {GOAL_SPEEDUP:g}" if has_goal else None, (speedup >= GOAL_SPEEDUP) if has_goal else None,
+                ratio_means="anchor / value (speed-up)", ranks=count, percentile=label,
+                samples=len(side[count]["latencies"]), anchor_samples=len(mp[count]["latencies"]),
+                series=side[count]["series"], anchor_series=mp[count]["series"],
+                body_bytes=side[count]["bytes"], anchor_body_bytes=mp[count]["bytes"],
+                mean_ms=statistics.fmean(side[count]["latencies"]) * 1000,
+                unchanged_p50_ms=statistics.median(side[count]["unchanged"]) * 1000,
+                anchor_mean_ms=statistics.fmean(mp[count]["latencies"]) * 1000,
+            ))
+        if count in goal_ranks:  # the best case, for comparison: nothing pushed since the last scrape
+            value = statistics.median(side[count]["unchanged"]) * 1000
+            anchor = percentile(mp[count]["latencies"], 50.0) * 1000
+            rows.append(row(f"scrape p50: sidecar, {count} ranks, nothing pushed since", value, "ms",
+                            f"MultiProcessCollector, {count} processes", anchor, anchor / value, None, None,
+                            ratio_means="anchor / value (speed-up)", ranks=count, percentile="p50-unchanged",
+                            samples=len(side[count]["unchanged"])))
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> str:
+    """Scrape latency (p50, with p99 as a dashed line) against rank count, both contenders, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, dict[int, float]] = {}
+    for r in rows:
+        if r.get("percentile") not in ("p50", "p99") or "ranks" not in r:
+            continue
+        series.setdefault(f"sidecar {r['percentile']}", {})[r["ranks"]] = r["value"]
+        series.setdefault(f"multiprocess {r['percentile']}", {})[r["ranks"]] = r["anchor_value"]
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    styles = {"sidecar": ("tab:blue", "o"), "multiprocess": ("tab:red", "s")}
+    for name, points in sorted(series.items()):
+        who, pct = name.split()
+        color, marker = styles[who]
+        xs = sorted(points)
+        label = ("hicache-exporter sidecar" if who == "sidecar" else "prometheus_client MultiProcessCollector") + f" ({pct})"
+        ax.plot(xs, [points[x] for x in xs], color=color, marker=marker, linestyle="-" if pct == "p50" else "--",
+                alpha=1.0 if pct == "p50" else 0.6, label=label)
+    side_p50, mp_p50 = series.get("sidecar p50", {}), series.get("multiprocess p50", {})
+    for x in sorted(side_p50):
+        if x in mp_p50:
+            ax.annotate(f"{mp_p50[x] / side_p50[x]:.0f}x", (x, side_p50[x]), textcoords="offset points",
+                        xytext=(0, -14), ha="center", fontsize=8, color="tab:blue")
+    ax.set_xlabel("ranks (full catalog each: 39 series, 156 sample lines)")
+    ax.set_ylabel("/metrics latency (ms, log scale)")
+    ax.set_yscale("log")
+    lowest = min((v for points in series.values() for v in points.values()), default=1.0)
+    ax.set_ylim(bottom=lowest / 2)  # room for the speed-up labels under the sidecar's points
+    counts = sorted({x for points in series.values() for x in points})
+    ax.set_xticks(counts)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title("Scrape latency vs rank count (labels: p50 speed-up of the sidecar)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", default="16,64,128,256", help="comma-separated rank counts")
+    parser.add_argument("--repeats", type=int, default=100, help="timed scrapes per contender and rank count (at most)")
+    parser.add_argument("--budget", type=float, default=6.0, help="seconds of scraping per contender and rank count")
+    parser.add_argument("--json", help="also write the rows as JSON to this file")
+    parser.add_argument("--plot", help="also plot latency against rank count to this PNG")
+    parser.add_argument("--mp-prepare", help=argparse.SUPPRESS)
+    parser.add_argument("--mp-time", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    counts = [int(c) for c in args.ranks.split(",") if c]
+    if args.mp_prepare:
+        _mp_prepare(args.mp_prepare, counts, not args.quiet)
+        return 0
+    if args.mp_time:
+        print(json.dumps(_mp_time(args.repeats, args.budget)))
+        return 0
+    from bench.run import print_table
+
+    rows = run(tuple(counts), args.repeats, args.budget)
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

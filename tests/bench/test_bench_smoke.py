@@ -1,0 +1,83 @@
+"""Smoke test of the benchmark harness: every benchmark runs with tiny parameters, its rows are
+well-formed and its anchors were really measured. Timings are reported, never asserted: this
+machine is shared and noisy (the real run is `make bench`, its figures are in BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import run as bench_run
+
+ROW_KEYS = {"name", "value", "unit", "anchor", "anchor_value", "ratio", "goal", "met"}
+
+
+@pytest.fixture(scope="module")
+def smoke() -> tuple[dict[str, list[dict[str, Any]]], dict[str, str]]:
+    results, errors, seconds = bench_run.run_benchmarks("smoke", progress=False)
+    print(f"\nbench smoke seconds: {seconds}")
+    return results, errors
+
+
+@pytest.mark.parametrize("name", bench_run.ORDER)
+def test_benchmark_rows_are_well_formed(smoke: Any, name: str) -> None:
+    results, errors = smoke
+    assert name not in errors, errors.get(name)
+    rows = results[name]
+    assert rows, f"{name} returned no rows"
+    for r in rows:
+        assert ROW_KEYS <= set(r), f"{name}: row lacks {ROW_KEYS - set(r)}: {r}"
+        assert isinstance(r["name"], str) and r["name"] and isinstance(r["unit"], str) and r["unit"]
+        assert isinstance(r["anchor"], str) and r["anchor"]
+        assert isinstance(r["value"], float) and math.isfinite(r["value"]) and r["value"] > 0, r
+        # The anchor was measured in this run, not copied from a document.
+        assert isinstance(r["anchor_value"], float) and math.isfinite(r["anchor_value"]) and r["anchor_value"] > 0, r
+        assert r["ratio"] is not None and math.isfinite(r["ratio"]) and r["ratio"] > 0, r
+        if r["goal"] is None:
+            assert r["met"] is None, r
+        else:
+            assert isinstance(r["goal"], str) and isinstance(r["met"], bool), r
+        assert r["benchmark"] == name
+    assert any(r["goal"] is not None for r in rows), f"{name}: no row carries a goal"
+    json.dumps(rows)  # the rows go to JSON as they are
+
+
+def test_scrape_anchor_holds_the_same_series(smoke: Any) -> None:
+    rows = [r for r in smoke[0]["scrape"] if r["percentile"] in ("p50", "p99")]
+    assert {r["ranks"] for r in rows} == {2, 4}
+    for r in rows:
+        # 39 series (156 sample lines) per rank in both: the sidecar adds rollups and its own metrics.
+        assert r["anchor_series"] == 156 * r["ranks"], r
+        assert r["series"] > r["anchor_series"], r
+
+
+def test_table_json_and_plot(smoke: Any, tmp_path: Path) -> None:
+    results, _ = smoke
+    rows = [r for name in bench_run.ORDER for r in results.get(name, [])]
+    lines = bench_run.table_lines(rows)
+    assert len(lines) == len(rows) + 2
+    assert all(("met" in line) or line.rstrip().endswith("-") for line in lines[2:])
+    markdown = bench_run.markdown_table(rows)
+    assert markdown.count("\n") == len(rows) + 1
+    pytest.importorskip("matplotlib")
+    from bench.scrape import plot
+
+    png = plot(results["scrape"], str(tmp_path / "scrape.png"))
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_entry_point_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "latest.json"
+    code = bench_run.main(["--profile", "smoke", "--only", "ingest,transfer", "--json", str(out),
+                           "--plot", str(tmp_path / "p.png")])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["errors"] == {} and report["machine"]["nproc"] >= 1
+    assert {r["benchmark"] for r in report["rows"]} == {"ingest", "transfer"}
+    printed = capsys.readouterr().out
+    assert "anchor (same run)" in printed and "goals met" in printed

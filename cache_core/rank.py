@@ -18,7 +18,7 @@ from cache_core.parallel import ParallelState
 from cache_core.storage import FileStorage
 from cache_core.workload import Workload, WorkloadConfig
 from exporter.client import RankClient
-from exporter.labels import RANK_KEYS
+from exporter.labels import split_rank_labels
 
 log = logging.getLogger("cache_core.rank")
 CACHE_TYPE = "HiRadixCache"
@@ -55,8 +55,7 @@ class RankSpec:
 def build_rank(spec: RankSpec) -> tuple[RankClient, HiCache]:
     """The rank's client and cache, labelled exactly as the upstream engine labels them."""
     parallel = spec.parallel
-    labels = parallel.metric_labels(CACHE_TYPE, dict(spec.extra_labels))
-    rank = {key: int(labels.pop(key)) for key in RANK_KEYS}
+    rank, labels = split_rank_labels(parallel.metric_labels(CACHE_TYPE, dict(spec.extra_labels)))
     client = RankClient(spec.socket_path, rank=rank, labels=labels, interval=spec.interval,
                         world={"tp_size": parallel.tp_size, "pp_size": parallel.pp_size, "dp_size": parallel.dp_size})
     # With DP attention the KV heads are split over the attention tp group only.

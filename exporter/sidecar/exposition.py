@@ -29,7 +29,7 @@ def _metric_type(spec: FamilySpec) -> str:
     return spec.type.value
 
 
-def _exported_name(spec: FamilySpec, prefix: str) -> str:
+def exported_name(spec: FamilySpec, prefix: str) -> str:
     """Metric name as prometheus_client wants it: counters without their `_total` suffix."""
     return prefix + (spec.base_name if spec.type is MetricType.COUNTER else spec.name)
 
@@ -82,7 +82,7 @@ class SidecarCollector(Collector):
 
     def _per_rank(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
         metrics = {
-            spec.name: (spec, Metric(_exported_name(spec, self.namespace), spec.help, _metric_type(spec)))
+            spec.name: (spec, Metric(exported_name(spec, self.namespace), spec.help, _metric_type(spec)))
             for spec in self.state.catalog
         }
         for rank in ranks:
@@ -98,7 +98,7 @@ class SidecarCollector(Collector):
         prefix = self.namespace + "rollup_"
         gauges = gauge_rollups(state)
         for spec in state.catalog:
-            metric = Metric(_exported_name(spec, prefix), ROLLUP_HELP[spec.semantics] + spec.help, _metric_type(spec))
+            metric = Metric(exported_name(spec, prefix), ROLLUP_HELP[spec.semantics] + spec.help, _metric_type(spec))
             source: Iterable[tuple[tuple[str, StaticKey, LabelValues], float | HistAccumulator]]
             if spec.type is MetricType.COUNTER:
                 source = state.rollups.counters.items()

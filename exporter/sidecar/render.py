@@ -13,7 +13,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
 from exporter.catalog import FamilySpec, MetricType
-from exporter.sidecar.exposition import SidecarCollector
+from exporter.sidecar.exposition import SidecarCollector, exported_name
 from exporter.sidecar.ranks import RankState
 from exporter.sidecar.series import HistValue, SeriesKey
 
@@ -69,10 +69,7 @@ class TextRenderer:
         self.state = collector.state
         self.namespace = collector.namespace
         self.specs = {spec.name: spec for spec in self.state.catalog}
-        self.exported = {
-            spec.name: self.namespace + (spec.base_name if spec.type is MetricType.COUNTER else spec.name)
-            for spec in self.state.catalog
-        }
+        self.exported = {spec.name: exported_name(spec, self.namespace) for spec in self.state.catalog}
         self.bounds = {
             spec.name: [floatToGoString(b) for b in spec.buckets] + ["+Inf"]
             for spec in self.state.catalog if spec.buckets

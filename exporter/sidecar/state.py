@@ -89,9 +89,6 @@ class RollupStore:
         self.counters: dict[RollupKey, float] = {}
         self.histograms: dict[RollupKey, HistAccumulator] = {}
 
-    def add_counter(self, key: RollupKey, delta: float) -> None:
-        self.counters[key] = self.counters.get(key, 0.0) + delta
-
     def add_histogram(self, key: RollupKey, n_buckets: int, deltas: list[float] | None, dsum: float) -> None:
         acc = self.histograms.get(key)
         if acc is None:

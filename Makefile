@@ -12,7 +12,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[cache,test]'
+	$(PY) -m pip install --quiet -e '.[cache,test,bench]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,13 +26,7 @@ test: $(STAMP)
 
 # Every benchmark, one table of ratios against anchors measured in the same run (a few minutes on
 # 2 cores); writes bench/results/latest.json and bench/results/scrape_vs_ranks.png.
-BENCH_STAMP := $(VENV)/.installed-bench
-
-$(BENCH_STAMP): $(STAMP) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[cache,test,bench]'
-	touch $(BENCH_STAMP)
-
-bench: $(BENCH_STAMP)
+bench: $(STAMP)
 	$(PY) -m bench.run $(BENCH_ARGS)
 
 clean:

@@ -64,8 +64,7 @@ def test_table_json_and_plot(smoke: Any, tmp_path: Path) -> None:
     assert all(("met" in line) or line.rstrip().endswith("-") for line in lines[2:])
     markdown = bench_run.markdown_table(rows)
     assert markdown.count("\n") == len(rows) + 1
-    pytest.importorskip("matplotlib")
-    from bench.scrape import plot
+    from bench.scrape import plot  # matplotlib comes with the bench extra, which `make test` installs
 
     png = plot(results["scrape"], str(tmp_path / "scrape.png"))
     assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -450,8 +450,7 @@ def test_generator_names_a_missing_file(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_prometheusrule_is_generated_from_the_current_rules() -> None:
-    if not (PROMETHEUS / "recording_rules.yml").is_file():
-        pytest.skip("config/prometheus/recording_rules.yml does not exist yet")
+    assert (PROMETHEUS / "recording_rules.yml").is_file(), "the recording rules ship with the repository"
     gen = load_generator()
     expected = gen.generate(PROMETHEUS)
     target = K8S / "prometheusrule.yaml"

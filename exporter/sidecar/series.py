@@ -36,8 +36,7 @@ class HistAccumulator:
         return cls([0.0] * n_buckets, 0.0)
 
     def add(self, counts: list[float] | tuple[float, ...], total: float) -> None:
-        for i, c in enumerate(counts):
-            self.counts[i] += c
+        self.counts = [mine + theirs for mine, theirs in zip(self.counts, counts)]
         self.sum += total
 
 

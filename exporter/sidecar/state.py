@@ -13,6 +13,7 @@ Rollup counters are sums of per-rank deltas, so they never decrease while the si
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -75,11 +76,13 @@ class _FamilyPlan:
 
     name: str
     kind: MetricType
+    histogram: bool
+    gauge: bool
     per_shard: bool
     windowed: bool
     labels: tuple[str, ...]
     n_buckets: int
-    bounds: list[float | str]
+    bounds: tuple[float | str, ...]
 
 
 class RollupStore:
@@ -126,8 +129,9 @@ class SidecarState:
         self._family_labels = {name for f in catalog for name in f.labels}
         self._plans = {
             f.name: _FamilyPlan(
-                name=f.name, kind=f.type, per_shard=f.semantics is Semantics.PER_SHARD, windowed=f.name in self.windowed,
-                labels=f.labels, n_buckets=len(f.buckets or ()) + 1, bounds=[*(f.buckets or ()), "+Inf"],
+                name=f.name, kind=f.type, histogram=f.type is MetricType.HISTOGRAM, gauge=f.type is MetricType.GAUGE,
+                per_shard=f.semantics is Semantics.PER_SHARD, windowed=f.name in self.windowed,
+                labels=f.labels, n_buckets=len(f.buckets or ()) + 1, bounds=(*(f.buckets or ()), "+Inf"),
             )
             for f in catalog
         }
@@ -238,13 +242,15 @@ class SidecarState:
             return SnapshotResult(ignored=True)
         rank.seq = msg.seq
         group = self.groups[rank.group]
+        already_eligible = rank.eligible
         rank.ready = True
         rank.stale = False
         rank.expired = False
         rank.last_activity = now
         rank.last_push_wall = self.wall_clock()
         rank.snapshots += 1
-        leads = group.elect() is rank
+        # Only a change of eligibility can change the leader; a steady rank's push cannot.
+        leads = (group.leader if already_eligible else group.elect()) is rank
         takeover = leads and group.counting is not None and group.counting is not rank
         if takeover:
             # Another rank's deltas were followed until now: each replicated series' next value
@@ -278,8 +284,9 @@ class SidecarState:
         previous = values.get(key)
         if previous is None:
             self._check_series_room(rank)
-        counted = plan.per_shard or (leads and (rank.baselined is None or key in rank.baselined))
-        if plan.kind is MetricType.HISTOGRAM:
+        baselined = rank.baselined
+        counted = plan.per_shard or (leads and (baselined is None or key in baselined))
+        if plan.histogram:
             if "buckets" not in sample:
                 raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{family!r} is a histogram: send buckets, sum and count")
             self._apply_histogram(rank, plan, key, sample, previous, counted)
@@ -287,9 +294,9 @@ class SidecarState:
         if "value" not in sample:
             raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{family!r} is a {plan.kind.value}: send a value")
         value = sample["value"]
-        if value == previous and (rank.baselined is None or plan.per_shard):
+        if value == previous and (baselined is None or plan.per_shard):
             return  # unchanged since the last snapshot: nothing to add, the common case when idle
-        if plan.kind is MetricType.GAUGE:
+        if plan.gauge:
             self._store(rank, key, value)
             rank.gauge_keys.add(key)
             return
@@ -303,11 +310,15 @@ class SidecarState:
                 "within one epoch; a restarted process must say hello with a new epoch",
             )
         delta = value - before  # type: ignore[operator]
-        self._store(rank, key, value)
-        if rank.baselined is not None and not plan.per_shard:
-            rank.baselined.add(key)
+        if previous is None:  # _store, inlined on the hottest path
+            self.total_series += 1
+        values[key] = value
+        rank.version += 1
+        if baselined is not None and not plan.per_shard:
+            baselined.add(key)
         if plan.windowed:
-            rank.totals[key] = rank.totals.get(key, 0.0) + delta
+            totals = rank.totals
+            totals[key] = totals.get(key, 0.0) + delta
         counters = self.rollups.counters
         if counted:
             rollup_key: RollupKey = (family, rank.static, label_values)
@@ -337,13 +348,12 @@ class SidecarState:
                 ErrorCode.BUCKET_MISMATCH,
                 f"{name!r} has {plan.n_buckets} buckets (catalog), the sample has {len(buckets)}",
             )
-        bounds = [bound for bound, _ in buckets]
+        bounds, counts = zip(*buckets)  # two tuples, built in C
         if bounds != plan.bounds:
             bad = next((b, w) for b, w in zip(bounds, plan.bounds) if b != w)
             raise SampleRejected(
                 ErrorCode.BUCKET_MISMATCH, f"{name!r}: bucket bound {bad[0]!r} where the catalog has {bad[1]!r}"
             )
-        counts = tuple([count for _, count in buckets])
         total = sample["sum"]
         before = previous if isinstance(previous, HistValue) else None
         if before is not None and counts == before.counts:
@@ -358,17 +368,14 @@ class SidecarState:
                 ErrorCode.BUCKET_MISMATCH,
                 f"{name!r}: the +Inf bucket ({counts[-1]}) must equal count ({sample['count']})",
             )
-        earlier = 0
-        for count in counts:
-            if count < earlier:
-                raise SampleRejected(ErrorCode.BUCKET_MISMATCH, f"{name!r}: bucket counts are not cumulative")
-            earlier = count
+        if list(counts) != sorted(counts):  # cumulative counts never go down from bucket to bucket
+            raise SampleRejected(ErrorCode.BUCKET_MISMATCH, f"{name!r}: bucket counts are not cumulative")
         if before is not None:
-            deltas = [float(n - w) for n, w in zip(counts, before.counts)]
+            deltas = list(map(operator.sub, counts, before.counts))
             if min(deltas) < 0:
                 raise SampleRejected(ErrorCode.COUNTER_DECREASED, f"histogram {name!r} bucket counts went down within one epoch")
         else:
-            deltas = [float(c) for c in counts]
+            deltas = list(counts)
         dsum = total - (before.sum if before is not None else 0.0)
         self._store(rank, key, HistValue(counts, total))
         if rank.baselined is not None and not plan.per_shard:

@@ -33,24 +33,6 @@ class ErrorCode(str, Enum):
     OLD_SEQ = "old_seq"
 
 
-CONNECTION_ERROR_CODES: frozenset[ErrorCode] = frozenset(
-    {
-        ErrorCode.MALFORMED_FRAME,
-        ErrorCode.FRAME_TOO_LARGE,
-        ErrorCode.HELLO_REQUIRED,
-        ErrorCode.HELLO_TIMEOUT,
-        ErrorCode.INVALID_HELLO,
-        ErrorCode.UNSUPPORTED_PROTOCOL,
-        ErrorCode.DUPLICATE_RANK,
-        ErrorCode.STALE_EPOCH,
-        ErrorCode.PEER_REFUSED,
-        ErrorCode.TOO_MANY_CONNECTIONS,
-        ErrorCode.TOO_MANY_RANKS,
-        ErrorCode.IDLE_TIMEOUT,
-    }
-)
-
-
 class HicacheExporterError(Exception):
     """Base class of every error this project raises on purpose."""
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from exporter.catalog import FamilySpec, MetricType, Semantics
 from exporter.sidecar.ranks import RankState
-from exporter.sidecar.series import GroupKey, LabelValues, RollupKey, StaticKey
+from exporter.sidecar.series import GroupKey, LabelValues, RollupKey
 from exporter.sidecar.state import SidecarState
 
 
@@ -86,4 +86,4 @@ def replica_spreads(
     return spreads
 
 
-__all__ = ["Bandwidth", "bandwidths", "gauge_rollups", "replica_spreads", "window_increases", "StaticKey"]
+__all__ = ["Bandwidth", "bandwidths", "gauge_rollups", "replica_spreads", "window_increases"]

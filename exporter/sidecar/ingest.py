@@ -190,10 +190,10 @@ class _Connection:
     async def _next_frame(self, deadline: float, timeout_code: ErrorCode) -> bytes | None:
         """The next frame's payload, None on EOF; raise ProtocolError on a bad frame or timeout."""
         while not self.pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ProtocolError(timeout_code, f"no complete frame within the deadline ({timeout_code.value})")
             try:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
                 chunk = await asyncio.wait_for(self.reader.read(READ_CHUNK), remaining)
             except asyncio.TimeoutError:
                 raise ProtocolError(timeout_code, f"no complete frame within the deadline ({timeout_code.value})") from None

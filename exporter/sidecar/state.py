@@ -126,7 +126,6 @@ class SidecarState:
             {f.name for pair in catalog.bandwidth_pairs() for f in pair}
             | {f.name for f in catalog if f.type is MetricType.COUNTER and f.semantics is Semantics.REPLICATED}
         )
-        self._family_labels = {name for f in catalog for name in f.labels}
         self._plans = {
             f.name: _FamilyPlan(
                 name=f.name, kind=f.type, histogram=f.type is MetricType.HISTOGRAM, gauge=f.type is MetricType.GAUGE,
@@ -226,7 +225,7 @@ class SidecarState:
             )
         for name, value in labels.items():
             problem = label_name_problem(name)
-            if problem is None and name in self._family_labels:
+            if problem is None and self.catalog.static_label_conflicts({name}):
                 problem = f"label name {name!r} is a family label in the catalog"
             if problem is None and len(value) > limits.max_label_value_length:
                 problem = f"value of label {name!r} is longer than {limits.max_label_value_length} characters"

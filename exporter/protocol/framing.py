@@ -6,7 +6,7 @@ import json
 import struct
 from typing import Any
 
-from pydantic import BaseModel
+import msgspec
 
 from exporter.errors import ErrorCode, ProtocolError
 
@@ -21,12 +21,10 @@ def encode_frame(payload: bytes) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
-def encode_message(message: BaseModel | dict[str, Any]) -> bytes:
-    """Encode a message model or plain dict as one frame (NaN and Infinity are refused)."""
-    if isinstance(message, BaseModel):
-        payload = message.model_dump_json(exclude_none=True).encode()
-    else:
-        payload = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+def encode_message(message: msgspec.Struct | dict[str, Any]) -> bytes:
+    """Encode a message struct or plain dict as one frame (NaN and Infinity are refused, not sent as null)."""
+    obj = msgspec.to_builtins(message) if isinstance(message, msgspec.Struct) else message
+    payload = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
     return encode_frame(payload)
 
 

@@ -1,144 +1,136 @@
-"""Protocol v1 messages as strict pydantic models, and the parsers for each direction."""
+"""Protocol v1 messages as strict msgspec structs, and the parsers for each direction.
+
+msgspec decodes and validates a frame in one pass in C: a full-catalog snapshot costs about a
+third of `json.loads` of the same bytes, which is what lets one core ingest thousands a second.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
-from typing_extensions import NotRequired, TypedDict
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 from exporter.errors import ErrorCode, ProtocolError
 
 PROTOCOL_VERSION = 1
 MAX_RANK = 1 << 16
+MAX_SAMPLES = 1 << 16
+# JSON has no NaN or Infinity; these bounds also refuse numbers that overflow to infinity (1e400).
+Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+Count = Annotated[int, Meta(ge=0)]
+RankNumber = Annotated[int, Meta(ge=0, lt=MAX_RANK)]
+WorldSize = Annotated[int, Meta(ge=1, le=MAX_RANK)]
 # A bucket bound is a finite number, or the string "+Inf" for the last bucket.
-BucketBound = Union[float, Literal["+Inf"]]
+BucketBound = Union[Finite, Literal["+Inf"]]
+Buckets = Annotated[list[tuple[BucketBound, Count]], Meta(min_length=1, max_length=1024)]
 
 
-_SAMPLE_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+class _Message(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, tag_field="type"):
+    """A frame's top-level object; its "type" member names the struct (the tag)."""
 
 
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True, strict=True)
-
-
-class RankId(_Message):
+class RankId(Struct, frozen=True, forbid_unknown_fields=True):
     """The rank keys that, with the static labels, identify one rank."""
 
-    tp_rank: int = Field(ge=0, lt=MAX_RANK)
-    pp_rank: int = Field(ge=0, lt=MAX_RANK)
-    dp_rank: int = Field(ge=0, lt=MAX_RANK)
+    tp_rank: RankNumber
+    pp_rank: RankNumber
+    dp_rank: RankNumber
 
 
-class World(_Message):
+class World(Struct, frozen=True, forbid_unknown_fields=True):
     """Parallel sizes the rank was launched with (informational)."""
 
-    tp_size: int = Field(ge=1, le=MAX_RANK)
-    pp_size: int = Field(ge=1, le=MAX_RANK)
-    dp_size: int = Field(ge=1, le=MAX_RANK)
+    tp_size: WorldSize
+    pp_size: WorldSize
+    dp_size: WorldSize
 
 
-class Hello(_Message):
+class Hello(_Message, tag="hello"):
     """First frame of every connection: who the rank is and which process start (epoch)."""
 
-    type: Literal["hello"] = "hello"
     protocol: int
-    epoch: str = Field(min_length=1, max_length=64)
-    pid: int = Field(ge=0)
+    epoch: Annotated[str, Meta(min_length=1, max_length=64)]
+    pid: Count
     rank: RankId
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = {}
     world: World | None = None
 
 
-class Sample(TypedDict):
-    """One sample as sent: a `value` (counter or gauge), or `buckets`, `sum` and `count` (histogram).
+class Sample(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, gc=False):
+    """One sample as sent: a `value` (counter or gauge), or `buckets`, `sum` and `count` (histogram)."""
 
-    A TypedDict rather than a model: a snapshot carries dozens of samples, and validating plain
-    dicts in pydantic-core costs a third of building model instances.
-    """
+    family: Annotated[str, Meta(min_length=1, max_length=256)]
+    labels: dict[str, str] = {}
+    value: Finite | UnsetType = UNSET
+    buckets: Buckets | UnsetType = UNSET
+    sum: Finite | UnsetType = UNSET
+    count: Count | UnsetType = UNSET
 
-    __pydantic_config__ = _SAMPLE_CONFIG  # type: ignore[misc]
-    family: Annotated[str, Field(min_length=1, max_length=256)]
-    labels: NotRequired[dict[str, str]]
-    value: NotRequired[float]
-    buckets: NotRequired[Annotated[list[tuple[BucketBound, int]], Field(min_length=1, max_length=1024)]]
-    sum: NotRequired[float]
-    count: NotRequired[Annotated[int, Field(ge=0)]]
+    def __post_init__(self) -> None:
+        # Runs on decode as well as construction; a ValueError here fails the whole frame.
+        if self.value is UNSET:
+            if self.buckets is UNSET or self.sum is UNSET or self.count is UNSET:
+                raise ValueError(f"sample {self.family!r} needs a value, or buckets, sum and count")
+        elif self.buckets is not UNSET or self.sum is not UNSET or self.count is not UNSET:
+            raise ValueError(f"sample {self.family!r} has both a value and histogram fields")
 
 
 def ScalarSample(family: str, value: float, labels: dict[str, str] | None = None) -> Sample:  # noqa: N802
     """A counter (cumulative since the epoch began) or gauge sample."""
-    return {"family": family, "labels": labels or {}, "value": value}
+    return Sample(family, labels or {}, value=value)
 
 
 def HistogramSample(  # noqa: N802
-    family: str, buckets: list[tuple[BucketBound, int]], sum: float, count: int, labels: dict[str, str] | None = None
+    family: str, buckets: list[tuple[float | str, int]], sum: float, count: int, labels: dict[str, str] | None = None
 ) -> Sample:
     """A histogram sample: cumulative [upper_bound, count] pairs ending in "+Inf", with sum and count."""
-    return {"family": family, "labels": labels or {}, "buckets": buckets, "sum": sum, "count": count}
+    return Sample(family, labels or {}, buckets=buckets, sum=sum, count=count)
 
 
 def is_histogram(sample: Sample) -> bool:
-    return "buckets" in sample
+    return sample.buckets is not UNSET
 
 
-class Snapshot(_Message):
+class Snapshot(_Message, tag="snapshot"):
     """Cumulative values of the samples it names; `seq` rises within an epoch."""
 
-    type: Literal["snapshot"] = "snapshot"
-    seq: int = Field(ge=0)
-    time: float
-    samples: list[Sample] = Field(default_factory=list, max_length=1 << 16)
-
-    @model_validator(mode="after")
-    def _one_shape_per_sample(self) -> "Snapshot":
-        for index, sample in enumerate(self.samples):
-            if "value" in sample:
-                if "buckets" in sample or "sum" in sample or "count" in sample:
-                    raise ValueError(f"sample {index} ({sample['family']!r}) has both a value and histogram fields")
-            elif "buckets" not in sample or "sum" not in sample or "count" not in sample:
-                raise ValueError(f"sample {index} ({sample['family']!r}) needs a value, or buckets, sum and count")
-        return self
+    seq: Count
+    time: Finite
+    samples: Annotated[list[Sample], Meta(max_length=MAX_SAMPLES)] = []
 
 
-class Bye(_Message):
+class Bye(_Message, tag="bye"):
     """Ends a connection cleanly."""
 
-    type: Literal["bye"] = "bye"
 
-
-class Welcome(_Message):
+class Welcome(_Message, tag="welcome"):
     """The sidecar's answer to an accepted hello."""
 
-    type: Literal["welcome"] = "welcome"
-    protocol: int = PROTOCOL_VERSION
     server: str
+    protocol: int = PROTOCOL_VERSION
     restart: bool = False
     reconnect: bool = False
 
 
-class ErrorMessage(_Message):
+class ErrorMessage(_Message, tag="error"):
     """A rejection; connection-level codes are followed by the sidecar closing the connection."""
 
-    type: Literal["error"] = "error"
     code: str
     message: str
 
 
-ClientMessage = Annotated[Union[Hello, Snapshot, Bye], Field(discriminator="type")]
-ServerMessage = Annotated[Union[Welcome, ErrorMessage], Field(discriminator="type")]
-_client_adapter: TypeAdapter[Hello | Snapshot | Bye] = TypeAdapter(ClientMessage)
-_server_adapter: TypeAdapter[Welcome | ErrorMessage] = TypeAdapter(ServerMessage)
+ClientMessage = Union[Hello, Snapshot, Bye]
+ServerMessage = Union[Welcome, ErrorMessage]
+_client_decoder = msgspec.json.Decoder(ClientMessage)
+_server_decoder = msgspec.json.Decoder(ServerMessage)
 
 
-def _summarise(err: ValidationError, limit: int = 3) -> str:
-    problems = []
-    for problem in err.errors()[:limit]:
-        loc = ".".join(str(p) for p in problem["loc"]) or "(frame)"
-        problems.append(f"{loc}: {problem['msg']}")
-    more = err.error_count() - limit
-    return "; ".join(problems) + (f"; and {more} more" if more > 0 else "")
+def message_type(message: _Message) -> str:
+    """The message's "type" on the wire."""
+    return str(message.__struct_config__.tag)
 
 
 def _unsupported_protocol(payload: bytes) -> int | None:
@@ -157,15 +149,15 @@ def _unsupported_protocol(payload: bytes) -> int | None:
 def parse_client_message(payload: bytes) -> Hello | Snapshot | Bye:
     """Decode one rank-to-sidecar frame payload; raise ProtocolError with the code to send back."""
     try:
-        message = _client_adapter.validate_json(payload)
-    except ValidationError as err:
+        message = _client_decoder.decode(payload)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as err:  # bad JSON, bad UTF-8, too deep, invalid
         version = _unsupported_protocol(payload)
         if version is not None:
             raise ProtocolError(
                 ErrorCode.UNSUPPORTED_PROTOCOL,
                 f"protocol {version} is not supported; this sidecar speaks protocol {PROTOCOL_VERSION}",
             ) from None
-        raise ProtocolError(ErrorCode.MALFORMED_FRAME, f"invalid message: {_summarise(err)}") from None
+        raise ProtocolError(ErrorCode.MALFORMED_FRAME, f"invalid message: {err}") from None
     if isinstance(message, Hello) and message.protocol != PROTOCOL_VERSION:
         raise ProtocolError(
             ErrorCode.UNSUPPORTED_PROTOCOL,
@@ -177,6 +169,6 @@ def parse_client_message(payload: bytes) -> Hello | Snapshot | Bye:
 def parse_server_message(payload: bytes) -> Welcome | ErrorMessage:
     """Decode one sidecar-to-rank frame payload (raises ProtocolError on garbage)."""
     try:
-        return _server_adapter.validate_json(payload)
-    except ValidationError as err:
-        raise ProtocolError(ErrorCode.MALFORMED_FRAME, f"invalid server message: {_summarise(err)}") from None
+        return _server_decoder.decode(payload)
+    except msgspec.DecodeError as err:
+        raise ProtocolError(ErrorCode.MALFORMED_FRAME, f"invalid server message: {err}") from None

@@ -7,6 +7,7 @@ import html
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
@@ -80,7 +81,7 @@ def rank_rows(sidecar: "Sidecar") -> list[dict[str, Any]]:
             "series": len(rank.values),
             "seconds_since_activity": round(now - rank.last_activity, 3),
             "last_push_time": rank.last_push_wall,
-            "world": rank.world.model_dump() if rank.world else None,
+            "world": msgspec.structs.asdict(rank.world) if rank.world else None,
         })
     return rows
 

@@ -15,7 +15,7 @@ from exporter import __version__
 from exporter.config import IngestConfig
 from exporter.errors import ErrorCode, ProtocolError, SocketInUseError
 from exporter.protocol.framing import FrameDecoder, encode_message
-from exporter.protocol.messages import Bye, ErrorMessage, Hello, Snapshot, Welcome, parse_client_message
+from exporter.protocol.messages import Bye, ErrorMessage, Hello, Snapshot, Welcome, message_type, parse_client_message
 from exporter.sidecar.ranks import RankState
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import SidecarStats
@@ -213,7 +213,7 @@ class _Connection:
     def _handle_hello(self, payload: bytes) -> None:
         message = parse_client_message(payload)
         if not isinstance(message, Hello):
-            raise ProtocolError(ErrorCode.HELLO_REQUIRED, f"the first frame must be a hello, got {message.type!r}")
+            raise ProtocolError(ErrorCode.HELLO_REQUIRED, f"the first frame must be a hello, got {message_type(message)!r}")
         result = self.state.hello(self, message)
         self.rank = result.rank
         self.stats.hellos_accepted += 1

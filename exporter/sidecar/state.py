@@ -22,6 +22,8 @@ from exporter.catalog import Catalog, MetricType, Semantics
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode, ProtocolError, SampleRejected
 from exporter.labels import label_name_problem
+from msgspec import UNSET
+
 from exporter.protocol.messages import Hello, Sample, Snapshot
 from exporter.sidecar.ranks import RankIdentity, RankState
 from exporter.sidecar.series import (
@@ -269,13 +271,13 @@ class SidecarState:
         return result
 
     def _apply(self, rank: RankState, sample: Sample, leads: bool) -> None:
-        family = sample["family"]
+        family = sample.family
         plan = self._plans.get(family)
         if plan is None:
             raise SampleRejected(ErrorCode.UNKNOWN_FAMILY, f"family {family!r} is not in the catalog")
-        labels = sample.get("labels")
+        labels = sample.labels
         if plan.labels or labels:
-            label_values = self._label_values(plan, labels or {})
+            label_values = self._label_values(plan, labels)
         else:
             label_values = ()  # most families have no labels of their own: skip the checks
         key: SeriesKey = (family, label_values)
@@ -286,13 +288,13 @@ class SidecarState:
         baselined = rank.baselined
         counted = plan.per_shard or (leads and (baselined is None or key in baselined))
         if plan.histogram:
-            if "buckets" not in sample:
+            if sample.buckets is UNSET:
                 raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{family!r} is a histogram: send buckets, sum and count")
             self._apply_histogram(rank, plan, key, sample, previous, counted)
             return
-        if "value" not in sample:
+        value = sample.value
+        if value is UNSET:
             raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{family!r} is a {plan.kind.value}: send a value")
-        value = sample["value"]
         if value == previous and (baselined is None or plan.per_shard):
             return  # unchanged since the last snapshot: nothing to add, the common case when idle
         if plan.gauge:
@@ -341,7 +343,7 @@ class SidecarState:
         self, rank: RankState, plan: "_FamilyPlan", key: SeriesKey, sample: Sample, previous: object, counted: bool
     ) -> None:
         name = plan.name
-        buckets = sample["buckets"]
+        buckets = sample.buckets
         if len(buckets) != plan.n_buckets:
             raise SampleRejected(
                 ErrorCode.BUCKET_MISMATCH,
@@ -353,7 +355,7 @@ class SidecarState:
             raise SampleRejected(
                 ErrorCode.BUCKET_MISMATCH, f"{name!r}: bucket bound {bad[0]!r} where the catalog has {bad[1]!r}"
             )
-        total = sample["sum"]
+        total = sample.sum
         before = previous if isinstance(previous, HistValue) else None
         if before is not None and counts == before.counts:
             if total != before.sum:
@@ -362,10 +364,10 @@ class SidecarState:
                 return  # nothing new: the common case of an idle histogram
         if counts[0] < 0:
             raise SampleRejected(ErrorCode.INVALID_VALUE, f"{name!r}: bucket counts must not be negative")
-        if counts[-1] != sample["count"]:
+        if counts[-1] != sample.count:
             raise SampleRejected(
                 ErrorCode.BUCKET_MISMATCH,
-                f"{name!r}: the +Inf bucket ({counts[-1]}) must equal count ({sample['count']})",
+                f"{name!r}: the +Inf bucket ({counts[-1]}) must equal count ({sample.count})",
             )
         if list(counts) != sorted(counts):  # cumulative counts never go down from bucket to bucket
             raise SampleRejected(ErrorCode.BUCKET_MISMATCH, f"{name!r}: bucket counts are not cumulative")

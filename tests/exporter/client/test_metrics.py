@@ -266,17 +266,17 @@ def test_samples_validate_as_a_snapshot(metrics):
     snap = parse_client_message(payload)
     assert isinstance(snap, Snapshot)
     assert len(snap.samples) == len(samples) == len(set(metrics))
-    by_key = {(s["family"], tuple(sorted(s["labels"].items()))): s for s in snap.samples}
+    by_key = {(s.family, tuple(sorted(s.labels.items()))): s for s in snap.samples}
     tokens = by_key[("load_back_tokens_total", (("pool", "kv"),))]
-    assert not is_histogram(tokens) and tokens["value"] == 4096
-    assert by_key[("hicache_host_pool_used_tokens", (("pool", "7"),))]["value"] == -3
-    assert by_key[("storage_prefetch_unfulfilled_tokens_total", (("reason", "shrunk"),))]["value"] == 3
+    assert not is_histogram(tokens) and tokens.value == 4096
+    assert by_key[("hicache_host_pool_used_tokens", (("pool", "7"),))].value == -3
+    assert by_key[("storage_prefetch_unfulfilled_tokens_total", (("reason", "shrunk"),))].value == 3
     duration = by_key[("load_back_duration_seconds", ())]
     assert is_histogram(duration)
-    assert duration["count"] == 2 and duration["buckets"][-1] == ("+Inf", 2)
-    assert duration["sum"] == pytest.approx(2.004)
-    assert [b for b, _ in duration["buckets"][:-1]] == list(default_catalog().get("load_back_duration_seconds").buckets)
-    assert dict(duration["buckets"])[0.004] == 1 and dict(duration["buckets"])[1.0] == 1
+    assert duration.count == 2 and duration.buckets[-1] == ("+Inf", 2)
+    assert duration.sum == pytest.approx(2.004)
+    assert [b for b, _ in duration.buckets[:-1]] == list(default_catalog().get("load_back_duration_seconds").buckets)
+    assert dict(duration.buckets)[0.004] == 1 and dict(duration.buckets)[1.0] == 1
 
 
 def test_samples_go_through_the_framing(metrics):

@@ -118,13 +118,13 @@ def test_design_snapshot_parses():
     assert message.time == 1764400000.25
     tokens, nbytes, duration, used = message.samples
     assert not is_histogram(tokens)
-    assert (tokens["family"], tokens["labels"], tokens["value"]) == ("load_back_tokens_total", {"pool": "kv"}, 4096)
-    assert not is_histogram(nbytes) and nbytes["value"] == 8388608 and nbytes["labels"] == {}
+    assert (tokens.family, tokens.labels, tokens.value) == ("load_back_tokens_total", {"pool": "kv"}, 4096)
+    assert not is_histogram(nbytes) and nbytes.value == 8388608 and nbytes.labels == {}
     assert is_histogram(duration)
-    assert duration["family"] == "load_back_duration_seconds"
-    assert [tuple(b) for b in duration["buckets"]] == [(0.001, 3), (0.01, 9), ("+Inf", 12)]
-    assert duration["sum"] == 0.08 and duration["count"] == 12
-    assert not is_histogram(used) and used["family"] == "hicache_host_used_tokens" and used["value"] == 512
+    assert duration.family == "load_back_duration_seconds"
+    assert [tuple(b) for b in duration.buckets] == [(0.001, 3), (0.01, 9), ("+Inf", 12)]
+    assert duration.sum == 0.08 and duration.count == 12
+    assert not is_histogram(used) and used.family == "hicache_host_used_tokens" and used.value == 512
 
 
 def test_design_bye_parses():
@@ -144,7 +144,8 @@ def test_epoch_of_1_to_64_chars_is_accepted(epoch):
 
 def test_integer_bucket_bound_is_a_number():
     message = parse_client_message(dumps(snapshot(histogram([[1, 1], [5, 2], ["+Inf", 3]], count=3))))
-    assert [tuple(b) for b in message.samples[0]["buckets"]] == [(1.0, 1), (5.0, 2), ("+Inf", 3)]
+    assert [tuple(b) for b in message.samples[0].buckets] == [(1.0, 1), (5.0, 2), ("+Inf", 3)]
+    assert all(type(b) is float for b, _ in message.samples[0].buckets[:-1])
 
 
 def test_design_error_and_welcome_parse_on_the_rank_side():
@@ -195,8 +196,21 @@ _snapshots = st.fixed_dictionaries(
 )
 
 
+def _dump(message: Snapshot) -> dict:
+    """The parsed snapshot as plain data, every sample field spelled out."""
+    samples = []
+    for sample in message.samples:
+        out = {"family": sample.family, "labels": sample.labels}
+        if is_histogram(sample):
+            out.update(buckets=sample.buckets, sum=sample.sum, count=sample.count)
+        else:
+            out["value"] = sample.value
+        samples.append(out)
+    return {"type": "snapshot", "seq": message.seq, "time": message.time, "samples": samples}
+
+
 def _expected(snap: dict) -> dict:
-    """The dict as the parsed model dumps it: numbers as floats, bucket pairs as tuples."""
+    """The dict as `_dump` gives it: numbers as floats, bucket pairs as tuples."""
     samples = []
     for sample in snap["samples"]:
         out = {"family": sample["family"], "labels": sample["labels"]}
@@ -224,7 +238,8 @@ def _decode_one(frame: bytes, chunk: int):
 def test_valid_snapshots_roundtrip_unchanged(snap, chunk):
     parsed = _decode_one(encode_message(snap), chunk)
     assert isinstance(parsed, Snapshot)
-    assert parsed.model_dump() == _expected(snap)
+    assert _dump(parsed) == _expected(snap)
+    assert all(type(s.value) is float for s in parsed.samples if not is_histogram(s))
     # And the parsed model encodes to a frame that parses to an equal model.
     again = _decode_one(encode_message(parsed), chunk)
     assert again == parsed
@@ -244,8 +259,9 @@ MALFORMED = ErrorCode.MALFORMED_FRAME
         dumps(hello()).replace(b'"UnifiedRadixCache"', b'"Unified\xffCache"'),
         dumps(snapshot(scalar())).replace(b'"load_back_bytes_total"', b'"load_back\x80"'),
         dumps(hello()).replace(b'"3f2a"', b'"\xc0\xaf"'),  # overlong encoding of "/"
+        dumps(hello()).replace(b'"UnifiedRadixCache"', b'"a\\ud800b"'),  # a lone surrogate, escaped
     ],
-    ids=["garbage", "truncated-seq", "surrogate", "label-value", "lone-continuation", "overlong"],
+    ids=["garbage", "truncated-seq", "surrogate", "label-value", "lone-continuation", "overlong", "escaped-surrogate"],
 )
 def test_invalid_utf8_is_malformed(payload):
     assert code_of(payload) is MALFORMED

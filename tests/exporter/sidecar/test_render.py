@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 
 from exporter.catalog import MetricType, default_catalog
 from exporter.client import RankClient
-from exporter.protocol.messages import Hello, RankId, Snapshot, parse_client_message
+from exporter.protocol.messages import Hello, RankId, ScalarSample, Snapshot, parse_client_message
 from exporter.sidecar.exposition import SidecarCollector
 from exporter.sidecar.render import TextRenderer
 from exporter.sidecar.state import SidecarState
@@ -103,11 +103,11 @@ def test_cached_rank_lines_follow_new_snapshots_restarts_and_expiry(populated: t
     key = ("sglang_evicted_tokens_total", frozenset({"tp_rank": "1", "pp_rank": "0", "dp_rank": "0",
                                                       "cache_type": "HiRadixCache", "zone": 'we"ird\nvalue\\'}.items()))
     assert before[key] == 10 ** 4 + 0.25
-    state.snapshot(rank, Snapshot(seq=2, time=2.0, samples=[{"family": "evicted_tokens_total", "labels": {}, "value": 99999.0}]))
+    state.snapshot(rank, Snapshot(seq=2, time=2.0, samples=[ScalarSample("evicted_tokens_total", 99999.0)]))
     assert _samples(parse_text(renderer.render().decode()))[key] == 99999.0
     state.disconnect(rank.connection, rank)
     state.hello(object(), Hello(protocol=1, epoch="new", pid=2, rank=RankId(tp_rank=1, pp_rank=0, dp_rank=0), labels=dict(rank.static)))
-    state.snapshot(rank, Snapshot(seq=1, time=3.0, samples=[{"family": "evicted_tokens_total", "labels": {}, "value": 7.0}]))
+    state.snapshot(rank, Snapshot(seq=1, time=3.0, samples=[ScalarSample("evicted_tokens_total", 7.0)]))
     after = _samples(parse_text(renderer.render().decode()))
     assert after[key] == 7.0 and len([k for k in after if k[0] == "sglang_load_back_bytes_total"]) == 2
     clock.now += 10_000

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from exporter.protocol.messages import World
+from exporter.sidecar.plans import SampleIdent, SeriesRoute
 from exporter.sidecar.series import GroupKey, SeriesKey, StaticKey, Value
 from exporter.sidecar.window import Totals, WindowHistory
 
@@ -48,6 +49,7 @@ class RankState:
     version: int = 0  # bumped whenever `values` changes: exposition caches key on it
     values: dict[SeriesKey, Value] = field(default_factory=dict)
     gauge_keys: set[SeriesKey] = field(default_factory=set)  # which of `values` are gauges
+    routes: dict[SampleIdent, SeriesRoute] = field(default_factory=dict)  # validated series, by how samples name them
     totals: Totals = field(default_factory=dict)  # windowed series: sums of deltas across epochs
     # After taking over leadership: the replicated series whose baseline has been seen since.
     # Each series' first value after a takeover is a baseline, never a delta (None: no takeover).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Union
 
@@ -12,9 +13,13 @@ GroupKey = tuple[int, StaticKey]  # (dp_rank, static labels): one replica group
 RollupKey = tuple[str, StaticKey, LabelValues]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class HistValue:
-    """One histogram as last pushed: cumulative bucket counts (the last is +Inf) and sum."""
+    """One histogram as last pushed: cumulative bucket counts (the last is +Inf) and sum.
+
+    Never changed once made (a new push stores a new one); not frozen=True, which makes every
+    construction, one per histogram per push, 2.5x slower.
+    """
 
     counts: tuple[int, ...]
     sum: float
@@ -28,15 +33,15 @@ class HistValue:
 class HistAccumulator:
     """A rollup histogram built from deltas: cumulative bucket counts and sum."""
 
-    counts: list[float]
+    counts: list[int]  # ints, like the deltas added to them: int + int is the fast path
     sum: float = 0.0
 
     @classmethod
     def empty(cls, n_buckets: int) -> "HistAccumulator":
-        return cls([0.0] * n_buckets, 0.0)
+        return cls([0] * n_buckets, 0.0)
 
-    def add(self, counts: list[float] | tuple[float, ...], total: float) -> None:
-        self.counts = [mine + theirs for mine, theirs in zip(self.counts, counts)]
+    def add(self, counts: list[int] | tuple[int, ...], total: float) -> None:
+        self.counts = list(map(operator.add, self.counts, counts))
         self.sum += total
 
 

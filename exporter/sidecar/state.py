@@ -25,6 +25,7 @@ from exporter.labels import label_name_problem
 from msgspec import UNSET
 
 from exporter.protocol.messages import Hello, Sample, Snapshot
+from exporter.sidecar.plans import FamilyPlan, SeriesRoute
 from exporter.sidecar.ranks import RankIdentity, RankState
 from exporter.sidecar.series import (
     GroupKey,
@@ -72,34 +73,12 @@ class ReplicaGroup:
         return self.leader
 
 
-@dataclass(frozen=True, slots=True)
-class _FamilyPlan:
-    """What applying a sample of one family needs, worked out once from the catalog."""
-
-    name: str
-    kind: MetricType
-    histogram: bool
-    gauge: bool
-    per_shard: bool
-    windowed: bool
-    labels: tuple[str, ...]
-    n_buckets: int
-    bounds: tuple[float | str, ...]
-
-
 class RollupStore:
     """Accumulated rollup counters and histograms, keyed by family, static labels and labels."""
 
     def __init__(self) -> None:
         self.counters: dict[RollupKey, float] = {}
         self.histograms: dict[RollupKey, HistAccumulator] = {}
-
-    def add_histogram(self, key: RollupKey, n_buckets: int, deltas: list[float] | None, dsum: float) -> None:
-        acc = self.histograms.get(key)
-        if acc is None:
-            acc = self.histograms[key] = HistAccumulator.empty(n_buckets)
-        if deltas is not None:
-            acc.add(deltas, dsum)
 
 
 class SidecarState:
@@ -128,14 +107,7 @@ class SidecarState:
             {f.name for pair in catalog.bandwidth_pairs() for f in pair}
             | {f.name for f in catalog if f.type is MetricType.COUNTER and f.semantics is Semantics.REPLICATED}
         )
-        self._plans = {
-            f.name: _FamilyPlan(
-                name=f.name, kind=f.type, histogram=f.type is MetricType.HISTOGRAM, gauge=f.type is MetricType.GAUGE,
-                per_shard=f.semantics is Semantics.PER_SHARD, windowed=f.name in self.windowed,
-                labels=f.labels, n_buckets=len(f.buckets or ()) + 1, bounds=(*(f.buckets or ()), "+Inf"),
-            )
-            for f in catalog
-        }
+        self._plans = {f.name: FamilyPlan.of(f, f.name in self.windowed) for f in catalog}
 
     # --- hello / disconnect ---
 
@@ -271,61 +243,79 @@ class SidecarState:
         return result
 
     def _apply(self, rank: RankState, sample: Sample, leads: bool) -> None:
-        family = sample.family
-        plan = self._plans.get(family)
-        if plan is None:
-            raise SampleRejected(ErrorCode.UNKNOWN_FAMILY, f"family {family!r} is not in the catalog")
+        # The hottest code in the sidecar (every sample of every push): locals over attributes,
+        # C-level builtins over Python loops, and the unchanged-value exits first.
         labels = sample.labels
-        if plan.labels or labels:
-            label_values = self._label_values(plan, labels)
-        else:
-            label_values = ()  # most families have no labels of their own: skip the checks
-        key: SeriesKey = (family, label_values)
+        route = rank.routes.get((sample.family, tuple(labels.items())) if labels else sample.family)
+        if route is None:
+            route = self._route(rank, sample)
+        plan = route.plan
+        key = route.key
         values = rank.values
         previous = values.get(key)
         if previous is None:
             self._check_series_room(rank)
-        baselined = rank.baselined
-        counted = plan.per_shard or (leads and (baselined is None or key in baselined))
         if plan.histogram:
-            if sample.buckets is UNSET:
-                raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{family!r} is a histogram: send buckets, sum and count")
-            self._apply_histogram(rank, plan, key, sample, previous, counted)
+            self._apply_histogram(rank, route, sample, previous, leads)  # type: ignore[arg-type]
             return
         value = sample.value
         if value is UNSET:
-            raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{family!r} is a {plan.kind.value}: send a value")
-        if value == previous and (baselined is None or plan.per_shard):
+            raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{plan.name!r} is a {plan.kind.value}: send a value")
+        baselined = rank.baselined
+        per_shard = plan.per_shard
+        if value == previous and (per_shard or baselined is None):
             return  # unchanged since the last snapshot: nothing to add, the common case when idle
         if plan.gauge:
             self._store(rank, key, value)
             rank.gauge_keys.add(key)
             return
         if value < 0:
-            raise SampleRejected(ErrorCode.INVALID_VALUE, f"counter {family!r} is negative ({value})")
-        before = previous if previous is not None else 0.0
-        if value < before:  # type: ignore[operator]
-            raise SampleRejected(
-                ErrorCode.COUNTER_DECREASED,
-                f"counter {family!r}{dict(zip(plan.labels, label_values))} went down from {before} to {value} "
-                "within one epoch; a restarted process must say hello with a new epoch",
-            )
-        delta = value - before  # type: ignore[operator]
-        if previous is None:  # _store, inlined on the hottest path
+            raise SampleRejected(ErrorCode.INVALID_VALUE, f"counter {plan.name!r} is negative ({value})")
+        if previous is None:
+            before = 0.0
             self.total_series += 1
+        else:
+            before = previous  # type: ignore[assignment]
+            if value < before:
+                raise SampleRejected(
+                    ErrorCode.COUNTER_DECREASED,
+                    f"counter {plan.name!r}{dict(zip(plan.labels, key[1]))} went down from {before} to {value} "
+                    "within one epoch; a restarted process must say hello with a new epoch",
+                )
+        delta = value - before
         values[key] = value
         rank.version += 1
-        if baselined is not None and not plan.per_shard:
-            baselined.add(key)
+        if per_shard:
+            counted = True
+        else:
+            # After a takeover a series' first value is its baseline: counted only once seen.
+            counted = leads and (baselined is None or key in baselined)
+            if baselined is not None:
+                baselined.add(key)
         if plan.windowed:
             totals = rank.totals
             totals[key] = totals.get(key, 0.0) + delta
         counters = self.rollups.counters
+        rollup_key = route.rollup_key
         if counted:
-            rollup_key: RollupKey = (family, rank.static, label_values)
             counters[rollup_key] = counters.get(rollup_key, 0.0) + delta
         elif previous is None:
-            counters.setdefault((family, rank.static, label_values), 0.0)  # the rollup series exists from the start
+            counters.setdefault(rollup_key, 0.0)  # the rollup series exists from the start
+
+    def _route(self, rank: RankState, sample: Sample) -> SeriesRoute:
+        """Validate a sample's family and labels; remember the result when it names its series canonically."""
+        family, labels = sample.family, sample.labels
+        plan = self._plans.get(family)
+        if plan is None:
+            raise SampleRejected(ErrorCode.UNKNOWN_FAMILY, f"family {family!r} is not in the catalog")
+        label_values = self._label_values(plan, labels) if labels or plan.labels else ()
+        name = plan.name  # the catalog's string object, shared by every rank's keys
+        route = SeriesRoute(plan, (name, label_values), (name, rank.static, label_values))
+        # Labels in the catalog's order (as the client library sends them) map one-to-one to
+        # series, so the index is bounded like the rank's series; other orders are not kept.
+        if tuple(labels) == plan.labels and len(rank.routes) < self.config.max_series_per_rank:
+            rank.routes[(family, tuple(labels.items())) if labels else family] = route
+        return route
 
     def _check_series_room(self, rank: RankState) -> None:
         if len(rank.values) >= self.config.max_series_per_rank:
@@ -339,11 +329,12 @@ class SidecarState:
                 f"the sidecar already holds {self.config.max_series_total} series (max_series_total)",
             )
 
-    def _apply_histogram(
-        self, rank: RankState, plan: "_FamilyPlan", key: SeriesKey, sample: Sample, previous: object, counted: bool
-    ) -> None:
+    def _apply_histogram(self, rank: RankState, route: SeriesRoute, sample: Sample, previous: HistValue | None, leads: bool) -> None:
+        plan, key = route.plan, route.key
         name = plan.name
         buckets = sample.buckets
+        if buckets is UNSET:
+            raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{name!r} is a histogram: send buckets, sum and count")
         if len(buckets) != plan.n_buckets:
             raise SampleRejected(
                 ErrorCode.BUCKET_MISMATCH,
@@ -356,11 +347,12 @@ class SidecarState:
                 ErrorCode.BUCKET_MISMATCH, f"{name!r}: bucket bound {bad[0]!r} where the catalog has {bad[1]!r}"
             )
         total = sample.sum
-        before = previous if isinstance(previous, HistValue) else None
-        if before is not None and counts == before.counts:
-            if total != before.sum:
+        baselined = rank.baselined
+        per_shard = plan.per_shard
+        if previous is not None and counts == previous.counts:
+            if total != previous.sum:
                 raise SampleRejected(ErrorCode.INVALID_VALUE, f"histogram {name!r}: sum changed without new observations")
-            if rank.baselined is None or plan.per_shard:
+            if per_shard or baselined is None:
                 return  # nothing new: the common case of an idle histogram
         if counts[0] < 0:
             raise SampleRejected(ErrorCode.INVALID_VALUE, f"{name!r}: bucket counts must not be negative")
@@ -371,34 +363,47 @@ class SidecarState:
             )
         if list(counts) != sorted(counts):  # cumulative counts never go down from bucket to bucket
             raise SampleRejected(ErrorCode.BUCKET_MISMATCH, f"{name!r}: bucket counts are not cumulative")
-        if before is not None:
-            deltas = list(map(operator.sub, counts, before.counts))
+        deltas: tuple[int, ...] | list[int]
+        if previous is None:
+            deltas, dsum = counts, total
+            self.total_series += 1
+        else:
+            deltas = list(map(operator.sub, counts, previous.counts))
             if min(deltas) < 0:
                 raise SampleRejected(ErrorCode.COUNTER_DECREASED, f"histogram {name!r} bucket counts went down within one epoch")
+            dsum = total - previous.sum
+        rank.values[key] = HistValue(counts, total)
+        rank.version += 1
+        if per_shard:
+            counted = True
         else:
-            deltas = list(counts)
-        dsum = total - (before.sum if before is not None else 0.0)
-        self._store(rank, key, HistValue(counts, total))
-        if rank.baselined is not None and not plan.per_shard:
-            rank.baselined.add(key)
+            counted = leads and (baselined is None or key in baselined)  # before this value joins baselined
+            if baselined is not None:
+                baselined.add(key)
         if plan.windowed:
-            rank.totals[key] = rank.totals.get(key, 0.0) + dsum
-        self.rollups.add_histogram((name, rank.static, key[1]), plan.n_buckets, deltas if counted else None, dsum)
+            totals = rank.totals
+            totals[key] = totals.get(key, 0.0) + dsum
+        histograms = self.rollups.histograms
+        rollup_key = route.rollup_key
+        acc = histograms.get(rollup_key)
+        if acc is None:  # the rollup series exists from the start, counted or not
+            acc = histograms[rollup_key] = HistAccumulator.empty(plan.n_buckets)
+        if counted:
+            acc.add(deltas, dsum)
 
-    def _label_values(self, plan: "_FamilyPlan", labels: dict[str, str]) -> tuple[str, ...]:
+    def _label_values(self, plan: FamilyPlan, labels: dict[str, str]) -> tuple[str, ...]:
         names = plan.labels
         try:
-            values = tuple([labels[name] for name in names])
+            if len(labels) != len(names):
+                raise KeyError
+            values = tuple(map(labels.__getitem__, names))
         except KeyError:
-            values = ()
-        if len(values) != len(names) or len(labels) != len(names):
             raise SampleRejected(
                 ErrorCode.WRONG_LABELS, f"{plan.name!r} takes labels {list(names)}, got {sorted(labels)}"
-            )
+            ) from None
         limit = self.config.max_label_value_length
-        for value in values:
-            if len(value) > limit:
-                raise SampleRejected(ErrorCode.WRONG_LABELS, f"{plan.name!r}: a label value is longer than {limit} characters")
+        if values and max(map(len, values)) > limit:
+            raise SampleRejected(ErrorCode.WRONG_LABELS, f"{plan.name!r}: a label value is longer than {limit} characters")
         return values
 
     def _store(self, rank: RankState, key: SeriesKey, value: float | HistValue) -> None:

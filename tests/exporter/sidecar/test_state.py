@@ -397,6 +397,66 @@ def test_series_limit_rejects_new_series_only() -> None:
     assert h.counter(BYTES) == 3.0 and h.counter(TOKENS, "kv") == 4.0
 
 
+# --- the per-rank route index (validated series, looked up by how samples name them) ---
+
+DROPPED = "hicache_dropped_tokens_total"  # replicated counter, labels (reason, pool)
+
+
+def dropped(value: float, **labels: str) -> ScalarSample:
+    return ScalarSample(family=DROPPED, labels=labels, value=value)
+
+
+def test_labels_sent_in_another_order_reach_the_same_series_and_are_not_indexed(h: Harness) -> None:
+    _, rank = h.hello()
+    assert h.push(rank, dropped(2.0, reason="host_pressure", pool="kv")).applied == 1
+    assert h.push(rank, dropped(5.0, pool="kv", reason="host_pressure")).applied == 1
+    assert rank.values == {(DROPPED, ("host_pressure", "kv")): 5.0}
+    assert h.counter(DROPPED, "host_pressure", "kv") == 5.0
+    assert list(rank.routes) == [(DROPPED, (("reason", "host_pressure"), ("pool", "kv")))]
+    # A decrease is refused whichever order names the series.
+    assert codes(h.push(rank, dropped(4.0, pool="kv", reason="host_pressure"))) == [ErrorCode.COUNTER_DECREASED]
+
+
+def test_an_indexed_series_is_still_checked_on_every_push(h: Harness) -> None:
+    _, rank = h.hello()
+    assert h.push(rank, bytes_(1.0), hist(DURATION, one_hot(DURATION, 0), 0.001)).applied == 2
+    assert len(rank.routes) == 2
+    wrong_shape = ScalarSample(family=DURATION, labels={}, value=3.0)
+    wrong_bounds = HistogramSample(family=BYTES, labels={}, buckets=[("+Inf", 1)], sum=1.0, count=1)
+    assert codes(h.push(rank, wrong_shape, wrong_bounds)) == [ErrorCode.TYPE_MISMATCH, ErrorCode.TYPE_MISMATCH]
+    assert codes(h.push(rank, bytes_(-1.0))) == [ErrorCode.INVALID_VALUE]
+    assert codes(h.push(rank, bytes_(0.5))) == [ErrorCode.COUNTER_DECREASED]
+    assert h.counter(BYTES) == 1.0
+
+
+def test_unknown_families_and_wrong_labels_are_never_indexed(h: Harness) -> None:
+    _, rank = h.hello()
+    bad = [ScalarSample(family="no_such_family_total", labels={}, value=1.0),
+           ScalarSample(family=TOKENS, labels={"pool": "kv", "extra": "x"}, value=1.0),
+           ScalarSample(family=BYTES, labels={"pool": "kv"}, value=1.0)]
+    for _ in range(2):
+        assert codes(h.push(rank, *bad)) == [ErrorCode.UNKNOWN_FAMILY, ErrorCode.WRONG_LABELS, ErrorCode.WRONG_LABELS]
+    assert rank.routes == {} and rank.values == {}
+
+
+def test_route_index_is_bounded_by_max_series_per_rank() -> None:
+    h = Harness(ranks_config=RanksConfig(max_series_per_rank=3))
+    _, rank = h.hello()
+    for pool in range(10):
+        h.push(rank, tokens(1.0, pool=f"p{pool}"))
+    assert len(rank.values) == 3 and len(rank.routes) == 3
+
+
+def test_routes_outlive_a_restart_and_the_new_epoch_counts_from_zero(h: Harness) -> None:
+    conn, rank = h.hello()
+    h.push(rank, bytes_(10.0), tokens(4.0))
+    h.state.disconnect(conn, rank)
+    _, again = h.hello(epoch="epoch-b")
+    assert again is rank and len(rank.routes) == 2
+    h.push(rank, bytes_(3.0), tokens(1.0))
+    assert h.counter(BYTES) == 13.0 and h.counter(TOKENS, "kv") == 5.0
+
+
 def test_negative_histogram_bucket_count_rejected(h: Harness) -> None:
     """A negative bucket count would make a rollup bucket go down (and is not a valid histogram).
 

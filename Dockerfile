@@ -3,7 +3,7 @@
 # hicache-exporter sidecar image.
 #
 # Only the sidecar goes in here: exporter/ with its runtime dependencies
-# (prometheus_client, aiohttp, pydantic, PyYAML, bcrypt). cache_core/ and the optional
+# (prometheus_client, aiohttp, pydantic, msgspec, PyYAML, bcrypt). cache_core/ and the optional
 # `cache` extra (torch) never enter the image; `hicache-exporter demo` therefore
 # does not run in it, by design.
 #

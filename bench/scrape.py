@@ -16,12 +16,12 @@ one forked process per rank creates the same series (Counter, Gauge with
 multiprocess_mode="livesum", Histogram with the catalog's buckets; labels tp_rank, pp_rank,
 dp_rank, cache_type plus the family's own), gives every one a value and exits, leaving its .db
 files. `generate_latest(registry)` with a MultiProcessCollector over a directory holding the first
-N processes' files is timed in a fresh interpreter (in-process, no HTTP, which favours the anchor).
-For each rank count the anchor and the sidecar are timed back to back, so that the machine's
-noise at that moment hits both.
+N processes' files is timed in a long-lived worker interpreter (in-process, no HTTP, which favours
+the anchor). For each rank count the two contenders' scrapes alternate, one each in turn, so that
+the machine's noise at any moment hits both alike.
 
-Each (contender, rank count) gets `repeats` timed scrapes, fewer when one scrape is slow, so
-that it takes about `budget` seconds (never fewer than 7). p99 is nearest-rank: with fewer than
+Each rank count gets `repeats` timed scrapes per contender, fewer when scrapes are slow, so that
+both take about 2 x `budget` seconds together (never fewer than 7 each). p99 is nearest-rank: with fewer than
 100 samples it is the slowest scrape.
 """
 
@@ -121,23 +121,56 @@ def _mp_prepare(root: str, counts: list[int], progress: bool) -> None:
                 os.link(path, sub / path.name)
 
 
-def _mp_time(repeats: int, budget_s: float) -> dict[str, Any]:
-    """Runs in a subprocess whose PROMETHEUS_MULTIPROC_DIR is one ranks_N directory: time its scrapes."""
+def _mp_serve() -> None:
+    """Runs in a subprocess whose PROMETHEUS_MULTIPROC_DIR is one ranks_N directory: one timed scrape
+    per "scrape" line on stdin, its seconds on stdout; "info" prints the body's size as JSON."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry)  # reads PROMETHEUS_MULTIPROC_DIR, as an engine's /metrics handler does
-    started = time.perf_counter()
-    text = generate_latest(registry)
-    first = time.perf_counter() - started
-    latencies = []
-    for _ in range(_reps(first, repeats, budget_s)):
-        started = time.perf_counter()
-        generate_latest(registry)
-        latencies.append(time.perf_counter() - started)
-    return {"latencies": latencies, "series": series_count(text.decode()), "bytes": len(text),
-            "files": len(os.listdir(os.environ["PROMETHEUS_MULTIPROC_DIR"]))}
+    for line in sys.stdin:
+        if line.strip() == "info":
+            text = generate_latest(registry).decode()
+            print(json.dumps({"series": series_count(text), "bytes": len(text),
+                              "files": len(os.listdir(os.environ["PROMETHEUS_MULTIPROC_DIR"]))}), flush=True)
+        else:
+            started = time.perf_counter()
+            generate_latest(registry)
+            print(time.perf_counter() - started, flush=True)
+
+
+class AnchorWorker:
+    """A `_mp_serve` subprocess: scrapes on request, so that its scrapes interleave with the sidecar's."""
+
+    def __init__(self, multiproc_dir: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.scrape", "--mp-serve"],
+                                     env=child_env(PROMETHEUS_MULTIPROC_DIR=str(multiproc_dir)), cwd=REPO_ROOT,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def _ask(self, command: str) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the multiprocess anchor exited (code {self.proc.wait()})")
+        return answer
+
+    def scrape(self) -> float:
+        return float(self._ask("scrape"))
+
+    def info(self) -> dict[str, Any]:
+        return json.loads(self._ask("info"))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def _mp_subprocess(args: list[str], multiproc_dir: Path, progress: bool) -> str:
@@ -152,12 +185,11 @@ def _mp_subprocess(args: list[str], multiproc_dir: Path, progress: bool) -> str:
 # --- the sidecar ---
 
 class SidecarStages:
-    """One sidecar, fed rank by rank: `stage(count)` connects ranks up to `count` and times scrapes."""
+    """One sidecar, fed rank by rank: `connect(count)` brings it to `count` ranks, `scrape_changed()`
+    times a scrape after every rank has pushed, `scrape_unchanged()` one with nothing pushed since."""
 
-    def __init__(self, sidecar: Sidecar, repeats: int, budget_s: float, say: Any) -> None:
+    def __init__(self, sidecar: Sidecar, say: Any) -> None:
         self.sidecar = sidecar
-        self.repeats = repeats
-        self.budget_s = budget_s
         self.say = say
         self.ranks: list[RawRank] = []
         self.pushed = 0
@@ -167,36 +199,29 @@ class SidecarStages:
             rank.push()
         self.pushed += len(self.ranks)
 
-    def stage(self, count: int) -> dict[str, Any]:
-        sidecar = self.sidecar
+    def connect(self, count: int) -> dict[str, Any]:
+        """Connect ranks up to `count`, push once, scrape; the body's size, and how long a round takes."""
         self.say(f"sidecar: connecting ranks {len(self.ranks)}..{count - 1} and pushing full snapshots ...")
         while len(self.ranks) < count:
-            self.ranks.append(RawRank(sidecar.socket_path, len(self.ranks)))
+            self.ranks.append(RawRank(self.sidecar.socket_path, len(self.ranks)))
         started = time.perf_counter()
+        latency = self.scrape_changed()
+        text = self.sidecar.get().decode()
+        return {"series": series_count(text), "bytes": len(text), "round_s": time.perf_counter() - started - latency}
+
+    def scrape_changed(self) -> float:
+        # Between two scrapes every rank has pushed (a scrape interval >= the push interval), and the
+        # sidecar has applied it all (untimed): the timed scrape renders every rank's changed values.
         self._push_all()
-        sidecar.wait_applied(self.pushed)
-        round_s = time.perf_counter() - started
-        text = sidecar.get().decode()
+        self.sidecar.wait_applied(self.pushed)
         started = time.perf_counter()
-        sidecar.get()
-        first = time.perf_counter() - started
-        reps = _reps(first + round_s, self.repeats, self.budget_s)
-        self.say(f"sidecar, {count} ranks: timing {reps} scrapes, every rank pushing before each ...")
-        latencies = []
-        for _ in range(reps):
-            # Between two scrapes every rank has pushed (a scrape interval >= the push interval), and
-            # the sidecar has applied it all: the timed scrape renders every rank's changed values.
-            self._push_all()
-            sidecar.wait_applied(self.pushed)
-            started = time.perf_counter()
-            sidecar.get()
-            latencies.append(time.perf_counter() - started)
-        unchanged = []
-        for _ in range(min(10, reps)):  # nothing pushed in between: what the sidecar can reuse
-            started = time.perf_counter()
-            sidecar.get()
-            unchanged.append(time.perf_counter() - started)
-        return {"latencies": latencies, "unchanged": unchanged, "series": series_count(text), "bytes": len(text)}
+        self.sidecar.get()
+        return time.perf_counter() - started
+
+    def scrape_unchanged(self) -> float:
+        started = time.perf_counter()
+        self.sidecar.get()
+        return time.perf_counter() - started
 
     def close(self) -> None:
         for rank in self.ranks:
@@ -205,8 +230,8 @@ class SidecarStages:
 
 def measure(counts: list[int], repeats: int, budget_s: float, progress: bool
             ) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
-    """(sidecar, multiprocess) results per rank count; the two are timed back to back per count, so
-    that the machine's noise hits a figure and its anchor alike."""
+    """(sidecar, multiprocess) results per rank count. The two contenders' scrapes alternate, one
+    each in turn, so that the machine's noise at any moment hits a figure and its anchor alike."""
     say = progress_printer(progress, "scrape")
     counts = sorted(counts)
     root = Path(tempfile.mkdtemp(prefix="hcb-mpdir-", dir="/tmp" if os.path.isdir("/tmp") else None))
@@ -216,17 +241,29 @@ def measure(counts: list[int], repeats: int, budget_s: float, progress: bool
         (root / "all").mkdir()
         _mp_subprocess(["--mp-prepare", str(root), "--ranks", ",".join(map(str, counts))], root / "all", progress)
         with Sidecar() as sidecar:
-            stages = SidecarStages(sidecar, repeats, budget_s, say)
+            stages = SidecarStages(sidecar, say)
             try:
                 for count in counts:
-                    say(f"multiprocess, {count} ranks: timing generate_latest ...")
-                    mp[count] = json.loads(_mp_subprocess(
-                        ["--mp-time", "--repeats", str(repeats), "--budget", str(budget_s)],
-                        root / f"ranks_{count}", progress))
-                    say(f"multiprocess, {count} ranks: {len(mp[count]['latencies'])} scrapes of "
-                        f"{mp[count]['files']} files, median {statistics.median(mp[count]['latencies']) * 1000:.1f} ms")
-                    side[count] = stages.stage(count)
-                    say(f"sidecar, {count} ranks: median {statistics.median(side[count]['latencies']) * 1000:.1f} ms")
+                    anchor = AnchorWorker(root / f"ranks_{count}")
+                    try:
+                        shape = stages.connect(count)
+                        info = anchor.info()
+                        first = anchor.scrape() + stages.scrape_changed() + shape["round_s"]
+                        reps = _reps(first, repeats, 2 * budget_s)
+                        say(f"{count} ranks: timing {reps} scrapes each, alternating the multiprocess anchor "
+                            f"({info['files']} files) and the sidecar (every rank pushing before each) ...")
+                        anchor_latencies, latencies = [], []
+                        for _ in range(reps):
+                            anchor_latencies.append(anchor.scrape())
+                            latencies.append(stages.scrape_changed())
+                        unchanged = [stages.scrape_unchanged() for _ in range(min(10, reps))]
+                    finally:
+                        anchor.close()
+                    mp[count] = {"latencies": anchor_latencies, **info}
+                    side[count] = {"latencies": latencies, "unchanged": unchanged,
+                                   "series": shape["series"], "bytes": shape["bytes"]}
+                    say(f"{count} ranks: median multiprocess {statistics.median(anchor_latencies) * 1000:.1f} ms, "
+                        f"sidecar {statistics.median(latencies) * 1000:.1f} ms")
             finally:
                 stages.close()
     finally:
@@ -320,15 +357,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     parser.add_argument("--plot", help="also plot latency against rank count to this PNG")
     parser.add_argument("--mp-prepare", help=argparse.SUPPRESS)
-    parser.add_argument("--mp-time", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mp-serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     counts = [int(c) for c in args.ranks.split(",") if c]
     if args.mp_prepare:
         _mp_prepare(args.mp_prepare, counts, not args.quiet)
         return 0
-    if args.mp_time:
-        print(json.dumps(_mp_time(args.repeats, args.budget)))
+    if args.mp_serve:
+        _mp_serve()
         return 0
     from bench.run import print_table
 

@@ -50,14 +50,18 @@ def bandwidths(
     """Per-rank and rolled-up active bandwidth; a series only where the window saw transfer time."""
     per_rank: list[tuple[FamilySpec, RankState, LabelValues, Bandwidth]] = []
     rolled: dict[RollupKey, list[float]] = {}
-    bytes_of = {duration.name: bytes_spec for bytes_spec, duration in state.catalog.bandwidth_pairs()}
+    pairs = state.catalog.bandwidth_pairs()
+    # Unlabelled pairs (the usual case) are two lookups per rank; labelled ones scan the rank's series.
+    plain = [(b, (d.name, ()), (b.name, ())) for b, d in pairs if not d.labels]
+    labelled = {d.name: b for b, d in pairs if d.labels}
     for rank in sorted(state.ranks.values(), key=lambda r: (r.static, r.dp_rank, r.pp_rank, r.tp_rank)):
         inc = increases[id(rank)]
-        for (family, labels), seconds in inc.items():
-            bytes_spec = bytes_of.get(family)
-            if bytes_spec is None or seconds <= 0:
-                continue
-            moved = max(inc.get((bytes_spec.name, labels), 0.0), 0.0)
+        found = [(b, key[1], seconds, inc.get(bytes_key, 0.0)) for b, key, bytes_key in plain if (seconds := inc.get(key, 0.0)) > 0]
+        if labelled:
+            found += [(labelled[family], labels, seconds, inc.get((labelled[family].name, labels), 0.0))
+                      for (family, labels), seconds in inc.items() if family in labelled and seconds > 0]
+        for bytes_spec, labels, seconds, moved in found:
+            moved = max(moved, 0.0)
             if not rank.expired:
                 per_rank.append((bytes_spec, rank, labels, Bandwidth(moved, seconds)))
             acc = rolled.setdefault((bytes_spec.name, rank.static, labels), [0.0, 0.0])
@@ -78,11 +82,11 @@ def replica_spreads(
             continue
         per_rank = [increases[id(rank)] for rank in live]
         keys = {key for inc in per_rank for key in inc if key[0] in replicated}
-        for family, labels in keys:
+        for key in keys:
             # A replica that never pushed a series has counted none of it.
-            values = [inc.get((family, labels), 0.0) for inc in per_rank]
-            top, bottom = max(values), min(values)
-            spreads[(family, group_key, labels)] = (top - bottom) / top if top > 0 else 0.0
+            values = [inc.get(key, 0.0) for inc in per_rank]
+            top = max(values)
+            spreads[(key[0], group_key, key[1])] = (top - min(values)) / top if top > 0 else 0.0
     return spreads
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import platform
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, TypeVar
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -11,7 +11,7 @@ from prometheus_client.utils import floatToGoString
 
 from exporter import __version__
 from exporter.catalog import FamilySpec, MetricType, Semantics
-from exporter.sidecar.derived import bandwidths, gauge_rollups, replica_spreads, window_increases
+from exporter.sidecar.derived import Bandwidth, bandwidths, gauge_rollups, replica_spreads, window_increases
 from exporter.sidecar.ranks import RankState, RankStatus
 from exporter.sidecar.series import HistAccumulator, HistValue, LabelValues, StaticKey
 from exporter.sidecar.state import SidecarState
@@ -19,6 +19,8 @@ from exporter.sidecar.stats import SidecarStats
 from exporter.client.metrics import HistogramChild
 
 SELF = "hicache_exporter_"
+KeyT = TypeVar("KeyT", bound=tuple)
+ValueT = TypeVar("ValueT")
 ROLLUP_HELP = {
     Semantics.PER_SHARD: "Sum over all ranks (per-shard quantity). ",
     Semantics.REPLICATED: "One leader rank per dp replica group, summed over groups (logically replicated quantity). ",
@@ -51,9 +53,20 @@ def _add_value(metric: Metric, spec: FamilySpec, labels: dict[str, str], value: 
 
 
 def _labels(spec: FamilySpec, values: LabelValues, base: dict[str, str]) -> dict[str, str]:
+    if not values:
+        return base  # no labels of its own: share the rank's (or rollup's) dict, which nobody changes
     labels = dict(zip(spec.labels, values))
     labels.update(base)
     return labels
+
+
+def _by_family(*sources: Iterable[tuple[KeyT, ValueT]]) -> dict[str, list[tuple[KeyT, ValueT]]]:
+    """Entries keyed by (family, ...) grouped by family, in one pass: not one scan per family."""
+    grouped: dict[str, list[tuple[KeyT, ValueT]]] = {}
+    for source in sources:
+        for entry in source:
+            grouped.setdefault(entry[0][0], []).append(entry)  # type: ignore[index]
+    return grouped
 
 
 class SidecarCollector(Collector):
@@ -96,41 +109,35 @@ class SidecarCollector(Collector):
     def _rollups(self) -> Iterator[Metric]:
         state = self.state
         prefix = self.namespace + "rollup_"
-        gauges = gauge_rollups(state)
+        by_family = _by_family(state.rollups.counters.items(), state.rollups.histograms.items(), gauge_rollups(state).items())
         for spec in state.catalog:
             metric = Metric(exported_name(spec, prefix), ROLLUP_HELP[spec.semantics] + spec.help, _metric_type(spec))
-            source: Iterable[tuple[tuple[str, StaticKey, LabelValues], float | HistAccumulator]]
-            if spec.type is MetricType.COUNTER:
-                source = state.rollups.counters.items()
-            elif spec.type is MetricType.HISTOGRAM:
-                source = state.rollups.histograms.items()
-            else:
-                source = gauges.items()
-            for (family, static, values), value in source:
-                if family == spec.name:
-                    _add_value(metric, spec, _labels(spec, values, dict(static)), value)
+            for (_, static, values), value in by_family.get(spec.name, ()):
+                _add_value(metric, spec, _labels(spec, values, dict(static)), value)
             yield metric
 
     def _bandwidth(self, increases: dict, rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
         per_rank, rolled = bandwidths(self.state, increases)
+        rank_rows: dict[str, list[tuple[FamilySpec, RankState, LabelValues, Bandwidth]]] = {}
+        for entry in per_rank:
+            rank_rows.setdefault(entry[0].name, []).append(entry)
+        rolled_rows = _by_family(rolled.items())
         for bytes_spec, _ in self.state.catalog.bandwidth_pairs():
             help_text = (
                 f"Active bandwidth of {bytes_spec.name}: byte increase over the window divided by the "
                 "increase of its duration histogram's sum (idle time excluded); absent without transfers."
             )
             metric = Metric(self.namespace + bytes_spec.bandwidth_name, help_text, "gauge")
-            for spec, rank, values, bw in per_rank:
-                if spec.name == bytes_spec.name:
-                    metric.add_sample(metric.name, _labels(spec, values, rank_labels[id(rank)]), bw.value)
+            for spec, rank, values, bw in rank_rows.get(bytes_spec.name, ()):
+                metric.add_sample(metric.name, _labels(spec, values, rank_labels[id(rank)]), bw.value)
             yield metric
             rollup = Metric(self.namespace + "rollup_" + bytes_spec.bandwidth_name, "Rolled up: " + help_text, "gauge")
-            for (family, static, values), bw in rolled.items():
-                if family == bytes_spec.name:
-                    rollup.add_sample(rollup.name, _labels(bytes_spec, values, dict(static)), bw.value)
+            for (_, static, values), bw in rolled_rows.get(bytes_spec.name, ()):
+                rollup.add_sample(rollup.name, _labels(bytes_spec, values, dict(static)), bw.value)
             yield rollup
 
     def _spreads(self, increases: dict) -> Iterator[Metric]:
-        spreads = replica_spreads(self.state, increases)
+        by_family = _by_family(replica_spreads(self.state, increases).items())
         for spec in self.state.catalog:
             if spec.type is not MetricType.COUNTER or spec.semantics is not Semantics.REPLICATED:
                 continue
@@ -139,9 +146,8 @@ class SidecarCollector(Collector):
                 f"How far live replicas' increases of {spec.name} over the window disagree: (max - min) / max.",
                 "gauge",
             )
-            for (family, (dp_rank, static), values), ratio in spreads.items():
-                if family == spec.name:
-                    metric.add_sample(metric.name, _labels(spec, values, {"dp_rank": str(dp_rank), **dict(static)}), ratio)
+            for (_, (dp_rank, static), values), ratio in by_family.get(spec.name, ()):
+                metric.add_sample(metric.name, _labels(spec, values, {"dp_rank": str(dp_rank), **dict(static)}), ratio)
             yield metric
 
     def _self_metrics(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:

@@ -9,13 +9,16 @@ lean formatter. The output parses to exactly the samples prometheus_client's own
 
 from __future__ import annotations
 
+from math import isfinite
+from typing import Callable, Iterable
+
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
 from exporter.catalog import FamilySpec, MetricType
 from exporter.sidecar.exposition import SidecarCollector, exported_name
 from exporter.sidecar.ranks import RankState
-from exporter.sidecar.series import HistValue, SeriesKey
+from exporter.sidecar.series import SeriesKey
 
 SUFFIX = {MetricType.COUNTER: "_total", MetricType.GAUGE: "", MetricType.HISTOGRAM: ""}
 
@@ -39,26 +42,73 @@ def header(name: str, kind: str, help_text: str, openmetrics: bool) -> str:
     return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n"
 
 
-def format_metric(metric: Metric, openmetrics: bool) -> str:
+def spell_value(value: float) -> str:
+    """repr() for finite values (exact and cheap), Go's spelling for NaN and infinities."""
+    return repr(value) if isfinite(value) else floatToGoString(value)
+
+
+class LabelTexts:
+    """`name="value",...` by label set, remembered: escaping costs more than the rest of a line."""
+
+    def __init__(self, limit: int = 20_000) -> None:
+        self.limit = limit  # label sets of departed ranks drop out when it is reached
+        self._texts: dict[tuple[tuple[str, str], ...], str] = {}
+
+    def __call__(self, labels: dict[str, str]) -> str:
+        key = tuple(labels.items())
+        text = self._texts.get(key)
+        if text is None:
+            if len(self._texts) >= self.limit:
+                self._texts.clear()
+            text = self._texts[key] = label_text(labels)
+        return text
+
+
+def format_metric(metric: Metric, openmetrics: bool, label_texts: Callable[[dict[str, str]], str] = label_text) -> str:
     """One collector Metric, header and samples."""
     lines = [header(metric.name, metric.type, metric.documentation, openmetrics)]
     for sample in metric.samples:
-        labels = label_text(sample.labels)
-        value = floatToGoString(sample.value)
+        labels = label_texts(sample.labels) if sample.labels else ""
+        value = spell_value(sample.value)
         lines.append(f"{sample.name}{{{labels}}} {value}\n" if labels else f"{sample.name} {value}\n")
     return "".join(lines)
 
 
 class _RankLines:
-    """One rank's rendered lines per family, valid while its values have not changed, and the
-    per-series line prefixes (name and labels), valid for as long as the rank exists."""
+    """One rank's rendered lines per family, valid while its values have not changed; the
+    per-family layouts they are filled into, valid while its set of series has not changed;
+    and the per-series line prefixes (name and labels), valid for as long as the rank exists."""
 
-    __slots__ = ("version", "families", "prefixes")
+    __slots__ = ("version", "families", "shape", "layouts", "prefixes")
 
     def __init__(self) -> None:
         self.version: tuple[int, int, str] | None = None
         self.families: dict[str, str] = {}
+        self.shape: tuple[int, str, int] | None = None
+        self.layouts: dict[str, _FamilyLayout] = {}
         self.prefixes: dict[SeriesKey, tuple[str, ...]] = {}
+
+
+class _FamilyLayout:
+    """A rank's series of one family, and its lines as pieces: each line's prefix at an even
+    index, a slot for its value after it. Rendering fills the slots with one C-level slice
+    assignment and joins, instead of a concatenation per line."""
+
+    __slots__ = ("pieces", "keys", "histogram", "slots")
+
+    def __init__(self, prefixes: list[str], keys: list[SeriesKey], histogram: bool) -> None:
+        pieces = [""] * (2 * len(prefixes) + 1)
+        pieces[0::2] = [prefixes[0], *("\n" + p for p in prefixes[1:]), "\n"]
+        self.pieces = pieces
+        self.keys = keys
+        self.histogram = histogram
+        self.slots = slice(1, 2 * len(prefixes), 2)
+
+    def render(self, values: Iterable[object]) -> str:
+        """The lines, with `values` (one per line, in order) spelled by repr()."""
+        pieces = self.pieces.copy()
+        pieces[self.slots] = map(repr, values)
+        return "".join(pieces)
 
 
 class TextRenderer:
@@ -76,6 +126,7 @@ class TextRenderer:
         }
         self._ranks: dict[object, _RankLines] = {}
         self._family_labels: dict[tuple[str, tuple[str, ...]], str] = {}
+        self._label_texts = LabelTexts()
 
     def render(self, openmetrics: bool = False) -> bytes:
         state = self.state
@@ -90,7 +141,8 @@ class TextRenderer:
             parts.append(header(self.exported[spec.name], spec.type.value, spec.help, openmetrics))
             parts.extend(lines.families.get(spec.name, "") for lines in per_rank)
         rank_labels = {id(r): r.label_dict() for r in ranks}
-        parts.extend(format_metric(metric, openmetrics) for metric in self.collector.derived(ranks, rank_labels))
+        texts = self._label_texts
+        parts.extend(format_metric(metric, openmetrics, texts) for metric in self.collector.derived(ranks, rank_labels))
         if openmetrics:
             parts.append("# EOF\n")
         return "".join(parts).encode()
@@ -102,27 +154,46 @@ class TextRenderer:
         version = (id(rank), rank.version, rank.epoch)
         if cached.version == version:
             return cached
-        prefixes = cached.prefixes
-        families: dict[str, list[str]] = {}
-        for key, value in rank.values.items():
-            parts = prefixes.get(key)
-            if parts is None:
-                parts = prefixes[key] = self._prefixes(rank, key)
-            out = families.get(key[0])
-            if out is None:
-                out = families[key[0]] = []
-            # Values are finite (the protocol refuses NaN/Inf), so repr() is an exact, parseable and
-            # much cheaper rendering than floatToGoString; `le` bounds keep Go's canonical spelling.
-            if isinstance(value, HistValue):
-                counts = value.counts
-                out.extend([prefix + repr(count) for prefix, count in zip(parts, counts)])
-                out.append(parts[-2] + repr(counts[-1]))
-                out.append(parts[-1] + repr(value.sum))
+        values = rank.values
+        # Within an epoch series are only ever added, so the count names the set of series.
+        shape = (id(rank), rank.epoch, len(values))
+        if cached.shape != shape:
+            cached.layouts = self._layouts(rank, cached.prefixes)
+            cached.shape = shape
+        families: dict[str, str] = {}
+        # Values are finite (the protocol refuses NaN/Inf), so repr() is an exact, parseable and
+        # much cheaper spelling than floatToGoString; `le` bounds keep Go's canonical spelling.
+        for family, layout in cached.layouts.items():
+            if layout.histogram:
+                args: list[object] = []
+                for key in layout.keys:
+                    value = values[key]
+                    counts = value.counts  # type: ignore[union-attr]
+                    args += counts
+                    args.append(counts[-1])
+                    args.append(value.sum)  # type: ignore[union-attr]
+                families[family] = layout.render(args)
             else:
-                out.append(parts[0] + repr(value))
+                families[family] = layout.render(map(values.__getitem__, layout.keys))
         cached.version = version
-        cached.families = {family: "\n".join(chunk) + "\n" for family, chunk in families.items()}
+        cached.families = families
         return cached
+
+    def _layouts(self, rank: RankState, prefixes: dict[SeriesKey, tuple[str, ...]]) -> dict[str, _FamilyLayout]:
+        """Group the rank's series by family and lay out each family's lines."""
+        keys_by_family: dict[str, list[SeriesKey]] = {}
+        for key in rank.values:
+            keys_by_family.setdefault(key[0], []).append(key)
+        layouts = {}
+        for family, keys in keys_by_family.items():
+            lines: list[str] = []
+            for key in keys:
+                parts = prefixes.get(key)
+                if parts is None:
+                    parts = prefixes[key] = self._prefixes(rank, key)
+                lines += parts
+            layouts[family] = _FamilyLayout(lines, keys, self.specs[family].type is MetricType.HISTOGRAM)
+        return layouts
 
     def _prefixes(self, rank: RankState, key: SeriesKey) -> tuple[str, ...]:
         """`name{labels} ` for each line of one series (every bucket, count and sum of a histogram)."""

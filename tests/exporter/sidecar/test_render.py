@@ -52,9 +52,9 @@ def populated() -> tuple[SidecarState, SidecarCollector, Clock]:
     collector = SidecarCollector(state, SidecarStats(), "sglang_")
     for tp in range(3):
         client = RankClient("/nonexistent.sock", rank={"tp_rank": tp, "pp_rank": 0, "dp_rank": 0},
-                            labels={"cache_type": "HiRadixCache", "zone": 'we"ird\nvalue\\'})
+                            labels={"cache_type": "HiRadixCache", "zone": 'we"ird\n{value} %s\\'})
         for spec in default_catalog():
-            labels = {name: ("kv" if name == "pool" else 'quote"d\nnew') for name in spec.labels}
+            labels = {name: ("kv" if name == "pool" else 'quote"d\n{new}') for name in spec.labels}
             child = client.metrics.child(spec.name, labels)
             if spec.type is MetricType.HISTOGRAM:
                 child.observe(0.004 * (tp + 1))  # type: ignore[union-attr]
@@ -101,7 +101,7 @@ def test_cached_rank_lines_follow_new_snapshots_restarts_and_expiry(populated: t
     before = _samples(parse_text(renderer.render().decode()))
     rank = next(r for r in state.ranks.values() if r.tp_rank == 1)
     key = ("sglang_evicted_tokens_total", frozenset({"tp_rank": "1", "pp_rank": "0", "dp_rank": "0",
-                                                      "cache_type": "HiRadixCache", "zone": 'we"ird\nvalue\\'}.items()))
+                                                      "cache_type": "HiRadixCache", "zone": 'we"ird\n{value} %s\\'}.items()))
     assert before[key] == 10 ** 4 + 0.25
     state.snapshot(rank, Snapshot(seq=2, time=2.0, samples=[ScalarSample("evicted_tokens_total", 99999.0)]))
     assert _samples(parse_text(renderer.render().decode()))[key] == 99999.0

@@ -142,7 +142,7 @@ def machine() -> dict[str, Any]:
         pass
     from importlib import metadata
 
-    for package in ("prometheus_client", "torch", "pydantic", "aiohttp", "matplotlib"):
+    for package in ("prometheus_client", "torch", "pydantic", "msgspec", "aiohttp", "matplotlib"):
         try:
             info[package] = metadata.version(package)
         except metadata.PackageNotFoundError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from itertools import repeat
 
 from exporter.catalog import FamilySpec, MetricType, Semantics
 from exporter.sidecar.ranks import RankState
@@ -11,7 +12,7 @@ from exporter.sidecar.series import GroupKey, LabelValues, RollupKey
 from exporter.sidecar.state import SidecarState
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Bandwidth:
     """Active bandwidth of one series over the window: bytes moved per second of transfer time."""
 
@@ -81,10 +82,12 @@ def replica_spreads(
         if len(live) < 2:
             continue
         per_rank = [increases[id(rank)] for rank in live]
-        keys = {key for inc in per_rank for key in inc if key[0] in replicated}
+        keys = set(per_rank[0]).union(*per_rank[1:])  # C-level: thousands of keys in a large group
         for key in keys:
+            if key[0] not in replicated:
+                continue
             # A replica that never pushed a series has counted none of it.
-            values = [inc.get(key, 0.0) for inc in per_rank]
+            values = list(map(dict.get, per_rank, repeat(key), repeat(0.0)))
             top = max(values)
             spreads[(key[0], group_key, key[1])] = (top - min(values)) / top if top > 0 else 0.0
     return spreads

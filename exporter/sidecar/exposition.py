@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+from functools import lru_cache
 from typing import Iterable, Iterator, TypeVar
 
 from prometheus_client.metrics_core import Metric
@@ -45,11 +46,16 @@ def _add_value(metric: Metric, spec: FamilySpec, labels: dict[str, str], value: 
         metric.add_sample(name, labels, float(value))  # type: ignore[arg-type]
         return
     assert spec.buckets is not None and isinstance(value, (HistValue, HistAccumulator))
-    bounds = [floatToGoString(b) for b in spec.buckets] + ["+Inf"]
-    for bound, count in zip(bounds, value.counts):
+    for bound, count in zip(_bounds(spec.buckets), value.counts):
         metric.add_sample(name + "_bucket", {**labels, "le": bound}, float(count))
     metric.add_sample(name + "_count", labels, float(value.counts[-1]))
     metric.add_sample(name + "_sum", labels, float(value.sum))
+
+
+@lru_cache(maxsize=256)
+def _bounds(buckets: tuple[float, ...]) -> tuple[str, ...]:
+    """`le` values in Go's spelling, worked out once per bucket layout."""
+    return (*(floatToGoString(b) for b in buckets), "+Inf")
 
 
 def _labels(spec: FamilySpec, values: LabelValues, base: dict[str, str]) -> dict[str, str]:

@@ -90,24 +90,23 @@ class _RankLines:
 
 
 class _FamilyLayout:
-    """A rank's series of one family, and its lines as pieces: each line's prefix at an even
-    index, a slot for its value after it. Rendering fills the slots with one C-level slice
-    assignment and joins, instead of a concatenation per line."""
+    """A rank's series of one family, and its lines as pieces: per line its prefix (the shared
+    string from `_RankLines.prefixes`), a slot for its value and a newline. Rendering fills the
+    slots with one C-level slice assignment and joins, instead of a concatenation per line."""
 
-    __slots__ = ("pieces", "keys", "histogram", "slots")
+    __slots__ = ("pieces", "keys", "histogram")
 
     def __init__(self, prefixes: list[str], keys: list[SeriesKey], histogram: bool) -> None:
-        pieces = [""] * (2 * len(prefixes) + 1)
-        pieces[0::2] = [prefixes[0], *("\n" + p for p in prefixes[1:]), "\n"]
+        pieces = ["\n"] * (3 * len(prefixes))
+        pieces[0::3] = prefixes
         self.pieces = pieces
         self.keys = keys
         self.histogram = histogram
-        self.slots = slice(1, 2 * len(prefixes), 2)
 
     def render(self, values: Iterable[object]) -> str:
         """The lines, with `values` (one per line, in order) spelled by repr()."""
         pieces = self.pieces.copy()
-        pieces[self.slots] = map(repr, values)
+        pieces[1::3] = map(repr, values)
         return "".join(pieces)
 
 

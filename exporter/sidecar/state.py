@@ -16,7 +16,7 @@ from __future__ import annotations
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Hashable, TypeVar
 
 from exporter.catalog import Catalog, MetricType, Semantics
 from exporter.config import RanksConfig
@@ -38,6 +38,7 @@ from exporter.sidecar.series import (
 from exporter.sidecar.window import WindowHistory
 
 Clock = Callable[[], float]
+KeyT = TypeVar("KeyT", bound=Hashable)
 HISTORY_POINTS = 60  # entries kept per rank per window: bounds memory whatever the push rate
 
 
@@ -108,6 +109,7 @@ class SidecarState:
             | {f.name for f in catalog if f.type is MetricType.COUNTER and f.semantics is Semantics.REPLICATED}
         )
         self._plans = {f.name: FamilyPlan.of(f, f.name in self.windowed) for f in catalog}
+        self._interned: dict[Hashable, Hashable] = {}  # series keys, rollup keys and routes: see _intern
 
     # --- hello / disconnect ---
 
@@ -310,12 +312,23 @@ class SidecarState:
             raise SampleRejected(ErrorCode.UNKNOWN_FAMILY, f"family {family!r} is not in the catalog")
         label_values = self._label_values(plan, labels) if labels or plan.labels else ()
         name = plan.name  # the catalog's string object, shared by every rank's keys
-        route = SeriesRoute(plan, (name, label_values), (name, rank.static, label_values))
+        intern = self._intern
+        route = intern(SeriesRoute(plan, intern((name, label_values)), intern((name, rank.static, label_values))))
         # Labels in the catalog's order (as the client library sends them) map one-to-one to
         # series, so the index is bounded like the rank's series; other orders are not kept.
         if tuple(labels) == plan.labels and len(rank.routes) < self.config.max_series_per_rank:
-            rank.routes[(family, tuple(labels.items())) if labels else family] = route
+            ident = intern((name, tuple(zip(plan.labels, route.key[1])))) if labels else name  # == what samples send
+            rank.routes[ident] = route
         return route
+
+    def _intern(self, key: KeyT) -> KeyT:
+        """One shared object per distinct key or route: ranks' equal keys then compare by identity
+        in every dict and set they meet (rollups, windows, spreads) and take memory once. Bounded:
+        past max_series_total distinct ones, new ones are used as they are (correct, just slower)."""
+        interned = self._interned
+        if len(interned) < self.config.max_series_total:
+            return interned.setdefault(key, key)
+        return interned.get(key, key)
 
     def _check_series_room(self, rank: RankState) -> None:
         if len(rank.values) >= self.config.max_series_per_rank:

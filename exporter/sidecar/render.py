@@ -10,7 +10,7 @@ lean formatter. The output parses to exactly the samples prometheus_client's own
 from __future__ import annotations
 
 from math import isfinite
-from typing import Callable, Iterable
+from typing import Callable
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
@@ -75,39 +75,58 @@ def format_metric(metric: Metric, openmetrics: bool, label_texts: Callable[[dict
 
 
 class _RankLines:
-    """One rank's rendered lines per family, valid while its values have not changed; the
-    per-family layouts they are filled into, valid while its set of series has not changed;
-    and the per-series line prefixes (name and labels), valid for as long as the rank exists."""
+    """One rank's lines as filled pieces (and joined, once reused), valid while its values have not changed; the layout
+    they are filled from, valid while its set of series has not changed; and the per-series line
+    prefixes (name and labels), valid for as long as the rank exists."""
 
-    __slots__ = ("version", "families", "shape", "layouts", "prefixes")
+    __slots__ = ("version", "filled", "joined", "shape", "layout", "prefixes")
 
     def __init__(self) -> None:
         self.version: tuple[int, int, str] | None = None
-        self.families: dict[str, str] = {}
+        self.filled: list[str] = []
+        # Each family's span of `filled` joined, made at the first scrape that finds the rank
+        # unchanged: an idle rank then costs one string per family, not three pieces per line.
+        self.joined: dict[str, str] | None = None
         self.shape: tuple[int, str, int] | None = None
-        self.layouts: dict[str, _FamilyLayout] = {}
+        self.layout = _RankLayout([])
         self.prefixes: dict[SeriesKey, tuple[str, ...]] = {}
 
 
-class _FamilyLayout:
-    """A rank's series of one family, and its lines as pieces: per line its prefix (the shared
-    string from `_RankLines.prefixes`), a slot for its value and a newline. Rendering fills the
-    slots with one C-level slice assignment and joins, instead of a concatenation per line."""
+class _RankLayout:
+    """All of a rank's lines as pieces, family after family: per line its prefix (the shared
+    string from `_RankLines.prefixes`), a slot for its value and a newline. A render fills every
+    slot with one C-level slice assignment; the body then takes each family's span of pieces,
+    rank after rank, and joins everything once: no string is built per line or per family."""
 
-    __slots__ = ("pieces", "keys", "histogram")
+    __slots__ = ("pieces", "spans", "groups")
 
-    def __init__(self, prefixes: list[str], keys: list[SeriesKey], histogram: bool) -> None:
-        pieces = ["\n"] * (3 * len(prefixes))
-        pieces[0::3] = prefixes
-        self.pieces = pieces
-        self.keys = keys
-        self.histogram = histogram
+    def __init__(self, families: list[tuple[str, list[SeriesKey], bool, list[str]]]) -> None:
+        self.pieces: list[str] = []
+        self.spans: dict[str, tuple[int, int]] = {}  # family -> [start, end) in pieces
+        self.groups: list[tuple[list[SeriesKey], bool]] = []  # each family's series, and histogram?
+        for family, keys, histogram, prefixes in families:
+            start = len(self.pieces)
+            self.pieces += ["\n"] * (3 * len(prefixes))
+            self.pieces[start::3] = prefixes
+            self.spans[family] = (start, len(self.pieces))
+            self.groups.append((keys, histogram))
 
-    def render(self, values: Iterable[object]) -> str:
-        """The lines, with `values` (one per line, in order) spelled by repr()."""
-        pieces = self.pieces.copy()
-        pieces[1::3] = map(repr, values)
-        return "".join(pieces)
+    def fill(self, values: dict[SeriesKey, object]) -> list[str]:
+        """The pieces with every value slot spelled by repr(): exact and parseable for finite values."""
+        args: list[object] = []
+        for keys, histogram in self.groups:
+            if histogram:
+                for key in keys:
+                    value = values[key]
+                    counts = value.counts  # type: ignore[attr-defined]
+                    args += counts
+                    args.append(counts[-1])
+                    args.append(value.sum)  # type: ignore[attr-defined]
+            else:
+                args += map(values.__getitem__, keys)
+        filled = self.pieces.copy()
+        filled[1::3] = map(repr, args)
+        return filled
 
 
 class TextRenderer:
@@ -138,7 +157,12 @@ class TextRenderer:
         parts: list[str] = []
         for spec in state.catalog:
             parts.append(header(self.exported[spec.name], spec.type.value, spec.help, openmetrics))
-            parts.extend(lines.families.get(spec.name, "") for lines in per_rank)
+            name = spec.name
+            for lines in per_rank:
+                if lines.joined is not None:
+                    parts.append(lines.joined.get(name, ""))
+                elif (span := lines.layout.spans.get(name)) is not None:
+                    parts += lines.filled[span[0]:span[1]]
         rank_labels = {id(r): r.label_dict() for r in ranks}
         texts = self._label_texts
         parts.extend(format_metric(metric, openmetrics, texts) for metric in self.collector.derived(ranks, rank_labels))
@@ -152,38 +176,29 @@ class TextRenderer:
             cached = self._ranks[rank.identity] = _RankLines()
         version = (id(rank), rank.version, rank.epoch)
         if cached.version == version:
+            if cached.joined is None:
+                filled = cached.filled
+                cached.joined = {family: "".join(filled[a:b]) for family, (a, b) in cached.layout.spans.items()}
             return cached
         values = rank.values
         # Within an epoch series are only ever added, so the count names the set of series.
         shape = (id(rank), rank.epoch, len(values))
         if cached.shape != shape:
-            cached.layouts = self._layouts(rank, cached.prefixes)
+            cached.layout = self._layout(rank, cached.prefixes)
             cached.shape = shape
-        families: dict[str, str] = {}
         # Values are finite (the protocol refuses NaN/Inf), so repr() is an exact, parseable and
         # much cheaper spelling than floatToGoString; `le` bounds keep Go's canonical spelling.
-        for family, layout in cached.layouts.items():
-            if layout.histogram:
-                args: list[object] = []
-                for key in layout.keys:
-                    value = values[key]
-                    counts = value.counts  # type: ignore[union-attr]
-                    args += counts
-                    args.append(counts[-1])
-                    args.append(value.sum)  # type: ignore[union-attr]
-                families[family] = layout.render(args)
-            else:
-                families[family] = layout.render(map(values.__getitem__, layout.keys))
+        cached.filled = cached.layout.fill(values)
+        cached.joined = None
         cached.version = version
-        cached.families = families
         return cached
 
-    def _layouts(self, rank: RankState, prefixes: dict[SeriesKey, tuple[str, ...]]) -> dict[str, _FamilyLayout]:
-        """Group the rank's series by family and lay out each family's lines."""
+    def _layout(self, rank: RankState, prefixes: dict[SeriesKey, tuple[str, ...]]) -> _RankLayout:
+        """Group the rank's series by family and lay out their lines."""
         keys_by_family: dict[str, list[SeriesKey]] = {}
         for key in rank.values:
             keys_by_family.setdefault(key[0], []).append(key)
-        layouts = {}
+        families = []
         for family, keys in keys_by_family.items():
             lines: list[str] = []
             for key in keys:
@@ -191,8 +206,8 @@ class TextRenderer:
                 if parts is None:
                     parts = prefixes[key] = self._prefixes(rank, key)
                 lines += parts
-            layouts[family] = _FamilyLayout(lines, keys, self.specs[family].type is MetricType.HISTOGRAM)
-        return layouts
+            families.append((family, keys, self.specs[family].type is MetricType.HISTOGRAM, lines))
+        return _RankLayout(families)
 
     def _prefixes(self, rank: RankState, key: SeriesKey) -> tuple[str, ...]:
         """`name{labels} ` for each line of one series (every bucket, count and sum of a histogram)."""

@@ -83,6 +83,11 @@ def test_text_renderer_gives_exactly_prometheus_clients_samples(populated: tuple
     # Family headers match too (names and types).
     headers = lambda text: sorted(l for l in text.splitlines() if l.startswith("#"))  # noqa: E731
     assert headers(fast) == headers(reference)
+    # Later scrapes with nothing pushed reuse the rank lines, first as filled pieces, then joined
+    # per family: the same body every time (self-metrics aside, which count the scrapes).
+    per_rank_part = lambda text: [l for l in text.splitlines() if not l.startswith("hicache_exporter_")]  # noqa: E731
+    assert per_rank_part(renderer.render().decode()) == per_rank_part(fast)
+    assert per_rank_part(renderer.render().decode()) == per_rank_part(fast)
 
 
 def test_openmetrics_renderer_gives_exactly_prometheus_clients_samples(populated: tuple[SidecarState, SidecarCollector, Clock]) -> None:

@@ -75,9 +75,9 @@ def format_metric(metric: Metric, openmetrics: bool, label_texts: Callable[[dict
 
 
 class _RankLines:
-    """One rank's lines as filled pieces (and joined, once reused), valid while its values have not changed; the layout
-    they are filled from, valid while its set of series has not changed; and the per-series line
-    prefixes (name and labels), valid for as long as the rank exists."""
+    """One rank's lines as filled pieces (joined per family once reused), valid while its values
+    have not changed; the layout they are filled from, valid while its set of series has not
+    changed; and the per-series line prefixes (name and labels), valid while the rank exists."""
 
     __slots__ = ("version", "filled", "joined", "shape", "layout", "prefixes")
 
@@ -96,7 +96,8 @@ class _RankLayout:
     """All of a rank's lines as pieces, family after family: per line its prefix (the shared
     string from `_RankLines.prefixes`), a slot for its value and a newline. A render fills every
     slot with one C-level slice assignment; the body then takes each family's span of pieces,
-    rank after rank, and joins everything once: no string is built per line or per family."""
+    rank after rank, and joins everything once: no string is built per line or per family.
+    repr() spells values exactly, and NaN and infinities cannot occur: the protocol refuses them."""
 
     __slots__ = ("pieces", "spans", "groups")
 
@@ -112,7 +113,7 @@ class _RankLayout:
             self.groups.append((keys, histogram))
 
     def fill(self, values: dict[SeriesKey, object]) -> list[str]:
-        """The pieces with every value slot spelled by repr(): exact and parseable for finite values."""
+        """The pieces, every value slot filled with repr() of the rank's value for that line."""
         args: list[object] = []
         for keys, histogram in self.groups:
             if histogram:

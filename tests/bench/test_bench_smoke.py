@@ -80,3 +80,18 @@ def test_entry_point_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert {r["benchmark"] for r in report["rows"]} == {"ingest", "transfer"}
     printed = capsys.readouterr().out
     assert "anchor (same run)" in printed and "goals met" in printed
+
+
+@pytest.mark.parametrize("workload, count", [("ingest", 16), ("render", 1), ("render-unchanged", 1)])
+def test_instruction_workloads_run(workload: str, count: int) -> None:
+    from bench import instructions
+
+    assert instructions.main([workload, str(count), "--ranks", "4"]) == 0
+
+
+def test_instruction_workload_refuses_a_count_its_setup_cannot_hold(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import instructions
+
+    with pytest.raises(SystemExit) as info:
+        instructions.main(["render", "6", "--ranks", "4"])
+    assert info.value.code == 2 and "count is at most 5" in capsys.readouterr().err

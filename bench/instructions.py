@@ -57,14 +57,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     renderer = TextRenderer(SidecarCollector(state, SidecarStats(), NAMESPACE))
     renderer.render()
-    for round_ in range(args.count if args.workload == "render" else 1):
-        for rank, message in work[round_ * ranks:(round_ + 1) * ranks]:
-            state.snapshot(rank, message)
+    if args.workload == "render":
+        for round_ in range(rounds - 1):  # every run applies all rounds; only N of them render
+            for rank, message in work[round_ * ranks:(round_ + 1) * ranks]:
+                state.snapshot(rank, message)
+            if round_ < args.count:
+                renderer.render()
+        return 0
+    for rank, message in work[:ranks]:
+        state.snapshot(rank, message)
+    renderer.render()
+    renderer.render()  # the first unchanged render joins each rank's family strings
+    for _ in range(args.count):
         renderer.render()
-    if args.workload == "render-unchanged":
-        renderer.render()  # the first unchanged render joins each rank's family strings
-        for _ in range(args.count):
-            renderer.render()
     return 0
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import sys
 from pathlib import Path
@@ -66,23 +65,14 @@ def _setup_logging(level: str) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from exporter.sidecar.process import tune_gc
     from exporter.sidecar.runner import Sidecar
 
     config = load_config(args.config, port=args.port, host=args.host, socket_path=args.socket)
     _setup_logging(args.log_level or config.log_level)
-    _tune_gc()
+    tune_gc()
     asyncio.run(Sidecar(config).run())
     return 0
-
-
-def _tune_gc() -> None:
-    """A serving process's garbage collector settings: startup objects (modules, catalog, config)
-    are frozen out of every collection, and young collections run every 20,000 net container
-    allocations instead of 700, so that bursts of pushes and scrapes pay for fewer of them.
-    Nearly everything the sidecar frees goes by reference counting; cycles still get collected."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(20_000, 10, 10)
 
 
 def _check_config(args: argparse.Namespace) -> int:

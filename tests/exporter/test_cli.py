@@ -115,8 +115,10 @@ def test_bad_config_stops_start_up_with_the_field_named(tmp_path: Path) -> None:
     assert result.returncode == 2 and "http.port" in result.stderr
 
 
-def test_serve_tunes_the_garbage_collector_in_its_own_process() -> None:
+def test_the_serving_gc_settings_apply_in_their_own_process() -> None:
     # Run in a child: the settings are process-wide and must not leak into this test process.
-    code = "import gc; from exporter import cli; cli._tune_gc(); print(gc.get_threshold()[0], gc.get_freeze_count() > 0)"
+    code = ("import gc; from exporter.sidecar.process import tune_gc; tune_gc(); "
+            "print(gc.get_threshold()[0], gc.get_freeze_count() > 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout.split()
     assert out == ["20000", "True"]
+

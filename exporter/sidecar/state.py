@@ -287,22 +287,30 @@ class SidecarState:
         delta = value - before
         values[key] = value
         rank.version += 1
-        if per_shard:
-            counted = True
-        else:
-            # After a takeover a series' first value is its baseline: counted only once seen.
-            counted = leads and (baselined is None or key in baselined)
-            if baselined is not None:
-                baselined.add(key)
-        if plan.windowed:
-            totals = rank.totals
-            totals[key] = totals.get(key, 0.0) + delta
+        counted = self._counted(rank, plan, key, leads, delta)
         counters = self.rollups.counters
         rollup_key = route.rollup_key
         if counted:
             counters[rollup_key] = counters.get(rollup_key, 0.0) + delta
         elif previous is None:
             counters.setdefault(rollup_key, 0.0)  # the rollup series exists from the start
+
+    @staticmethod
+    def _counted(rank: RankState, plan: FamilyPlan, key: SeriesKey, leads: bool, increase: float) -> bool:
+        """Whether a stored increase of `key` goes into its rollup (the rule in this module's
+        docstring), keeping the rank's window totals and takeover baselines up to date."""
+        if plan.windowed:
+            totals = rank.totals
+            totals[key] = totals.get(key, 0.0) + increase
+        if plan.per_shard:
+            return True
+        baselined = rank.baselined
+        if baselined is None:
+            return leads
+        # After a takeover a series' first value is its baseline: counted only once seen before.
+        counted = leads and key in baselined
+        baselined.add(key)
+        return counted
 
     def _route(self, rank: RankState, sample: Sample) -> SeriesRoute:
         """Validate a sample's family and labels; remember the result when it names its series canonically."""
@@ -387,15 +395,7 @@ class SidecarState:
             dsum = total - previous.sum
         rank.values[key] = HistValue(counts, total)
         rank.version += 1
-        if per_shard:
-            counted = True
-        else:
-            counted = leads and (baselined is None or key in baselined)  # before this value joins baselined
-            if baselined is not None:
-                baselined.add(key)
-        if plan.windowed:
-            totals = rank.totals
-            totals[key] = totals.get(key, 0.0) + dsum
+        counted = self._counted(rank, plan, key, leads, dsum)
         histograms = self.rollups.histograms
         rollup_key = route.rollup_key
         acc = histograms.get(rollup_key)

@@ -50,6 +50,9 @@ class RankState:
     values: dict[SeriesKey, Value] = field(default_factory=dict)
     gauge_keys: set[SeriesKey] = field(default_factory=set)  # which of `values` are gauges
     routes: dict[SampleIdent, SeriesRoute] = field(default_factory=dict)  # validated series, by how samples name them
+    # The last snapshot's (family, labels, route) by position: ranks send the same samples in the
+    # same order, so most samples are matched by two equality tests, without hashing their strings.
+    recent: list[tuple[str, dict[str, str], SeriesRoute]] = field(default_factory=list)
     totals: Totals = field(default_factory=dict)  # windowed series: sums of deltas across epochs
     # After taking over leadership: the replicated series whose baseline has been seen since.
     # Each series' first value after a takeover is a baseline, never a delta (None: no takeover).

@@ -234,9 +234,10 @@ class SidecarState:
         if leads:
             group.counting = rank
         result = SnapshotResult()
-        for sample in msg.samples:
+        apply = self._apply
+        for position, sample in enumerate(msg.samples):
             try:
-                self._apply(rank, sample, leads)
+                apply(rank, sample, leads, position)
                 result.applied += 1
             except SampleRejected as rejection:
                 result.rejections.append(rejection)
@@ -244,13 +245,16 @@ class SidecarState:
         self.generation += 1
         return result
 
-    def _apply(self, rank: RankState, sample: Sample, leads: bool) -> None:
+    def _apply(self, rank: RankState, sample: Sample, leads: bool, position: int) -> None:
         # The hottest code in the sidecar (every sample of every push): locals over attributes,
         # C-level builtins over Python loops, and the unchanged-value exits first.
-        labels = sample.labels
-        route = rank.routes.get((sample.family, tuple(labels.items())) if labels else sample.family)
-        if route is None:
-            route = self._route(rank, sample)
+        recent = rank.recent
+        if position < len(recent):
+            family, labels, route = recent[position]
+            if family != sample.family or labels != sample.labels:  # equality, no hashing: fresh strings
+                route = self._find_route(rank, sample, position)
+        else:
+            route = self._find_route(rank, sample, position)
         plan = route.plan
         key = route.key
         values = rank.values
@@ -311,6 +315,20 @@ class SidecarState:
         counted = leads and key in baselined
         baselined.add(key)
         return counted
+
+    def _find_route(self, rank: RankState, sample: Sample, position: int) -> SeriesRoute:
+        """The route of a sample not where the rank's last snapshot had it; remembered at `position`."""
+        labels = sample.labels
+        route = rank.routes.get((sample.family, tuple(labels.items())) if labels else sample.family)
+        if route is None:
+            route = self._route(rank, sample)
+        recent = rank.recent
+        entry = (sample.family, labels, route)
+        if position < len(recent):
+            recent[position] = entry
+        elif position == len(recent) and position < self.config.max_series_per_rank:
+            recent.append(entry)
+        return route
 
     def _route(self, rank: RankState, sample: Sample) -> SeriesRoute:
         """Validate a sample's family and labels; remember the result when it names its series canonically."""
@@ -390,7 +408,7 @@ class SidecarState:
             self.total_series += 1
         else:
             deltas = list(map(operator.sub, counts, previous.counts))
-            if min(deltas) < 0:
+            if sorted(deltas)[0] < 0:  # sorted() compares ints on a fast path that min() lacks
                 raise SampleRejected(ErrorCode.COUNTER_DECREASED, f"histogram {name!r} bucket counts went down within one epoch")
             dsum = total - previous.sum
         rank.values[key] = HistValue(counts, total)

@@ -457,6 +457,45 @@ def test_routes_outlive_a_restart_and_the_new_epoch_counts_from_zero(h: Harness)
     assert h.counter(BYTES) == 13.0 and h.counter(TOKENS, "kv") == 5.0
 
 
+def test_samples_that_change_places_between_pushes_reach_their_own_series(h: Harness) -> None:
+    _, rank = h.hello()
+    h.push(rank, tokens(1.0, pool="kv"), tokens(10.0, pool="host"), bytes_(100.0))
+    assert [entry[2].key for entry in rank.recent] == [(TOKENS, ("kv",)), (TOKENS, ("host",)), (BYTES, ())]
+    # Swapped places: each position's remembered series no longer matches and is looked up again.
+    h.push(rank, bytes_(101.0), tokens(12.0, pool="host"), tokens(3.0, pool="kv"))
+    assert rank.values == {(TOKENS, ("kv",)): 3.0, (TOKENS, ("host",)): 12.0, (BYTES, ()): 101.0}
+    assert [entry[2].key for entry in rank.recent] == [(BYTES, ()), (TOKENS, ("host",)), (TOKENS, ("kv",))]
+    assert h.counter(TOKENS, "kv") == 3.0 and h.counter(TOKENS, "host") == 12.0 and h.counter(BYTES) == 101.0
+    # Same place, other label value: a different series, still checked against its own history.
+    assert codes(h.push(rank, bytes_(102.0), tokens(11.0, pool="kv"), tokens(12.0, pool="host"))) == []
+    assert codes(h.push(rank, bytes_(102.0), tokens(11.0, pool="host"))) == [ErrorCode.COUNTER_DECREASED]
+
+
+def test_a_remembered_place_still_checks_every_value(h: Harness) -> None:
+    _, rank = h.hello()
+    h.push(rank, dropped(5.0, reason="host_pressure", pool="kv"), hist(DURATION, one_hot(DURATION, 1), 0.002))
+    # Labels in another order match the remembered place (dict equality) and name the same series.
+    assert h.push(rank, dropped(6.0, pool="kv", reason="host_pressure")).applied == 1
+    assert codes(h.push(rank, dropped(4.0, reason="host_pressure", pool="kv"))) == [ErrorCode.COUNTER_DECREASED]
+    assert codes(h.push(rank, ScalarSample(family=DURATION, labels={}, value=1.0))) == [ErrorCode.TYPE_MISMATCH]
+    assert rank.values[(DROPPED, ("host_pressure", "kv"))] == 6.0
+
+
+def test_one_series_at_two_places_in_one_snapshot_applies_in_order(h: Harness) -> None:
+    _, rank = h.hello()
+    h.push(rank, bytes_(1.0), bytes_(4.0))
+    h.push(rank, bytes_(6.0), bytes_(9.0))
+    assert rank.values == {(BYTES, ()): 9.0} and h.counter(BYTES) == 9.0
+    assert codes(h.push(rank, bytes_(10.0), bytes_(8.0))) == [ErrorCode.COUNTER_DECREASED]
+
+
+def test_remembered_places_are_bounded_by_max_series_per_rank() -> None:
+    h = Harness(ranks_config=RanksConfig(max_series_per_rank=3))
+    _, rank = h.hello()
+    h.push(rank, *(tokens(1.0, pool=f"p{pool}") for pool in range(10)))
+    assert len(rank.recent) == 3 and len(rank.values) == 3
+
+
 def test_negative_histogram_bucket_count_rejected(h: Harness) -> None:
     """A negative bucket count would make a rollup bucket go down (and is not a valid histogram).
 

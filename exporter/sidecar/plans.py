@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 from exporter.catalog import FamilySpec, MetricType, Semantics
-from exporter.sidecar.series import RollupKey, SeriesKey
+from exporter.sidecar.series import HistAccumulator, RollupCounter, RollupKey, SeriesKey
 
 # How a rank's sample is looked up in its route index: the family alone when it has no labels,
 # else the family and its label pairs in the order sent.
@@ -37,15 +37,18 @@ class FamilyPlan:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class SeriesRoute:
-    """Where one validated (family, labels) of one rank goes: its plan, series key and rollup key.
+    """Where one validated (family, labels) of one rank goes: its plan, series key, rollup key
+    and, from the first value accepted through it, the rollup cell its deltas go into.
 
-    Ranks push the same series every time, so after the first push a sample costs one dict
-    lookup here instead of a family lookup, label checks and two key tuples; the keys are the
-    same objects every time, which dicts compare by identity.
+    Ranks push the same series every time, so after the first push a sample costs one lookup
+    here instead of a family lookup, label checks and two key tuples; the keys are the same
+    objects every time, which dicts compare by identity. Equal and hashed by the keys alone.
     """
 
     plan: FamilyPlan
     key: SeriesKey
     rollup_key: RollupKey
+    counter: RollupCounter | None = field(default=None, compare=False)
+    histogram: HistAccumulator | None = field(default=None, compare=False)

@@ -29,7 +29,14 @@ class HistValue:
         return self.counts[-1]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
+class RollupCounter:
+    """A rollup counter: the running sum of the deltas counted into it."""
+
+    value: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
 class HistAccumulator:
     """A rollup histogram built from deltas: cumulative bucket counts and sum."""
 

@@ -31,6 +31,7 @@ from exporter.sidecar.series import (
     GroupKey,
     HistAccumulator,
     HistValue,
+    RollupCounter,
     RollupKey,
     SeriesKey,
     static_key,
@@ -75,11 +76,34 @@ class ReplicaGroup:
 
 
 class RollupStore:
-    """Accumulated rollup counters and histograms, keyed by family, static labels and labels."""
+    """Accumulated rollup counters and histograms, keyed by family, static labels and labels.
+
+    One mutable cell per rollup series, which the routes feeding it hold: applying a delta then
+    costs no hashing of the nested key tuple.
+    """
 
     def __init__(self) -> None:
-        self.counters: dict[RollupKey, float] = {}
+        self.counter_cells: dict[RollupKey, RollupCounter] = {}
         self.histograms: dict[RollupKey, HistAccumulator] = {}
+
+    @property
+    def counters(self) -> dict[RollupKey, float]:
+        """Every rollup counter's value, as a new dict."""
+        return {key: cell.value for key, cell in self.counter_cells.items()}
+
+    def counter(self, key: RollupKey) -> RollupCounter:
+        """The cell of rollup counter `key`, created at zero when new."""
+        cell = self.counter_cells.get(key)
+        if cell is None:
+            cell = self.counter_cells[key] = RollupCounter()
+        return cell
+
+    def histogram(self, key: RollupKey, n_buckets: int) -> HistAccumulator:
+        """The accumulator of rollup histogram `key`, created empty when new."""
+        acc = self.histograms.get(key)
+        if acc is None:
+            acc = self.histograms[key] = HistAccumulator.empty(n_buckets)
+        return acc
 
 
 class SidecarState:
@@ -291,13 +315,11 @@ class SidecarState:
         delta = value - before
         values[key] = value
         rank.version += 1
-        counted = self._counted(rank, plan, key, leads, delta)
-        counters = self.rollups.counters
-        rollup_key = route.rollup_key
-        if counted:
-            counters[rollup_key] = counters.get(rollup_key, 0.0) + delta
-        elif previous is None:
-            counters.setdefault(rollup_key, 0.0)  # the rollup series exists from the start
+        cell = route.counter
+        if cell is None:  # the rollup series exists from its first accepted value, counted or not
+            cell = route.counter = self.rollups.counter(route.rollup_key)
+        if self._counted(rank, plan, key, leads, delta):
+            cell.value += delta
 
     @staticmethod
     def _counted(rank: RankState, plan: FamilyPlan, key: SeriesKey, leads: bool, increase: float) -> bool:
@@ -413,13 +435,10 @@ class SidecarState:
             dsum = total - previous.sum
         rank.values[key] = HistValue(counts, total)
         rank.version += 1
-        counted = self._counted(rank, plan, key, leads, dsum)
-        histograms = self.rollups.histograms
-        rollup_key = route.rollup_key
-        acc = histograms.get(rollup_key)
-        if acc is None:  # the rollup series exists from the start, counted or not
-            acc = histograms[rollup_key] = HistAccumulator.empty(plan.n_buckets)
-        if counted:
+        acc = route.histogram
+        if acc is None:  # the rollup series exists from its first accepted value, counted or not
+            acc = route.histogram = self.rollups.histogram(route.rollup_key, plan.n_buckets)
+        if self._counted(rank, plan, key, leads, dsum):
             acc.add(deltas, dsum)
 
     def _label_values(self, plan: FamilyPlan, labels: dict[str, str]) -> tuple[str, ...]:

@@ -259,12 +259,13 @@ class SidecarState:
             group.counting = rank
         result = SnapshotResult()
         apply = self._apply
-        for position, sample in enumerate(msg.samples):
+        samples = msg.samples
+        for position, sample in enumerate(samples):
             try:
                 apply(rank, sample, leads, position)
-                result.applied += 1
             except SampleRejected as rejection:
                 result.rejections.append(rejection)
+        result.applied = len(samples) - len(result.rejections)
         rank.history.record(now, rank.totals)
         self.generation += 1
         return result

@@ -11,6 +11,9 @@ then `SidecarState.snapshot(rank, message)`; the rate is per CPU-second of the a
 (`time.thread_time`), i.e. on one core, with the wall-clock rate alongside.
 
 Anchor: `json.loads` of the same payloads, the least any Python reader of the protocol must do.
+The work is cut into slices, and each slice's payloads go through the anchor just before the
+sidecar applies them, so that both see the same minutes of a machine whose speed drifts. Both
+run under the garbage-collector settings `serve` uses (`exporter.sidecar.process`).
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ from typing import Any
 
 from exporter.catalog import default_catalog
 from exporter.protocol.messages import parse_client_message
+from exporter.sidecar.process import serving_gc
 from exporter.sidecar.state import SidecarState
 
 from bench.common import report, advance_all, full_metric_set, hello_payload, progress_printer, rank_id, row, snapshot_payload
 
 GOAL_PER_SECOND = 5000.0
+SLICES = 8  # anchor and sidecar take turns slice by slice
 
 
 def _timed(fn: Any) -> tuple[float, float]:
@@ -37,6 +42,21 @@ def _timed(fn: Any) -> tuple[float, float]:
     cpu, wall = time.thread_time(), time.perf_counter()
     fn()
     return time.thread_time() - cpu, time.perf_counter() - wall
+
+
+def _loads_all(payloads: list[bytes]) -> None:
+    loads = json.loads
+    for payload in payloads:
+        loads(payload)
+
+
+def _apply_all(state: SidecarState, work: list[tuple[Any, bytes]], bad: list[Any]) -> None:
+    """Parse and apply every payload; results are checked and dropped (keeping them would only feed the GC)."""
+    parse, snapshot = parse_client_message, state.snapshot
+    for rank, payload in work:
+        result = snapshot(rank, parse(payload))
+        if result.ignored or result.rejections:
+            bad.append(result)
 
 
 def measure(ranks: int, snapshots: int, progress: bool = True) -> dict[str, Any]:
@@ -61,31 +81,23 @@ def measure(ranks: int, snapshots: int, progress: bool = True) -> dict[str, Any]
             advance_all(sets[index], rngs[index])
             work.append((rank_states[index], snapshot_payload(sets[index], round_ + 2)))
     payload_bytes = sum(len(p) for _, p in work) / len(work)
-    say(f"applying {len(work)} snapshots ...")
+    say(f"applying {len(work)} snapshots, each slice after json.loads of its payloads ...")
     bad: list[Any] = []
-
-    def apply() -> None:  # results are checked and dropped: keeping them would only feed the GC
-        parse, snapshot = parse_client_message, state.snapshot
-        for rank, payload in work:
-            result = snapshot(rank, parse(payload))
-            if result.ignored or result.rejections:
-                bad.append(result)
-
-    cpu_s, wall_s = _timed(apply)
+    cpu_s = wall_s = anchor_cpu_s = anchor_wall_s = 0.0
+    step = math.ceil(len(work) / SLICES)
+    with serving_gc():  # as `serve` runs, for both the anchor and the sidecar
+        for start in range(0, len(work), step):
+            piece = work[start:start + step]
+            cpu, wall = _timed(lambda: _loads_all([payload for _, payload in piece]))
+            anchor_cpu_s, anchor_wall_s = anchor_cpu_s + cpu, anchor_wall_s + wall
+            cpu, wall = _timed(lambda: _apply_all(state, piece, bad))
+            cpu_s, wall_s = cpu_s + cpu, wall_s + wall
     if bad:
         raise RuntimeError(f"{len(bad)} snapshots were ignored or had rejections, e.g. {bad[0]}")
-    payloads = [p for _, p in work]
-
-    def anchor() -> None:
-        loads = json.loads
-        for payload in payloads:
-            loads(payload)
-
-    anchor_cpu_s, anchor_wall_s = _timed(anchor)
     n = len(work)
     return {"ranks": ranks, "snapshots": n, "cpu_s": cpu_s, "wall_s": wall_s, "anchor_cpu_s": anchor_cpu_s,
             "anchor_wall_s": anchor_wall_s, "payload_bytes": payload_bytes,
-            "samples_per_snapshot": len(json.loads(payloads[0])["samples"])}
+            "samples_per_snapshot": len(json.loads(work[0][1])["samples"])}
 
 
 def run(ranks: tuple[int, ...] = (64, 256), snapshots: int = 3000, progress: bool = True) -> list[dict[str, Any]]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
+from typing import Iterator
 
 GC_YOUNG_THRESHOLD = 20_000
 
@@ -15,3 +17,16 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
+
+
+@contextmanager
+def serving_gc() -> Iterator[None]:
+    """The serving settings of tune_gc() for one block, then the previous ones: for measuring
+    the sidecar's parts in another process (the benchmarks) as `serve` runs them."""
+    threshold = gc.get_threshold()
+    tune_gc()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)

@@ -290,8 +290,10 @@ class SidecarState:
             self._apply_histogram(rank, route, sample, previous, leads)  # type: ignore[arg-type]
             return
         value = sample.value
-        if value is UNSET:
-            raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{plan.name!r} is a {plan.kind.value}: send a value")
+        if value is UNSET or sample.buckets is not UNSET or sample.sum is not UNSET or sample.count is not UNSET:
+            raise SampleRejected(
+                ErrorCode.TYPE_MISMATCH, f"{plan.name!r} is a {plan.kind.value}: send a value, and no buckets, sum or count"
+            )
         baselined = rank.baselined
         per_shard = plan.per_shard
         if value == previous and (per_shard or baselined is None):
@@ -395,8 +397,9 @@ class SidecarState:
         plan, key = route.plan, route.key
         name = plan.name
         buckets = sample.buckets
-        if buckets is UNSET:
-            raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{name!r} is a histogram: send buckets, sum and count")
+        total = sample.sum
+        if buckets is UNSET or total is UNSET or sample.count is UNSET or sample.value is not UNSET:
+            raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{name!r} is a histogram: send buckets, sum and count, and no value")
         if len(buckets) != plan.n_buckets:
             raise SampleRejected(
                 ErrorCode.BUCKET_MISMATCH,
@@ -408,7 +411,6 @@ class SidecarState:
             raise SampleRejected(
                 ErrorCode.BUCKET_MISMATCH, f"{name!r}: bucket bound {bad[0]!r} where the catalog has {bad[1]!r}"
             )
-        total = sample.sum
         baselined = rank.baselined
         per_shard = plan.per_shard
         if previous is not None and counts == previous.counts:

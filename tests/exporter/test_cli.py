@@ -122,3 +122,13 @@ def test_the_serving_gc_settings_apply_in_their_own_process() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout.split()
     assert out == ["20000", "True"]
 
+
+
+def test_serving_gc_settings_last_for_their_block_only() -> None:
+    code = ("import gc; from exporter.sidecar.process import serving_gc\n"
+            "before = gc.get_threshold()\n"
+            "with serving_gc():\n"
+            "    inside = (gc.get_threshold()[0], gc.get_freeze_count() > 0)\n"
+            "print(*inside, gc.get_threshold() == before, gc.get_freeze_count())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    assert out == ["20000", "True", "True", "0"]

@@ -13,7 +13,7 @@ import pytest
 from exporter.catalog import Catalog, FamilySpec, MetricType, Semantics, default_catalog
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode, ProtocolError
-from exporter.protocol.messages import Hello, HistogramSample, RankId, ScalarSample, Snapshot
+from exporter.protocol.messages import Hello, HistogramSample, RankId, Sample, ScalarSample, Snapshot
 from exporter.sidecar.derived import gauge_rollups
 from exporter.sidecar.ranks import RankState, RankStatus
 from exporter.sidecar.series import HistValue, RollupKey, StaticKey
@@ -277,6 +277,7 @@ def test_old_seq_ignored(h: Harness) -> None:
 
 GOOD_LB_BUCKETS = [(b, 0) for b in bounds(DURATION)]
 
+ONE_FAST_LOAD = hist(DURATION, one_hot(DURATION, 0), 0.001).buckets
 BAD_SAMPLES: list[tuple[str, ScalarSample | HistogramSample, ErrorCode]] = [
     ("unknown_family", ScalarSample(family="no_such_family_total", value=1.0), ErrorCode.UNKNOWN_FAMILY),
     ("missing_label", ScalarSample(family=TOKENS, labels={}, value=1.0), ErrorCode.WRONG_LABELS),
@@ -295,6 +296,14 @@ BAD_SAMPLES: list[tuple[str, ScalarSample | HistogramSample, ErrorCode]] = [
         HistogramSample(family=USED, buckets=[("+Inf", 1)], sum=1.0, count=1),
         ErrorCode.TYPE_MISMATCH,
     ),
+    ("counter_with_buckets_too", Sample(family=BYTES, value=1.0, buckets=[("+Inf", 1)], sum=1.0, count=1),
+     ErrorCode.TYPE_MISMATCH),
+    ("gauge_with_a_sum", Sample(family=USED, value=1.0, sum=1.0), ErrorCode.TYPE_MISMATCH),
+    ("counter_without_value", Sample(family=BYTES), ErrorCode.TYPE_MISMATCH),
+    ("histogram_with_value_too", Sample(family=DURATION, value=1.0, buckets=ONE_FAST_LOAD, sum=0.001, count=1),
+     ErrorCode.TYPE_MISMATCH),
+    ("histogram_without_sum", Sample(family=DURATION, buckets=ONE_FAST_LOAD, count=1), ErrorCode.TYPE_MISMATCH),
+    ("histogram_without_count", Sample(family=DURATION, buckets=ONE_FAST_LOAD, sum=0.001), ErrorCode.TYPE_MISMATCH),
     ("negative_counter", ScalarSample(family=TOKENS, labels={"pool": "kv"}, value=-1.0), ErrorCode.INVALID_VALUE),
     (
         "wrong_bound",

@@ -6,6 +6,8 @@ import operator
 from dataclasses import dataclass
 from typing import Union
 
+import msgspec
+
 LabelValues = tuple[str, ...]
 StaticKey = tuple[tuple[str, str], ...]
 SeriesKey = tuple[str, LabelValues]  # (family name, values of the family's own labels)
@@ -13,12 +15,12 @@ GroupKey = tuple[int, StaticKey]  # (dp_rank, static labels): one replica group
 RollupKey = tuple[str, StaticKey, LabelValues]
 
 
-@dataclass(slots=True)
-class HistValue:
+class HistValue(msgspec.Struct, gc=False):
     """One histogram as last pushed: cumulative bucket counts (the last is +Inf) and sum.
 
-    Never changed once made (a new push stores a new one); not frozen=True, which makes every
-    construction, one per histogram per push, 2.5x slower.
+    Never changed once made (a new push stores a new one). A C struct the garbage collector
+    does not track (it holds only numbers): one is made per histogram per push, and a tracked
+    object would be scanned by every collection for as long as it is the rank's latest.
     """
 
     counts: tuple[int, ...]

@@ -4,7 +4,9 @@
     valgrind --tool=callgrind --callgrind-out-file=/dev/null .venv/bin/python -m bench.instructions ingest 0
 
 The difference of the two "Collected" totals, divided by 160, is the instructions one snapshot
-costs to apply (parse excluded). `render N` renders N times after every rank pushed (the scrape
+costs to apply (parse excluded); `decode N` decodes N of the same payloads instead, and
+`loads N` runs `json.loads` on them (the ingest bench's anchor). Set PYTHONHASHSEED=0 for runs
+that repeat to within about 1 %. `render N` renders N times after every rank pushed (the scrape
 bench's case), `render-unchanged N` renders N more times with nothing pushed since; run each with
 N = 5 and N = 0 and divide the difference by 5. Same catalog and payloads as the benchmarks.
 """
@@ -12,6 +14,7 @@ N = 5 and N = 0 and divide the difference by 5. Same catalog and payloads as the
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 
@@ -27,7 +30,7 @@ from bench.common import NAMESPACE, advance_all, full_metric_set, hello_payload,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workload", choices=["ingest", "render", "render-unchanged"])
+    parser.add_argument("workload", choices=["ingest", "decode", "loads", "render", "render-unchanged"])
     parser.add_argument("count", type=int, help="snapshots to apply (ingest) or renders to do (render)")
     parser.add_argument("--ranks", type=int, default=None, help="ranks (default: 16 for ingest, 64 for render)")
     args = parser.parse_args(argv)
@@ -39,15 +42,22 @@ def main(argv: list[str] | None = None) -> int:
     rank_states = [state.hello(object(), parse_client_message(hello_payload(rank_id(i)))).rank for i in range(ranks)]
     # A fixed number of rounds, all decoded before the counted work, so that the runs with N and
     # with 0 do the same setup and differ only in the work counted.
-    rounds = 10 if args.workload == "ingest" else 6
-    limit = rounds * ranks if args.workload == "ingest" else rounds - 1
+    per_snapshot = args.workload in ("ingest", "decode", "loads")
+    rounds = 10 if per_snapshot else 6
+    limit = rounds * ranks if per_snapshot else rounds - 1
     if args.count > limit:
         parser.error(f"count is at most {limit} for {args.workload} with {ranks} ranks")
-    messages = []
+    payloads = []
     for round_ in range(rounds + 1):
         for index in range(ranks):
             advance_all(sets[index], rngs[index])
-            messages.append((rank_states[index], parse_client_message(snapshot_payload(sets[index], round_ + 1))))
+            payloads.append((rank_states[index], snapshot_payload(sets[index], round_ + 1)))
+    if args.workload in ("decode", "loads"):
+        decode = parse_client_message if args.workload == "decode" else json.loads
+        for _, payload in payloads[ranks:ranks + args.count]:
+            decode(payload)
+        return 0
+    messages = [(rank, parse_client_message(payload)) for rank, payload in payloads]
     for rank, message in messages[:ranks]:  # the first push creates every series
         state.snapshot(rank, message)
     work = messages[ranks:]

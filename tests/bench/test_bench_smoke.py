@@ -82,7 +82,9 @@ def test_entry_point_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "anchor (same run)" in printed and "goals met" in printed
 
 
-@pytest.mark.parametrize("workload, count", [("ingest", 16), ("render", 1), ("render-unchanged", 1)])
+@pytest.mark.parametrize(
+    "workload, count", [("ingest", 16), ("decode", 16), ("loads", 16), ("render", 1), ("render-unchanged", 1)]
+)
 def test_instruction_workloads_run(workload: str, count: int) -> None:
     from bench import instructions
 

@@ -75,7 +75,6 @@ class Sample(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True
     count: Count | UnsetType = UNSET
 
 
-
 def ScalarSample(family: str, value: float, labels: dict[str, str] | None = None) -> Sample:  # noqa: N802
     """A counter (cumulative since the epoch began) or gauge sample."""
     return Sample(family, labels or {}, value=value)

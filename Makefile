@@ -1,11 +1,12 @@
-# Two commands: `make demo` runs the sidecar with simulated ranks; `make test` runs the tests.
+# Two commands: `make demo` runs the sidecar with simulated ranks; `make test` runs the linters
+# (`make lint`: ruff and mypy), then the tests.
 # `make bench` runs the benchmarks (`make bench BENCH_ARGS=--quick` for a short pass).
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench serve venv clean
+.PHONY: demo lint test bench serve venv clean
 
 venv: $(STAMP)
 
@@ -21,7 +22,11 @@ demo: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/hicache-exporter serve
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check exporter cache_core bench tests
+	$(VENV)/bin/mypy exporter cache_core
+
+test: $(STAMP) lint
 	$(PY) -m pytest
 
 # Every benchmark, one table of ratios against anchors measured in the same run (a few minutes on
@@ -30,4 +35,4 @@ bench: $(STAMP)
 	$(PY) -m bench.run $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -21,14 +21,14 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from exporter.catalog import Catalog, FamilySpec, MetricType, default_catalog
 from exporter.client.metrics import MetricSet
 
 from bench.load import _free_port, _proc_usage
-
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "sglang_"  # the sidecar's default namespace
@@ -240,7 +240,7 @@ class Sidecar:
                 self.proc.wait(5)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "Sidecar":
+    def __enter__(self) -> Sidecar:
         return self
 
     def __exit__(self, *exc: object) -> None:

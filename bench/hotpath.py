@@ -27,7 +27,7 @@ import tempfile
 import timeit
 from typing import Any
 
-from bench.common import report, REPO_ROOT, child_env, progress_printer, row
+from bench.common import REPO_ROOT, child_env, progress_printer, report, row
 
 GOAL_MULTIPROC_RATIO = 0.15
 RANK_LABELS = {"tp_rank": "0", "pp_rank": "0", "dp_rank": "0", "cache_type": "HiRadixCache"}
@@ -55,8 +55,7 @@ def _worker(mode: str, number: int, repeat: int) -> dict[str, float]:
     if mode in ("plain", "multiprocess"):
         if mode == "multiprocess" and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             raise RuntimeError("multiprocess mode needs PROMETHEUS_MULTIPROC_DIR set before the import")
-        from prometheus_client import CollectorRegistry, Counter, Histogram
-        from prometheus_client import values
+        from prometheus_client import CollectorRegistry, Counter, Histogram, values
 
         registry = CollectorRegistry()
         counter = Counter("sglang_load_back_tokens", "tokens", [*RANK_LABELS, "pool"], registry=registry)

@@ -31,7 +31,7 @@ from exporter.protocol.messages import parse_client_message
 from exporter.sidecar.process import serving_gc
 from exporter.sidecar.state import SidecarState
 
-from bench.common import report, advance_all, full_metric_set, hello_payload, progress_printer, rank_id, row, snapshot_payload
+from bench.common import advance_all, full_metric_set, hello_payload, progress_printer, rank_id, report, row, snapshot_payload
 
 GOAL_PER_SECOND = 5000.0
 SLICES = 8  # anchor and sidecar take turns slice by slice
@@ -88,9 +88,9 @@ def measure(ranks: int, snapshots: int, progress: bool = True) -> dict[str, Any]
     with serving_gc():  # as `serve` runs, for both the anchor and the sidecar
         for start in range(0, len(work), step):
             piece = work[start:start + step]
-            cpu, wall = _timed(lambda: _loads_all([payload for _, payload in piece]))
+            cpu, wall = _timed(lambda piece=piece: _loads_all([payload for _, payload in piece]))
             anchor_cpu_s, anchor_wall_s = anchor_cpu_s + cpu, anchor_wall_s + wall
-            cpu, wall = _timed(lambda: _apply_all(state, piece, bad))
+            cpu, wall = _timed(lambda piece=piece: _apply_all(state, piece, bad))
             cpu_s, wall_s = cpu_s + cpu, wall_s + wall
     if bad:
         raise RuntimeError(f"{len(bad)} snapshots were ignored or had rejections, e.g. {bad[0]}")

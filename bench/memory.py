@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from bench.common import report, RawRank, Sidecar, progress_printer, row
+from bench.common import RawRank, Sidecar, progress_printer, report, row
 
 GOAL_MB = 150.0
 MB = 1e6

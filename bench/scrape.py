@@ -42,8 +42,21 @@ from typing import Any
 
 from exporter.catalog import MetricType, default_catalog
 
-from bench.common import (NAMESPACE, advance, REPO_ROOT, STATIC_LABELS, RawRank, Sidecar, child_env, label_sets,
-                          percentile, progress_printer, rank_id, row, series_count)
+from bench.common import (
+    NAMESPACE,
+    REPO_ROOT,
+    STATIC_LABELS,
+    RawRank,
+    Sidecar,
+    advance,
+    child_env,
+    label_sets,
+    percentile,
+    progress_printer,
+    rank_id,
+    row,
+    series_count,
+)
 
 GOAL_SPEEDUP = 20.0
 GOAL_RANKS = (64, 256)

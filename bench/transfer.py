@@ -15,7 +15,8 @@ import random
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -72,7 +73,8 @@ def run(pages: int, repeats: int, device: str, progress: bool = True) -> list[di
             anchor_src = src_pool.data[:pages]
             anchor_dst = dst_pool.data[pages:2 * pages] if src_pool is not dst_pool else dst_pool.data[:pages]
             anchor_s = _timed(_anchor(anchor_src, anchor_dst, cuda), repeats)
-            mover_s = _timed(lambda: mover.copy(src_pool, src_pages, dst_pool, dst_pages).seconds, repeats)
+            mover_s = _timed(lambda src_pool=src_pool, src_pages=src_pages, dst_pool=dst_pool, dst_pages=dst_pages:
+                             mover.copy(src_pool, src_pages, dst_pool, dst_pages).seconds, repeats)
             ok = torch.equal(dst_pool.data[dst_pages[0]].cpu(), src_pool.data[src_pages[0]].cpu())
             rows.append({
                 "op": op, "layout": layout, "device": device, "pages": pages, "bytes": moved,

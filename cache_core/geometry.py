@@ -30,7 +30,7 @@ class ModelGeometry:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def shard(self, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> "ShardGeometry":
+    def shard(self, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> ShardGeometry:
         """The part of the KV cache held by one rank: heads / tp (all for MLA) of its pp stage's layers."""
         if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size):
             raise ValueError(f"rank tp={tp_rank}/{tp_size} pp={pp_rank}/{pp_size} is out of range")

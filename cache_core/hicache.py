@@ -9,9 +9,9 @@ same requests make the same decisions and count the same tokens.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Sequence
 
 import torch
 

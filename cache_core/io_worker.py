@@ -42,7 +42,7 @@ class StorageWorker:
     def __init__(self, storage: FileStorage, host: PagePool) -> None:
         self.storage = storage
         self.host = host
-        self._queue: "queue.Queue[StorageJob | None]" = queue.Queue()
+        self._queue: queue.Queue[StorageJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="hicache-storage", daemon=True)
         self._thread.start()
 

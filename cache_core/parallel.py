@@ -26,7 +26,9 @@ class ParallelState:
     dp_size: int
 
     @classmethod
-    def from_layout(cls, attn_tp_rank: int, pp_rank: int, dp_rank: int, attn_tp_size: int, pp_size: int, dp_size: int) -> "ParallelState":
+    def from_layout(
+        cls, attn_tp_rank: int, pp_rank: int, dp_rank: int, attn_tp_size: int, pp_size: int, dp_size: int
+    ) -> ParallelState:
         """The state of the rank at (attention tp rank, pp rank, dp group) of a layout."""
         for name, rank, size in (("tp", attn_tp_rank, attn_tp_size), ("pp", pp_rank, pp_size), ("dp", dp_rank, dp_size)):
             if not 0 <= rank < size:

@@ -14,7 +14,9 @@ class PoolExhausted(Exception):
 class PagePool:
     """`num_pages` pages of one shard's KV, on one device; page ids are row indices of `data`."""
 
-    def __init__(self, name: str, shard: ShardGeometry, num_pages: int, device: torch.device | str, pin_memory: bool = False) -> None:
+    def __init__(
+        self, name: str, shard: ShardGeometry, num_pages: int, device: torch.device | str, pin_memory: bool = False
+    ) -> None:
         if num_pages < 1:
             raise ValueError(f"pool {name!r} needs at least one page")
         self.name = name

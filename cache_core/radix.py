@@ -7,8 +7,8 @@ Device copies are prefix-closed: eviction only takes device pages from the front
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 PageKey = tuple[int, ...]
 
@@ -18,11 +18,11 @@ class Node:
     """One page of a cached prefix."""
 
     key: PageKey
-    parent: "Node | None"
+    parent: Node | None
     hash: bytes = b""
     device_page: int | None = None
     host_page: int | None = None
-    children: dict[PageKey, "Node"] = field(default_factory=dict)
+    children: dict[PageKey, Node] = field(default_factory=dict)
     last_access: int = 0
     hits: int = 0
     lock: int = 0  # requests using this node: neither copy may be evicted

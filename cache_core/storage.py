@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 
 def page_hash(token_ids: Sequence[int], prior_hash: bytes | None = None) -> bytes:

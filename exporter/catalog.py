@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -57,7 +58,7 @@ class FamilySpec(BaseModel):
         return labels
 
     @model_validator(mode="after")
-    def _shape_matches_type(self) -> "FamilySpec":
+    def _shape_matches_type(self) -> FamilySpec:
         if self.type is MetricType.HISTOGRAM:
             if not self.buckets:
                 raise ValueError(f"histogram {self.name!r} needs `buckets`")
@@ -112,7 +113,7 @@ class Catalog(BaseModel):
     families: tuple[FamilySpec, ...] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _families_are_consistent(self) -> "Catalog":
+    def _families_are_consistent(self) -> Catalog:
         names = [f.name for f in self.families]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:

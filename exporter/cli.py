@@ -6,8 +6,8 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from exporter import __version__
 from exporter.catalog import load_catalog
@@ -25,7 +25,8 @@ rollups (summed bytes, one-replica tokens, active bandwidth) on /metrics."""
 def _add_listen_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help=f"HTTP port for /metrics (default 9400; env {ENV_PORT})")
     parser.add_argument("--host", help="HTTP listen address (default 0.0.0.0)")
-    parser.add_argument("--socket", type=Path, help=f"ingest Unix socket path (default /run/hicache/metrics.sock; env {ENV_SOCKET})")
+    parser.add_argument("--socket", type=Path,
+                        help=f"ingest Unix socket path (default /run/hicache/metrics.sock; env {ENV_SOCKET})")
 
 
 def build_parser() -> argparse.ArgumentParser:

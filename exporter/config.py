@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -101,7 +102,7 @@ class RanksConfig(_Strict):
     max_ranks: int = Field(4096, ge=1)  # rank identities remembered (expired ones are forgotten first)
 
     @model_validator(mode="after")
-    def _expire_after_stale(self) -> "RanksConfig":
+    def _expire_after_stale(self) -> RanksConfig:
         if self.expire_after_seconds < self.stale_after_seconds:
             raise ValueError("expire_after_seconds must be at least stale_after_seconds")
         return self

@@ -65,7 +65,8 @@ async def _demo(args: argparse.Namespace, config: Any, workdir: Path) -> int:
         spec = RankSpec(attn_tp_rank=tp, pp_rank=pp, dp_rank=dp, tp_size=args.tp, pp_size=args.pp, dp_size=args.dp,
                         socket_path=str(config.ingest.socket_path), storage_root=str(workdir / "l3"),
                         interval=args.interval, requests=args.requests, workload=WorkloadConfig(seed=args.seed))
-        proc = ctx.Process(target=_rank_entry, args=(spec, slot, steps, completed, stop_step, stop, barriers[dp]), name=f"rank-dp{dp}-pp{pp}-tp{tp}")
+        proc = ctx.Process(target=_rank_entry, args=(spec, slot, steps, completed, stop_step, stop, barriers[dp]),
+                           name=f"rank-dp{dp}-pp{pp}-tp{tp}")
         proc.start()
         procs.append(proc)
     host = "localhost" if config.http.host in ("0.0.0.0", "::") else config.http.host

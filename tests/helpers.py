@@ -8,8 +8,9 @@ import socket
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -38,7 +39,7 @@ class SidecarThread:
         self.sidecar: Sidecar | None = None
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
-    def start(self) -> "SidecarThread":
+    def start(self) -> SidecarThread:
         self._thread.start()
 
         async def boot() -> Sidecar:
@@ -76,7 +77,7 @@ class SidecarThread:
     def metrics_text(self) -> str:
         return http_get(self.url + "/metrics")[1].decode()
 
-    def scrape(self) -> "Scrape":
+    def scrape(self) -> Scrape:
         return Scrape(self.metrics_text())
 
 
@@ -146,7 +147,7 @@ class RawClient:
                     return True
         except ConnectionResetError:
             return True
-        except socket.timeout:
+        except TimeoutError:
             return False
 
     def close(self) -> None:

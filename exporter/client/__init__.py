@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from exporter.catalog import Catalog, MetricType, default_catalog
 from exporter.client.metrics import CounterChild, GaugeChild, HistogramChild, LabelError, MetricSet
@@ -77,7 +78,7 @@ class RankClient:
     def stats(self) -> PushStats:
         return self._pusher.stats
 
-    def start(self) -> "RankClient":
+    def start(self) -> RankClient:
         """Start the background pusher (first push right away)."""
         self._pusher.start()
         return self
@@ -90,7 +91,7 @@ class RankClient:
         """Send a last snapshot and `bye`, then stop; safe to call twice."""
         self._pusher.close()
 
-    def __enter__(self) -> "RankClient":
+    def __enter__(self) -> RankClient:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

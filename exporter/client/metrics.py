@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import threading
 from bisect import bisect_left
-from typing import Any, Iterator, Union
+from collections.abc import Iterator
+from typing import Any
 
 from exporter.catalog import Catalog, FamilySpec, MetricType
 from exporter.errors import HicacheExporterError
@@ -93,7 +94,7 @@ class HistogramChild:
         return {"buckets": buckets, "sum": total, "count": cumulative[-1]}
 
 
-Child = Union[CounterChild, GaugeChild, HistogramChild]
+Child = CounterChild | GaugeChild | HistogramChild
 
 
 class LabelError(HicacheExporterError, ValueError):

@@ -11,9 +11,9 @@ import logging
 import random
 import socket
 import threading
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from exporter.errors import ErrorCode, ProtocolError
 from exporter.protocol.framing import FrameDecoder, encode_frame

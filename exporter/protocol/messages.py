@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -24,12 +24,13 @@ Count = Annotated[int, Meta(ge=0)]
 RankNumber = Annotated[int, Meta(ge=0, lt=MAX_RANK)]
 WorldSize = Annotated[int, Meta(ge=1, le=MAX_RANK)]
 # A bucket bound is a finite number, or the string "+Inf" for the last bucket.
-BucketBound = Union[Finite, Literal["+Inf"]]
+BucketBound = Finite | Literal["+Inf"]
 Buckets = Annotated[list[tuple[BucketBound, Count]], Meta(min_length=1, max_length=1024)]
 
 
 class _Message(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, tag_field="type"):
     """A frame's top-level object; its "type" member names the struct (the tag)."""
+    # Subclasses inherit these options; each repeats frozen=True so type checkers see it too.
 
 
 class RankId(Struct, frozen=True, forbid_unknown_fields=True):
@@ -48,7 +49,7 @@ class World(Struct, frozen=True, forbid_unknown_fields=True):
     dp_size: WorldSize
 
 
-class Hello(_Message, tag="hello"):
+class Hello(_Message, frozen=True, tag="hello"):
     """First frame of every connection: who the rank is and which process start (epoch)."""
 
     protocol: int
@@ -81,7 +82,7 @@ def ScalarSample(family: str, value: float, labels: dict[str, str] | None = None
 
 
 def HistogramSample(  # noqa: N802
-    family: str, buckets: list[tuple[float | str, int]], sum: float, count: int, labels: dict[str, str] | None = None
+    family: str, buckets: list[tuple[BucketBound, int]], sum: float, count: int, labels: dict[str, str] | None = None
 ) -> Sample:
     """A histogram sample: cumulative [upper_bound, count] pairs ending in "+Inf", with sum and count."""
     return Sample(family, labels or {}, buckets=buckets, sum=sum, count=count)
@@ -91,7 +92,7 @@ def is_histogram(sample: Sample) -> bool:
     return sample.buckets is not UNSET
 
 
-class Snapshot(_Message, tag="snapshot"):
+class Snapshot(_Message, frozen=True, tag="snapshot"):
     """Cumulative values of the samples it names; `seq` rises within an epoch."""
 
     seq: Count
@@ -99,11 +100,11 @@ class Snapshot(_Message, tag="snapshot"):
     samples: Annotated[list[Sample], Meta(max_length=MAX_SAMPLES)] = []
 
 
-class Bye(_Message, tag="bye"):
+class Bye(_Message, frozen=True, tag="bye"):
     """Ends a connection cleanly."""
 
 
-class Welcome(_Message, tag="welcome"):
+class Welcome(_Message, frozen=True, tag="welcome"):
     """The sidecar's answer to an accepted hello."""
 
     server: str
@@ -112,15 +113,15 @@ class Welcome(_Message, tag="welcome"):
     reconnect: bool = False
 
 
-class ErrorMessage(_Message, tag="error"):
+class ErrorMessage(_Message, frozen=True, tag="error"):
     """A rejection; connection-level codes are followed by the sidecar closing the connection."""
 
     code: str
     message: str
 
 
-ClientMessage = Union[Hello, Snapshot, Bye]
-ServerMessage = Union[Welcome, ErrorMessage]
+ClientMessage = Hello | Snapshot | Bye
+ServerMessage = Welcome | ErrorMessage
 _client_decoder = msgspec.json.Decoder(ClientMessage)
 _server_decoder = msgspec.json.Decoder(ServerMessage)
 

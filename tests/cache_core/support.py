@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from cache_core.geometry import ModelGeometry
 from cache_core.hicache import HiCache

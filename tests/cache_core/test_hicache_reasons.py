@@ -282,7 +282,7 @@ def test_shrunk_is_emitted_lazily_by_the_refetch_path(make_cache) -> None:
     seed_l3(cache.storage, first)
     hashes = seed_l3(cache.storage, second)
     before, before_deferred = unfulfilled(cache), deferred(cache)
-    r1 = cache.begin(first)
+    _r1 = cache.begin(first)
     r2 = cache.begin(second)
     assert r2.deferred_span == (0, 4)
     assert delta(before_deferred, deferred(cache)) == {"host_capacity": 4 * PS}
@@ -295,7 +295,8 @@ def test_shrunk_is_emitted_lazily_by_the_refetch_path(make_cache) -> None:
     assert delta(before, unfulfilled(cache)) == {"shrunk": 2 * PS}
     assert fulfilled(cache, r2) == 2 * PS
     settled(r2)
-    sample = [s for s in cache.metrics.client.metrics.samples() if s["family"] == UNFULFILLED and s["labels"]["reason"] == "shrunk"]
+    sample = [s for s in cache.metrics.client.metrics.samples()
+              if s["family"] == UNFULFILLED and s["labels"]["reason"] == "shrunk"]
     assert sample == [{"family": UNFULFILLED, "labels": {"reason": "shrunk"}, "value": 2 * PS}]
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
+from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -58,12 +59,12 @@ PROMQL_FUNCTIONS = {
     "deg", "rad", "pi",
 }
 PROMQL_KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring",
-                   "group_left", "group_right", "inf", "nan", "atan2", "start", "end", "atan2"}
+                   "group_left", "group_right", "inf", "nan", "atan2", "start", "end"}
 
 
 # --- the dashboard -----------------------------------------------------------------------------
 
-@lru_cache(maxsize=None)
+@cache
 def dashboard() -> dict[str, Any]:
     return json.loads(DASHBOARD.read_text(encoding="utf-8"))
 
@@ -135,7 +136,7 @@ def test_name_extraction() -> None:
     assert functions == {"histogram_quantile", "sum", "rate", "max"}
 
 
-@lru_cache(maxsize=None)
+@cache
 def exported_names() -> frozenset[str]:
     """Every sample name the sidecar can expose, derived from the catalog as DESIGN section 6 says."""
     from exporter.catalog import MetricType, Semantics, default_catalog
@@ -160,7 +161,7 @@ def exported_names() -> frozenset[str]:
     return frozenset(names | collector_names(prefix="hicache_exporter_"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def collector_names(prefix: str = "") -> frozenset[str]:
     """Sample names the real collector (exporter/sidecar/exposition.py) declares, on an empty sidecar."""
     from exporter.catalog import default_catalog

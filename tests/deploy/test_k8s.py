@@ -10,9 +10,10 @@ from __future__ import annotations
 import copy
 import importlib.util
 import re
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -171,7 +172,7 @@ def check_prometheus_rule(doc: dict[str, Any]) -> None:
 
 def test_crds_are_well_formed() -> None:
     kinds = []
-    for name, doc in all_documents():
+    for _name, doc in all_documents():
         if doc["apiVersion"].startswith("monitoring.coreos.com/"):
             kinds.append(doc["kind"])
             {"PodMonitor": check_pod_monitor, "PrometheusRule": check_prometheus_rule}[doc["kind"]](doc)

@@ -15,8 +15,9 @@ import subprocess
 import sys
 import time
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -139,7 +140,7 @@ def test_rollups_and_rules_agree_with_per_rank_series_across_a_rank_restart(stac
         time.sleep(15)
 
         # The restart is visible as a reset of the per-rank series, never of a rollup.
-        assert prom.scalar(f'resets(sglang_load_back_tokens_total{{tp_rank="0",dp_rank="0"}}[2m])') >= 1
+        assert prom.scalar('resets(sglang_load_back_tokens_total{tp_rank="0",dp_rank="0"}[2m])') >= 1
         for family in ("load_back_tokens_total", "load_back_bytes_total", "load_back_duration_seconds_count"):
             for series in prom.query(f"resets(sglang_rollup_{family}[2m])"):
                 assert float(series["value"][1]) == 0, f"sglang_rollup_{family} went backwards"

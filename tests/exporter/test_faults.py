@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
-
-import pytest
 
 from exporter.client import RankClient
-from tests.helpers import Scrape, SidecarThread, free_port, http_get, sidecar_config, wait_until
+from tests.helpers import Scrape, SidecarThread, free_port, http_get, wait_until
 
 RANK = {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0}
 

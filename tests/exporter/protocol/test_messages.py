@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from msgspec import UNSET
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from msgspec import UNSET
 
 from exporter.errors import ErrorCode, ProtocolError
 from exporter.protocol.framing import FrameDecoder, encode_message

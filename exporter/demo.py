@@ -120,7 +120,7 @@ def _print_progress(sidecar: Sidecar, layout: list[tuple[int, int, int]], steps:
         done = [completed[i] for i, (d, _, _) in enumerate(layout) if d == dp]
         per_group.append(f"dp{dp}:{min(done)}")
     live = sum(1 for r in state.ranks.values() if r.live)
-    tokens = sum(v for (family, _, _), v in state.rollups.counters.items() if family == "load_back_tokens_total")
-    moved = sum(v for (family, _, _), v in state.rollups.counters.items() if family == "load_back_bytes_total")
+    tokens = sum(v for (family, _, _), v in state.ledger.counters.items() if family == "load_back_tokens_total")
+    moved = sum(v for (family, _, _), v in state.ledger.counters.items() if family == "load_back_bytes_total")
     print(f"[{elapsed:6.1f}s] requests {' '.join(per_group)} | ranks alive {alive}, pushing {live} | "
           f"rollup load-back {int(tokens)} tokens, {moved / 2**20:.1f} MiB", flush=True)

@@ -1,4 +1,8 @@
-"""A prometheus_client collector that renders the sidecar's in-memory state; it never does I/O."""
+"""A prometheus_client collector over the sidecar's state: the reference exposition; no I/O.
+
+/metrics is served by the faster renderer (render.py), whose output parses to exactly the
+samples this collector yields (tests/exporter/sidecar/test_render.py holds the two side by side).
+"""
 
 from __future__ import annotations
 
@@ -6,62 +10,49 @@ import platform
 from functools import lru_cache
 from typing import Iterable, Iterator, TypeVar
 
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from exporter import __version__
-from exporter.catalog import FamilySpec, MetricType, Semantics
-from exporter.sidecar.derived import Bandwidth, bandwidths, gauge_rollups, replica_spreads, window_increases
-from exporter.sidecar.ranks import RankState, RankStatus
-from exporter.sidecar.series import HistAccumulator, HistValue, LabelValues, StaticKey
+from exporter.sidecar.families import SELF, SELF_FAMILIES, ExposedFamilies, Family
+from exporter.sidecar.registry import RankState, RankStatus, exposition_order
+from exporter.sidecar.series import HistAccumulator, HistValue, Layout, LabelValues
 from exporter.sidecar.state import SidecarState
-from exporter.sidecar.stats import SidecarStats
-from exporter.client.metrics import HistogramChild
+from exporter.sidecar.stats import DurationHistogram, SidecarStats
 
-SELF = "hicache_exporter_"
 KeyT = TypeVar("KeyT", bound=tuple)
 ValueT = TypeVar("ValueT")
-ROLLUP_HELP = {
-    Semantics.PER_SHARD: "Sum over all ranks (per-shard quantity). ",
-    Semantics.REPLICATED: "One leader rank per dp replica group, summed over groups (logically replicated quantity). ",
-}
+_METRIC_CLASS = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}
 
 
-def _metric_type(spec: FamilySpec) -> str:
-    return spec.type.value
-
-
-def exported_name(spec: FamilySpec, prefix: str) -> str:
-    """Metric name as prometheus_client wants it: counters without their `_total` suffix."""
-    return prefix + (spec.base_name if spec.type is MetricType.COUNTER else spec.name)
-
-
-def _add_value(metric: Metric, spec: FamilySpec, labels: dict[str, str], value: float | HistValue | HistAccumulator) -> None:
-    name = metric.name
-    if spec.type is MetricType.COUNTER:
-        metric.add_sample(name + "_total", labels, float(value))  # type: ignore[arg-type]
-        return
-    if spec.type is MetricType.GAUGE:
-        metric.add_sample(name, labels, float(value))  # type: ignore[arg-type]
-        return
-    assert spec.buckets is not None and isinstance(value, (HistValue, HistAccumulator))
-    for bound, count in zip(_bounds(spec.buckets), value.counts):
-        metric.add_sample(name + "_bucket", {**labels, "le": bound}, float(count))
-    metric.add_sample(name + "_count", labels, float(value.counts[-1]))
-    metric.add_sample(name + "_sum", labels, float(value.sum))
+def new_metric(family: Family) -> Metric:
+    """An empty prometheus_client metric family for `family`."""
+    return _METRIC_CLASS[family.type](family.name, family.help)  # type: ignore[operator]
 
 
 @lru_cache(maxsize=256)
-def _bounds(buckets: tuple[float, ...]) -> tuple[str, ...]:
-    """`le` values in Go's spelling, worked out once per bucket layout."""
-    return (*(floatToGoString(b) for b in buckets), "+Inf")
+def le_values(bounds: Layout) -> tuple[str, ...]:
+    """`le` values of a bucket layout in Go's spelling, worked out once per layout."""
+    return tuple(b if isinstance(b, str) else floatToGoString(b) for b in bounds)
 
 
-def _labels(spec: FamilySpec, values: LabelValues, base: dict[str, str]) -> dict[str, str]:
+def add_value(metric: Metric, labels: dict[str, str], value: float | HistValue | HistAccumulator) -> None:
+    """The samples of one series: a counter's `_total`, a gauge, or a histogram's buckets, count and sum."""
+    name = metric.name
+    if isinstance(value, (HistValue, HistAccumulator)):
+        for bound, count in zip(le_values(value.bounds), value.counts):
+            metric.add_sample(name + "_bucket", {**labels, "le": bound}, float(count))
+        metric.add_sample(name + "_count", labels, float(value.counts[-1]))
+        metric.add_sample(name + "_sum", labels, float(value.sum))
+    else:
+        metric.add_sample(name + "_total" if metric.type == "counter" else name, labels, float(value))
+
+
+def _labels(names: tuple[str, ...], values: LabelValues, base: dict[str, str]) -> dict[str, str]:
     if not values:
         return base  # no labels of its own: share the rank's (or rollup's) dict, which nobody changes
-    labels = dict(zip(spec.labels, values))
+    labels = dict(zip(names, values))
     labels.update(base)
     return labels
 
@@ -71,17 +62,18 @@ def _by_family(*sources: Iterable[tuple[KeyT, ValueT]]) -> dict[str, list[tuple[
     grouped: dict[str, list[tuple[KeyT, ValueT]]] = {}
     for source in sources:
         for entry in source:
-            grouped.setdefault(entry[0][0], []).append(entry)  # type: ignore[index]
+            grouped.setdefault(entry[0][0], []).append(entry)
     return grouped
 
 
 class SidecarCollector(Collector):
-    """Yields per-rank series, rollups, derived gauges and the sidecar's self-metrics."""
+    """Yields per-rank series, rollups, bandwidth and spread gauges, and the sidecar's self-metrics."""
 
     def __init__(self, state: SidecarState, stats: SidecarStats, namespace: str) -> None:
         self.state = state
         self.stats = stats
-        self.namespace = namespace
+        self.families = ExposedFamilies(state.catalog, namespace)
+        self._labels = {spec.name: spec.labels for spec in state.catalog}
 
     def collect(self) -> Iterator[Metric]:
         self.state.tick()
@@ -94,125 +86,92 @@ class SidecarCollector(Collector):
         """Everything but the per-rank catalog series: rollups, bandwidth, spread, self-metrics."""
         state = self.state
         yield from self._rollups()
-        increases = window_increases(state, state.clock())
-        yield from self._bandwidth(increases, rank_labels)
+        known = sorted(state.ranks.values(), key=exposition_order)
+        increases = state.window.increases(known, state.clock())
+        yield from self._bandwidth(known, increases, rank_labels)
         yield from self._spreads(increases)
         yield from self._self_metrics(ranks, rank_labels)
 
     def _per_rank(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
-        metrics = {
-            spec.name: (spec, Metric(exported_name(spec, self.namespace), spec.help, _metric_type(spec)))
-            for spec in self.state.catalog
-        }
+        metrics = {name: new_metric(family) for name, family in self.families.per_rank.items()}
         for rank in ranks:
             base = rank_labels[id(rank)]
             for (family, values), value in rank.values.items():
-                spec, metric = metrics[family]
-                _add_value(metric, spec, _labels(spec, values, base), value)
-        for _, metric in metrics.values():
-            yield metric
+                add_value(metrics[family], _labels(self._labels[family], values, base), value)
+        yield from metrics.values()
 
     def _rollups(self) -> Iterator[Metric]:
-        state = self.state
-        prefix = self.namespace + "rollup_"
-        by_family = _by_family(state.rollups.counters.items(), state.rollups.histograms.items(), gauge_rollups(state).items())
-        for spec in state.catalog:
-            metric = Metric(exported_name(spec, prefix), ROLLUP_HELP[spec.semantics] + spec.help, _metric_type(spec))
-            for (_, static, values), value in by_family.get(spec.name, ()):
-                _add_value(metric, spec, _labels(spec, values, dict(static)), value)
+        ledger = self.state.ledger
+        by_family = _by_family(
+            ledger.counters.items(), ledger.histograms.items(), ledger.gauges(self.state.ranks.values()).items()
+        )
+        for name, family in self.families.rollup.items():
+            metric = new_metric(family)
+            for (_, static, values), value in by_family.get(name, ()):
+                add_value(metric, _labels(self._labels[name], values, dict(static)), value)
             yield metric
 
-    def _bandwidth(self, increases: dict, rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
-        per_rank, rolled = bandwidths(self.state, increases)
-        rank_rows: dict[str, list[tuple[FamilySpec, RankState, LabelValues, Bandwidth]]] = {}
-        for entry in per_rank:
-            rank_rows.setdefault(entry[0].name, []).append(entry)
+    def _bandwidth(
+        self, known: list[RankState], increases: dict[int, dict[tuple[str, LabelValues], float]],
+        rank_labels: dict[int, dict[str, str]],
+    ) -> Iterator[Metric]:
+        per_rank, rolled = self.state.window.bandwidths(known, increases)
+        rank_rows: dict[str, list[tuple[RankState, LabelValues, float]]] = {}
+        for spec, rank, values, bw in per_rank:
+            rank_rows.setdefault(spec.name, []).append((rank, values, bw.value))
         rolled_rows = _by_family(rolled.items())
-        for bytes_spec, _ in self.state.catalog.bandwidth_pairs():
-            help_text = (
-                f"Active bandwidth of {bytes_spec.name}: byte increase over the window divided by the "
-                "increase of its duration histogram's sum (idle time excluded); absent without transfers."
-            )
-            metric = Metric(self.namespace + bytes_spec.bandwidth_name, help_text, "gauge")
-            for spec, rank, values, bw in rank_rows.get(bytes_spec.name, ()):
-                metric.add_sample(metric.name, _labels(spec, values, rank_labels[id(rank)]), bw.value)
+        for name, (per_rank_family, rollup_family) in self.families.bandwidth.items():
+            names = self._labels[name]
+            metric = new_metric(per_rank_family)
+            for rank, values, value in rank_rows.get(name, ()):
+                metric.add_sample(metric.name, _labels(names, values, rank_labels[id(rank)]), value)
             yield metric
-            rollup = Metric(self.namespace + "rollup_" + bytes_spec.bandwidth_name, "Rolled up: " + help_text, "gauge")
-            for (_, static, values), bw in rolled_rows.get(bytes_spec.name, ()):
-                rollup.add_sample(rollup.name, _labels(bytes_spec, values, dict(static)), bw.value)
+            rollup = new_metric(rollup_family)
+            for (_, static, values), bw in rolled_rows.get(name, ()):
+                rollup.add_sample(rollup.name, _labels(names, values, dict(static)), bw.value)
             yield rollup
 
-    def _spreads(self, increases: dict) -> Iterator[Metric]:
-        by_family = _by_family(replica_spreads(self.state, increases).items())
-        for spec in self.state.catalog:
-            if spec.type is not MetricType.COUNTER or spec.semantics is not Semantics.REPLICATED:
-                continue
-            metric = Metric(
-                self.namespace + spec.base_name + "_replica_spread_ratio",
-                f"How far live replicas' increases of {spec.name} over the window disagree: (max - min) / max.",
-                "gauge",
-            )
-            for (_, (dp_rank, static), values), ratio in by_family.get(spec.name, ()):
-                metric.add_sample(metric.name, _labels(spec, values, {"dp_rank": str(dp_rank), **dict(static)}), ratio)
+    def _spreads(self, increases: dict[int, dict[tuple[str, LabelValues], float]]) -> Iterator[Metric]:
+        state = self.state
+        by_family = _by_family(state.window.spreads(state.registry.groups(), increases).items())
+        for name, family in self.families.spread.items():
+            metric = new_metric(family)
+            for (_, (dp_rank, static), values), ratio in by_family.get(name, ()):
+                metric.add_sample(metric.name, _labels(self._labels[name], values, {"dp_rank": str(dp_rank), **dict(static)}), ratio)
             yield metric
 
     def _self_metrics(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
         stats, state = self.stats, self.state
-
-        def gauge(name: str, help_text: str, value: float | None = None) -> Metric:
-            metric = Metric(SELF + name, help_text, "gauge")
-            if value is not None:
-                metric.add_sample(metric.name, {}, float(value))
-            return metric
-
-        def counter(name: str, help_text: str, value: float | None = None) -> Metric:
-            metric = Metric(SELF + name, help_text, "counter")
-            if value is not None:
-                metric.add_sample(metric.name + "_total", {}, float(value))
-            return metric
-
-        info = gauge("build_info", "Version of the running sidecar (value is always 1).")
+        metric = {name[len(SELF):]: new_metric(family) for name, family in SELF_FAMILIES.items()}
+        info = metric["build_info"]
         info.add_sample(info.name, {"version": __version__, "python_version": platform.python_version()}, 1.0)
-        yield info
-        by_status = {status: 0 for status in RankStatus}
+        by_status = dict.fromkeys(RankStatus, 0)
         for rank in state.ranks.values():
             by_status[rank.status] += 1
-        known = gauge("ranks", "Rank identities the sidecar knows, by status.")
         for status, count in by_status.items():
-            known.add_sample(known.name, {"state": status.value}, float(count))
-        yield known
-        up = gauge("rank_up", "1 while the rank is connected and pushing, else 0.")
-        leader = gauge("rank_leader", "1 for the rank that replicated rollups of its dp replica group follow.")
-        last = gauge("rank_last_push_timestamp_seconds", "Wall-clock time of the rank's last snapshot.")
-        restarts = counter("rank_restarts", "Process restarts (new epochs) seen for the rank.")
+            metric["ranks"].add_sample(SELF + "ranks", {"state": status.value}, float(count))
+        up, last, restarts = metric["rank_up"], metric["rank_last_push_timestamp_seconds"], metric["rank_restarts"]
         for rank in ranks:
             labels = rank_labels[id(rank)]
             up.add_sample(up.name, labels, 1.0 if rank.status is RankStatus.LIVE else 0.0)
-            leader.add_sample(leader.name, labels, 1.0 if state.groups[rank.group].leader is rank else 0.0)
             if rank.last_push_wall is not None:
                 last.add_sample(last.name, labels, rank.last_push_wall)
             restarts.add_sample(restarts.name + "_total", labels, float(rank.restarts))
-        yield from (up, leader, last, restarts)
-        yield gauge("connections", "Open rank connections.", stats.connections_open)
-        yield counter("connections_accepted", "Rank connections accepted.", stats.connections_accepted)
-        yield counter("frames_received", "Frames received from ranks.", stats.frames_received)
-        yield counter("snapshots_received", "Snapshot frames received from ranks.", stats.snapshots_received)
-        yield counter("snapshots_applied", "Snapshots applied to rank state.", stats.snapshots_applied)
-        yield counter("samples_applied", "Samples applied to rank state.", stats.samples_applied)
-        rejections = counter("rejections", "Frames, hellos, snapshots and samples refused, by reason.")
+        for name, value in (
+            ("connections", stats.connections_open), ("connections_accepted", stats.connections_accepted),
+            ("frames_received", stats.frames_received), ("snapshots_received", stats.snapshots_received),
+            ("snapshots_applied", stats.snapshots_applied), ("samples_applied", stats.samples_applied),
+        ):
+            metric[name].add_metric([], float(value))  # type: ignore[attr-defined]
         for reason, count in sorted(stats.rejections.items()):
-            rejections.add_sample(rejections.name + "_total", {"reason": reason}, float(count))
-        yield rejections
-        yield _histogram(SELF + "scrape_duration_seconds", "Time to render /metrics.", stats.scrape_duration)
-        yield _histogram(SELF + "ingest_duration_seconds", "Time to apply one snapshot.", stats.ingest_duration)
+            metric["rejections"].add_sample(SELF + "rejections_total", {"reason": reason}, float(count))
+        for family, count in sorted(state.ledger.layout_conflicts.items()):
+            metric["rollup_layout_conflicts"].add_sample(SELF + "rollup_layout_conflicts_total", {"family": family}, float(count))
+        _durations(metric["scrape_duration_seconds"], stats.scrape_duration)
+        _durations(metric["ingest_duration_seconds"], stats.ingest_duration)
+        yield from metric.values()
 
 
-def _histogram(name: str, help_text: str, child: HistogramChild) -> Metric:
-    metric = Metric(name, help_text, "histogram")
-    counts, total = child.cumulative()
-    bounds = [floatToGoString(b) for b in child.bounds] + ["+Inf"]
-    for bound, count in zip(bounds, counts):
-        metric.add_sample(name + "_bucket", {"le": bound}, float(count))
-    metric.add_sample(name + "_count", {}, float(counts[-1]))
-    metric.add_sample(name + "_sum", {}, total)
-    return metric
+def _durations(metric: Metric, histogram: DurationHistogram) -> None:
+    buckets = [(floatToGoString(b), float(c)) for b, c in zip((*histogram.bounds, float("inf")), histogram.cumulative())]
+    metric.add_metric([], buckets, histogram.sum)  # type: ignore[attr-defined]

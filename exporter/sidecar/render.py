@@ -16,9 +16,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
 from exporter.catalog import FamilySpec, MetricType
-from exporter.sidecar.exposition import SidecarCollector, exported_name
-from exporter.sidecar.ranks import RankState
-from exporter.sidecar.series import SeriesKey
+from exporter.sidecar.exposition import SidecarCollector, le_values
+from exporter.sidecar.registry import RankState
+from exporter.sidecar.series import HistValue, SeriesKey
 
 SUFFIX = {MetricType.COUNTER: "_total", MetricType.GAUGE: "", MetricType.HISTOGRAM: ""}
 
@@ -79,9 +79,10 @@ class _RankLines:
     have not changed; the layout they are filled from, valid while its set of series has not
     changed; and the per-series line prefixes (name and labels), valid while the rank exists."""
 
-    __slots__ = ("version", "filled", "joined", "shape", "layout", "prefixes")
+    __slots__ = ("version", "filled", "joined", "shape", "layout", "prefixes", "epoch")
 
     def __init__(self) -> None:
+        self.epoch = ""  # the epoch `prefixes` were made in: histogram layouts change only across epochs
         self.version: tuple[int, int, str] | None = None
         self.filled: list[str] = []
         # Each family's span of `filled` joined, made at the first scrape that finds the rank
@@ -136,13 +137,8 @@ class TextRenderer:
     def __init__(self, collector: SidecarCollector) -> None:
         self.collector = collector
         self.state = collector.state
-        self.namespace = collector.namespace
         self.specs = {spec.name: spec for spec in self.state.catalog}
-        self.exported = {spec.name: exported_name(spec, self.namespace) for spec in self.state.catalog}
-        self.bounds = {
-            spec.name: [floatToGoString(b) for b in spec.buckets] + ["+Inf"]
-            for spec in self.state.catalog if spec.buckets
-        }
+        self.families = collector.families.per_rank
         self._ranks: dict[object, _RankLines] = {}
         self._family_labels: dict[tuple[str, tuple[str, ...]], str] = {}
         self._label_texts = LabelTexts()
@@ -157,7 +153,8 @@ class TextRenderer:
         per_rank = [self._rank_lines(rank) for rank in ranks]
         parts: list[str] = []
         for spec in state.catalog:
-            parts.append(header(self.exported[spec.name], spec.type.value, spec.help, openmetrics))
+            family = self.families[spec.name]
+            parts.append(header(family.name, family.type, family.help, openmetrics))
             name = spec.name
             for lines in per_rank:
                 if lines.joined is not None:
@@ -182,6 +179,9 @@ class TextRenderer:
                 cached.joined = {family: "".join(filled[a:b]) for family, (a, b) in cached.layout.spans.items()}
             return cached
         values = rank.values
+        if cached.epoch != rank.epoch:
+            cached.prefixes.clear()
+            cached.epoch = rank.epoch
         # Within an epoch series are only ever added, so the count names the set of series.
         shape = (id(rank), rank.epoch, len(values))
         if cached.shape != shape:
@@ -215,10 +215,11 @@ class TextRenderer:
         family, values = key
         spec = self.specs[family]
         labels = self._labels_of(spec, values) + label_text(rank.label_dict())
-        name = self.exported[family]
-        if spec.type is not MetricType.HISTOGRAM:
+        name = self.families[family].name
+        value = rank.values[key]
+        if not isinstance(value, HistValue):
             return (f"{name}{SUFFIX[spec.type]}{{{labels}}} ",)
-        buckets = tuple(f'{name}_bucket{{{labels},le="{bound}"}} ' for bound in self.bounds[family])
+        buckets = tuple(f'{name}_bucket{{{labels},le="{bound}"}} ' for bound in le_values(value.bounds))
         return (*buckets, f"{name}_count{{{labels}}} ", f"{name}_sum{{{labels}}} ")
 
     def _labels_of(self, spec: FamilySpec, values: tuple[str, ...]) -> str:

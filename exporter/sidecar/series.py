@@ -1,4 +1,4 @@
-"""Keys and values of series held in memory."""
+"""Keys and values of the series the sidecar holds: as pushed, as positions, and rolled up."""
 
 from __future__ import annotations
 
@@ -13,16 +13,19 @@ StaticKey = tuple[tuple[str, str], ...]
 SeriesKey = tuple[str, LabelValues]  # (family name, values of the family's own labels)
 GroupKey = tuple[int, StaticKey]  # (dp_rank, static labels): one replica group
 RollupKey = tuple[str, StaticKey, LabelValues]
+# A histogram's bucket layout as pushed: ascending finite upper bounds, then "+Inf".
+Layout = tuple[Union[float, str], ...]
 
 
 class HistValue(msgspec.Struct, gc=False):
-    """One histogram as last pushed: cumulative bucket counts (the last is +Inf) and sum.
+    """One histogram as last pushed: its layout, cumulative bucket counts (the last is +Inf) and sum.
 
     Never changed once made (a new push stores a new one). A C struct the garbage collector
-    does not track (it holds only numbers): one is made per histogram per push, and a tracked
-    object would be scanned by every collection for as long as it is the rank's latest.
+    does not track (it holds only numbers and one shared layout tuple): one is made per
+    histogram per push, and a tracked object would be scanned by every collection.
     """
 
+    bounds: Layout
     counts: tuple[int, ...]
     sum: float
 
@@ -33,21 +36,22 @@ class HistValue(msgspec.Struct, gc=False):
 
 @dataclass(slots=True, eq=False)
 class RollupCounter:
-    """A rollup counter: the running sum of the deltas counted into it."""
+    """A counter cell: a rollup series' value, or one replica group's watermark."""
 
     value: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
 class HistAccumulator:
-    """A rollup histogram built from deltas: cumulative bucket counts and sum."""
+    """A histogram cell of one layout: cumulative bucket counts and sum (a rollup or a watermark)."""
 
+    bounds: Layout
     counts: list[int]  # ints, like the deltas added to them: int + int is the fast path
     sum: float = 0.0
 
     @classmethod
-    def empty(cls, n_buckets: int) -> "HistAccumulator":
-        return cls([0] * n_buckets, 0.0)
+    def empty(cls, bounds: Layout) -> HistAccumulator:
+        return cls(bounds, [0] * len(bounds), 0.0)
 
     def add(self, counts: list[int] | tuple[int, ...], total: float) -> None:
         self.counts = list(map(operator.add, self.counts, counts))

@@ -173,7 +173,7 @@ SAMPLE_CASES: dict[ErrorCode, dict[str, Any]] = {
     ErrorCode.WRONG_LABELS: counter("load_back_tokens_total", 1, pool="kv", extra="x"),
     ErrorCode.TYPE_MISMATCH: counter("load_back_duration_seconds", 1),
     ErrorCode.INVALID_VALUE: counter("evicted_tokens_total", -5),
-    ErrorCode.BUCKET_MISMATCH: _histogram([[0.5, 1], ["+Inf", 1]], 0.1, 1),
+    ErrorCode.BUCKET_MISMATCH: _histogram([[0.5, 2], ["+Inf", 1]], 0.1, 1),  # not cumulative
 }
 
 

@@ -75,7 +75,7 @@ def test_rank_json_and_status_page(sidecar: SidecarThread) -> None:
     client = RankClient(sidecar.socket_path, rank={"tp_rank": 1, "pp_rank": 0, "dp_rank": 3},
                         labels={"cache_type": "UnifiedRadixCache"}, interval=0.1).start()
     wait_until(lambda: json.loads(http_get(sidecar.url + "/api/v1/ranks")[1])["ranks"] != [])
-    wait_until(lambda: json.loads(http_get(sidecar.url + "/api/v1/ranks")[1])["ranks"][0]["leader"])
+    wait_until(lambda: json.loads(http_get(sidecar.url + "/api/v1/ranks")[1])["ranks"][0]["snapshots"] > 0)
     row = json.loads(http_get(sidecar.url + "/api/v1/ranks")[1])["ranks"][0]
     assert (row["tp_rank"], row["pp_rank"], row["dp_rank"]) == (1, 0, 3)
     assert row["labels"] == {"cache_type": "UnifiedRadixCache"}

@@ -1,22 +1,20 @@
-"""The ingest server: an asyncio Unix-socket server speaking protocol v1 with each rank."""
+"""The ingest listener: accepts rank connections on the Unix socket and speaks protocol v1 with each."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-import socket
-import stat
-import struct
 import time
 from pathlib import Path
 
 from exporter import __version__
 from exporter.config import IngestConfig
-from exporter.errors import ErrorCode, ProtocolError, SocketInUseError
+from exporter.errors import ErrorCode, ProtocolError
 from exporter.protocol.framing import FrameDecoder, encode_message
 from exporter.protocol.messages import Bye, ErrorMessage, Hello, Snapshot, Welcome, message_type, parse_client_message
-from exporter.sidecar.ranks import RankState
+from exporter.sidecar.registry import RankState
+from exporter.sidecar.socket_file import peer_uid, prepare_socket_path
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import SidecarStats
 
@@ -31,39 +29,6 @@ LINGER_BYTES = 4 << 20
 
 class _Closing(Exception):
     """Internal: the connection ends here (after an error reply or a bye)."""
-
-
-def prepare_socket_path(path: Path, dir_mode: int) -> None:
-    """Create the socket's directory; replace a dead sidecar's socket file, refuse a live one."""
-    directory = path.parent
-    if not directory.exists():
-        directory.mkdir(parents=True, mode=dir_mode)
-        os.chmod(directory, dir_mode)  # mkdir's mode is filtered by the umask
-    if not os.path.lexists(path):
-        return
-    if not stat.S_ISSOCK(os.lstat(path).st_mode):
-        raise SocketInUseError(f"{path} exists and is not a socket; refusing to replace it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(str(path))
-    except OSError:
-        os.unlink(path)  # nobody listens: a dead sidecar's leftover
-        return
-    finally:
-        probe.close()
-    raise SocketInUseError(
-        f"another sidecar is already listening on {path}; stop it or give this one another --socket"
-    )
-
-
-def peer_uid(sock: socket.socket | None) -> int | None:
-    """The uid of the process at the other end of a Unix socket (Linux SO_PEERCRED)."""
-    if sock is None or not hasattr(socket, "SO_PEERCRED"):
-        return None
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid
 
 
 class IngestServer:
@@ -204,7 +169,6 @@ class _Connection:
                     self.stats.reject(ErrorCode.MALFORMED_FRAME)
                     log.info("connection ended in the middle of a frame (%d bytes buffered)", self.decoder.buffered)
                 return None
-            self.stats.bytes_received += len(chunk)
             frames = self.decoder.feed(chunk)
             self.stats.frames_received += len(frames)
             self.pending.extend(frames)
@@ -216,7 +180,6 @@ class _Connection:
             raise ProtocolError(ErrorCode.HELLO_REQUIRED, f"the first frame must be a hello, got {message_type(message)!r}")
         result = self.state.hello(self, message)
         self.rank = result.rank
-        self.stats.hellos_accepted += 1
         self._send(Welcome(server=f"hicache-exporter/{__version__}", restart=result.restart, reconnect=result.reconnect))
 
     def _handle_frame(self, payload: bytes) -> None:
@@ -236,14 +199,11 @@ class _Connection:
         self.stats.samples_applied += result.applied
         self.stats.ingest_duration.observe(time.perf_counter() - started)
         if result.rejections:
-            for rejection in result.rejections:
-                self.stats.reject(rejection.code)
-            first = result.rejections[0]
+            for code, _ in result.rejections:
+                self.stats.reject(code)
+            code, message = result.rejections[0]
             more = len(result.rejections) - 1
-            self._send(ErrorMessage(
-                code=first.code.value,
-                message=first.message + (f" (and {more} more samples dropped)" if more else ""),
-            ))
+            self._send(ErrorMessage(code=code.value, message=message + (f" (and {more} more samples dropped)" if more else "")))
 
     def _send(self, message: Welcome | ErrorMessage) -> None:
         transport = self.writer.transport

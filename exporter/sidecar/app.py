@@ -1,0 +1,156 @@
+"""The aiohttp application: /metrics, health and readiness, a JSON view of ranks and a status page.
+
+Everything that lives as long as the application (the ingest listener, housekeeping) starts
+and stops in its cleanup context, so `AppRunner.setup()` and `cleanup()` are the whole lifecycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import html
+import time
+from typing import Any, AsyncIterator
+
+import msgspec
+from aiohttp import web
+from prometheus_client.exposition import choose_encoder
+
+from exporter import __version__
+from exporter.config import SidecarConfig
+from exporter.sidecar.listener import IngestServer
+from exporter.sidecar.registry import exposition_order
+from exporter.sidecar.render import TextRenderer
+from exporter.sidecar.security import BasicAuth, auth_middleware
+from exporter.sidecar.state import SidecarState
+from exporter.sidecar.stats import SidecarStats
+
+HOUSEKEEPING_SECONDS = 1.0
+CONFIG: web.AppKey[SidecarConfig] = web.AppKey("config", SidecarConfig)
+STATE: web.AppKey[SidecarState] = web.AppKey("state", SidecarState)
+STATS: web.AppKey[SidecarStats] = web.AppKey("stats", SidecarStats)
+RENDERER: web.AppKey[TextRenderer] = web.AppKey("renderer", TextRenderer)
+INGEST: web.AppKey[IngestServer] = web.AppKey("ingest", IngestServer)
+
+
+def build_app(
+    config: SidecarConfig, state: SidecarState, stats: SidecarStats, renderer: TextRenderer, ingest: IngestServer,
+) -> web.Application:
+    """The application over in-memory state; its cleanup context runs the ingest listener and housekeeping."""
+    middlewares = []
+    if config.http.basic_auth_users:
+        middlewares.append(auth_middleware(BasicAuth(config.http.basic_auth_users)))
+    app = web.Application(middlewares=middlewares)
+    app[CONFIG] = config
+    app[STATE] = state
+    app[STATS] = stats
+    app[RENDERER] = renderer
+    app[INGEST] = ingest
+    app.cleanup_ctx.append(_ingest_listener)
+    app.cleanup_ctx.append(_housekeeping)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/-/healthy", _healthy)
+    app.router.add_get("/-/ready", _ready)
+    app.router.add_get("/api/v1/ranks", _ranks)
+    app.router.add_get("/", _status_page)
+    return app
+
+
+async def _ingest_listener(app: web.Application) -> AsyncIterator[None]:
+    await app[INGEST].start()
+    yield
+    await app[INGEST].stop()
+
+
+async def _housekeeping(app: web.Application) -> AsyncIterator[None]:
+    """Ranks turn stale and expire on time even while nobody scrapes."""
+
+    async def keep_house() -> None:
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_SECONDS)
+            app[STATE].tick()
+
+    task = asyncio.create_task(keep_house())
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    started = time.perf_counter()
+    _, content_type = choose_encoder(request.headers.get("Accept", ""))  # prometheus_client's negotiation
+    body = request.app[RENDERER].render(openmetrics=content_type.startswith("application/openmetrics-text"))
+    request.app[STATS].scrape_duration.observe(time.perf_counter() - started)
+    headers = {"Content-Type": content_type}
+    if "gzip" in request.headers.get("Accept-Encoding", ""):
+        body = gzip.compress(body, compresslevel=1)
+        headers["Content-Encoding"] = "gzip"
+    return web.Response(body=body, headers=headers)
+
+
+async def _healthy(request: web.Request) -> web.Response:
+    return web.Response(text="OK\n")
+
+
+async def _ready(request: web.Request) -> web.Response:
+    if request.app[STATS].ingest_listening:
+        return web.Response(text="ready\n")
+    return web.Response(status=503, text="ingest socket is not listening\n")
+
+
+def rank_rows(state: SidecarState) -> list[dict[str, Any]]:
+    """One JSON-friendly row per known rank."""
+    now = state.clock()
+    return [
+        {
+            "tp_rank": rank.tp_rank,
+            "pp_rank": rank.pp_rank,
+            "dp_rank": rank.dp_rank,
+            "labels": dict(rank.static),
+            "status": rank.status.value,
+            "epoch": rank.epoch,
+            "pid": rank.pid,
+            "seq": rank.seq,
+            "restarts": rank.restarts,
+            "reconnects": rank.reconnects,
+            "snapshots": rank.snapshots,
+            "series": len(rank.values),
+            "seconds_since_activity": round(now - rank.last_activity, 3),
+            "last_push_time": rank.last_push_wall,
+            "world": msgspec.structs.asdict(rank.world) if rank.world else None,
+        }
+        for rank in sorted(state.ranks.values(), key=exposition_order)
+    ]
+
+
+async def _ranks(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.tick()
+    return web.json_response({"ranks": rank_rows(state)})
+
+
+async def _status_page(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.tick()
+    rows = rank_rows(state)
+    cells = "".join(
+        "<tr>" + "".join(
+            f"<td>{html.escape(str(v))}</td>"
+            for v in (r["tp_rank"], r["pp_rank"], r["dp_rank"], r["labels"], r["status"],
+                      r["restarts"], r["series"], r["seconds_since_activity"])
+        ) + "</tr>"
+        for r in rows
+    )
+    socket_path = request.app[CONFIG].ingest.socket_path
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>hicache-exporter</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}}</style></head>
+<body><h1>hicache-exporter {html.escape(__version__)}</h1>
+<p>Ingest socket: <code>{html.escape(str(socket_path))}</code> &middot;
+<a href="/metrics">/metrics</a> &middot; <a href="/api/v1/ranks">/api/v1/ranks</a> &middot;
+<a href="/-/healthy">/-/healthy</a> &middot; <a href="/-/ready">/-/ready</a></p>
+<table><tr><th>tp</th><th>pp</th><th>dp</th><th>labels</th><th>status</th>
+<th>restarts</th><th>series</th><th>seconds since push</th></tr>{cells}</table>
+</body></html>"""
+    return web.Response(text=page, content_type="text/html")

@@ -1,0 +1,271 @@
+"""The rank registry: identities, epochs, connections, staleness, expiry and their limits."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Callable
+
+from exporter.catalog import Catalog
+from exporter.config import RanksConfig
+from exporter.errors import ErrorCode, ProtocolError
+from exporter.labels import label_name_problem
+from exporter.protocol.messages import Hello, World
+from exporter.sidecar.series import GroupKey, Layout, SeriesKey, StaticKey, Value, static_key
+from exporter.sidecar.window import Positions, WindowHistory
+
+if TYPE_CHECKING:
+    from exporter.sidecar.reader import SampleIdent, SeriesRoute
+
+Clock = Callable[[], float]
+RankIdentity = tuple[int, int, int, StaticKey]  # (tp_rank, pp_rank, dp_rank, static labels)
+REPLACED_EPOCHS_KEPT = 64
+HISTORY_POINTS = 60  # entries kept per rank per window: bounds memory whatever the push rate
+
+
+class RankStatus(str, Enum):
+    """What the sidecar currently believes about a rank."""
+
+    LIVE = "live"  # connected and pushing
+    STALE = "stale"  # connected but silent for stale_after
+    DEPARTED = "departed"  # disconnected; series stay until expiry
+    EXPIRED = "expired"  # silent for expire_after: per-rank series are gone, rollups keep it
+
+
+@dataclass(eq=False)
+class RankState:
+    """One rank identity across its epochs and connections: liveness, values as pushed, positions."""
+
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    static: StaticKey
+    epoch: str
+    pid: int
+    history: WindowHistory
+    world: World | None = None
+    connection: object | None = None  # token of the open connection holding this identity
+    seq: int = -1
+    pushed: bool = False  # has pushed since it last connected: its gauges are current
+    stale: bool = False
+    expired: bool = False
+    restarts: int = 0
+    reconnects: int = 0
+    last_activity: float = 0.0  # monotonic time of the last hello or snapshot
+    last_push_wall: float | None = None
+    snapshots: int = 0
+    version: int = 0  # bumped whenever `values` changes: exposition caches key on it
+    values: dict[SeriesKey, Value] = field(default_factory=dict)  # this epoch's values, as pushed
+    gauge_keys: set[SeriesKey] = field(default_factory=set)  # which of `values` are gauges
+    # Counters and histogram sums made continuous across this identity's epochs: never decrease.
+    positions: Positions = field(default_factory=dict)
+    # Replicated histograms' positions by bucket, with their layout and sum (their watermarks need them).
+    bucket_positions: dict[SeriesKey, tuple[Layout, list[int], float]] = field(default_factory=dict)
+    layout_conflicts: set[SeriesKey] = field(default_factory=set)  # this epoch's, each logged once
+    # The reader's caches: validated series by how samples name them, and the last snapshot's
+    # (family, labels, route) by place, so most samples match with two equality tests.
+    routes: dict[SampleIdent, SeriesRoute] = field(default_factory=dict)
+    by_place: list[tuple[str, dict[str, str], SeriesRoute]] = field(default_factory=list)
+    replaced_epochs: deque[str] = field(default_factory=lambda: deque(maxlen=REPLACED_EPOCHS_KEPT))
+
+    @property
+    def identity(self) -> RankIdentity:
+        return (self.tp_rank, self.pp_rank, self.dp_rank, self.static)
+
+    @property
+    def replica_group(self) -> GroupKey:
+        return (self.dp_rank, self.static)
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Order inside a replica group: the lowest (pp_rank, tp_rank) speaks for its gauges."""
+        return (self.pp_rank, self.tp_rank)
+
+    @property
+    def connected(self) -> bool:
+        return self.connection is not None
+
+    @property
+    def live(self) -> bool:
+        return self.connected and not self.stale
+
+    @property
+    def current(self) -> bool:
+        """Live and pushed since it connected: its gauges and window increases are up to date."""
+        return self.live and self.pushed
+
+    @property
+    def status(self) -> RankStatus:
+        if self.expired:
+            return RankStatus.EXPIRED
+        if not self.connected:
+            return RankStatus.DEPARTED
+        return RankStatus.STALE if self.stale else RankStatus.LIVE
+
+    def label_dict(self) -> dict[str, str]:
+        """Rank keys and static labels, as exposed on every per-rank series."""
+        labels = {"tp_rank": str(self.tp_rank), "pp_rank": str(self.pp_rank), "dp_rank": str(self.dp_rank)}
+        labels.update(self.static)
+        return labels
+
+    def describe(self) -> str:
+        static = ",".join(f"{k}={v}" for k, v in self.static)
+        return f"tp={self.tp_rank} pp={self.pp_rank} dp={self.dp_rank}" + (f" {static}" if static else "")
+
+
+def exposition_order(rank: RankState) -> tuple[StaticKey, int, int, int]:
+    """How ranks sort wherever they are listed: by static labels, then dp, pp and tp rank."""
+    return (rank.static, rank.dp_rank, rank.pp_rank, rank.tp_rank)
+
+
+@dataclass
+class HelloResult:
+    """How a hello relates to what the sidecar knew of that identity."""
+
+    rank: RankState
+    restart: bool = False
+    reconnect: bool = False
+
+
+class RankRegistry:
+    """Every rank identity the sidecar knows, and the rules by which they come, restart and go."""
+
+    def __init__(
+        self, catalog: Catalog, config: RanksConfig, window_seconds: float,
+        clock: Clock = time.monotonic, wall_clock: Clock = time.time,
+    ) -> None:
+        self.catalog = catalog
+        self.config = config
+        self.window = window_seconds
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.ranks: dict[RankIdentity, RankState] = {}
+        self.series_count = 0  # per-rank series held, for the max_series_total guard
+
+    def hello(self, connection: object, msg: Hello) -> HelloResult:
+        """Bind `connection` to the rank identity in `msg`; raise ProtocolError to refuse it."""
+        self._check_static_labels(msg.labels)
+        static = static_key(msg.labels)
+        identity = (msg.rank.tp_rank, msg.rank.pp_rank, msg.rank.dp_rank, static)
+        rank = self.ranks.get(identity)
+        result: HelloResult
+        if rank is None:
+            self._make_room_for_a_rank()
+            rank = RankState(
+                tp_rank=msg.rank.tp_rank, pp_rank=msg.rank.pp_rank, dp_rank=msg.rank.dp_rank,
+                static=static, epoch=msg.epoch, pid=msg.pid,
+                history=WindowHistory(self.window, self.window / HISTORY_POINTS),
+            )
+            self.ranks[identity] = rank
+            result = HelloResult(rank)
+        elif rank.connected:
+            raise ProtocolError(
+                ErrorCode.DUPLICATE_RANK,
+                f"rank {rank.describe()} is already connected (pid {rank.pid}); two processes "
+                "must not share one identity: give each replica group a distinguishing static label",
+            )
+        elif msg.epoch in rank.replaced_epochs:
+            raise ProtocolError(
+                ErrorCode.STALE_EPOCH,
+                f"epoch {msg.epoch!r} of rank {rank.describe()} was replaced by a newer process start",
+            )
+        elif msg.epoch != rank.epoch:
+            self._restart(rank, msg.epoch)
+            result = HelloResult(rank, restart=True)
+        else:
+            rank.reconnects += 1
+            result = HelloResult(rank, reconnect=True)
+        rank.pid = msg.pid
+        rank.world = msg.world
+        rank.connection = connection
+        rank.pushed = False
+        rank.stale = False
+        rank.expired = False
+        rank.last_activity = self.clock()
+        return result
+
+    def _restart(self, rank: RankState, epoch: str) -> None:
+        """A new process start: its values count from zero again, its positions carry on."""
+        rank.replaced_epochs.append(rank.epoch)
+        rank.epoch = epoch
+        self.series_count -= len(rank.values)
+        rank.values.clear()
+        rank.gauge_keys.clear()
+        rank.layout_conflicts.clear()
+        rank.version += 1
+        rank.seq = -1
+        rank.restarts += 1
+
+    def _make_room_for_a_rank(self) -> None:
+        """Forget expired identities when the registry is full; refuse the hello if none is expired."""
+        if len(self.ranks) < self.config.max_ranks:
+            return
+        for identity, rank in list(self.ranks.items()):
+            if rank.expired and not rank.connected:
+                del self.ranks[identity]  # its rollup contribution stays; only the per-rank memory goes
+                self.series_count -= len(rank.values)
+        if len(self.ranks) >= self.config.max_ranks:
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_RANKS,
+                f"the sidecar already tracks max_ranks={self.config.max_ranks} rank identities",
+            )
+
+    def _check_static_labels(self, labels: dict[str, str]) -> None:
+        limits = self.config
+        if len(labels) > limits.max_static_labels:
+            raise ProtocolError(
+                ErrorCode.INVALID_HELLO,
+                f"{len(labels)} static labels; at most {limits.max_static_labels} are allowed",
+            )
+        for name, value in labels.items():
+            problem = label_name_problem(name)
+            if problem is None and self.catalog.static_label_conflicts({name}):
+                problem = f"label name {name!r} is a family label in the catalog"
+            if problem is None and len(value) > limits.max_label_value_length:
+                problem = f"value of label {name!r} is longer than {limits.max_label_value_length} characters"
+            if problem:
+                raise ProtocolError(ErrorCode.INVALID_HELLO, f"static label: {problem}")
+
+    def disconnect(self, connection: object, rank: RankState) -> None:
+        """The connection holding `rank` closed (bye, EOF or error)."""
+        if rank.connection is connection:
+            rank.connection = None
+            rank.pushed = False
+
+    def begin_snapshot(self, rank: RankState, seq: int) -> bool:
+        """Note a snapshot's arrival; False when its seq is not newer (the snapshot is ignored)."""
+        if seq <= rank.seq:
+            return False
+        rank.seq = seq
+        rank.pushed = True
+        rank.stale = False
+        rank.expired = False
+        rank.last_activity = self.clock()
+        rank.last_push_wall = self.wall_clock()
+        rank.snapshots += 1
+        return True
+
+    def tick(self) -> None:
+        """Mark silent ranks stale, then expired."""
+        now = self.clock()
+        stale_after = self.config.stale_after_seconds
+        expire_after = self.config.expire_after_seconds
+        for rank in self.ranks.values():
+            silent = now - rank.last_activity
+            if not rank.stale and silent >= stale_after:
+                rank.stale = True
+            if not rank.expired and silent >= expire_after:
+                rank.expired = True
+
+    def exposed_ranks(self) -> list[RankState]:
+        """Ranks whose per-rank series are on /metrics (all but expired), in exposition order."""
+        return sorted((r for r in self.ranks.values() if not r.expired), key=exposition_order)
+
+    def groups(self) -> dict[GroupKey, list[RankState]]:
+        """Known ranks by replica group, each group in replica order."""
+        groups: dict[GroupKey, list[RankState]] = {}
+        for rank in sorted(self.ranks.values(), key=lambda r: r.order):
+            groups.setdefault(rank.replica_group, []).append(rank)
+        return groups

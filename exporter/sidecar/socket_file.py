@@ -1,0 +1,44 @@
+"""The ingest socket's file and its peers: directory and modes, leftovers, peer credentials."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+from pathlib import Path
+
+from exporter.errors import SocketInUseError
+
+
+def prepare_socket_path(path: Path, dir_mode: int) -> None:
+    """Create the socket's directory; replace a dead sidecar's socket file, refuse a live one."""
+    directory = path.parent
+    if not directory.exists():
+        directory.mkdir(parents=True, mode=dir_mode)
+        os.chmod(directory, dir_mode)  # mkdir's mode is filtered by the umask
+    if not os.path.lexists(path):
+        return
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise SocketInUseError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        os.unlink(path)  # nobody listens: a dead sidecar's leftover
+        return
+    finally:
+        probe.close()
+    raise SocketInUseError(
+        f"another sidecar is already listening on {path}; stop it or give this one another --socket"
+    )
+
+
+def peer_uid(sock: socket.socket | None) -> int | None:
+    """The uid of the process at the other end of a Unix socket (Linux SO_PEERCRED)."""
+    if sock is None or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid

@@ -122,7 +122,7 @@ class SampleReader:
                         self.registry.series_count += 1
                     values[key] = value
                     rank.version += 1
-                    rank.gauge_keys.add(key)
+                    rank.gauge_keys[key] = None
                     continue
                 if value < 0:
                     raise SampleRejected(ErrorCode.INVALID_VALUE, f"counter {plan.name!r} is negative ({value})")

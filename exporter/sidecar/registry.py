@@ -58,7 +58,7 @@ class RankState:
     snapshots: int = 0
     version: int = 0  # bumped whenever `values` changes: exposition caches key on it
     values: dict[SeriesKey, Value] = field(default_factory=dict)  # this epoch's values, as pushed
-    gauge_keys: set[SeriesKey] = field(default_factory=set)  # which of `values` are gauges
+    gauge_keys: dict[SeriesKey, None] = field(default_factory=dict)  # which of `values` are gauges, in push order
     # Counters and histogram sums made continuous across this identity's epochs: never decrease.
     positions: Positions = field(default_factory=dict)
     # Replicated histograms' positions by bucket, with their layout and sum (their watermarks need them).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, Iterable
 
 from exporter.catalog import Catalog, FamilySpec, MetricType, Semantics
@@ -127,8 +127,8 @@ class Window:
             if len(current) < 2:
                 continue
             per_rank = [increases[id(rank)] for rank in current]
-            keys = set(per_rank[0]).union(*per_rank[1:])  # C-level: thousands of keys in a large group
-            for key in keys:
+            # Every series any of them has, in first-seen order (C-level: thousands of keys in a large group).
+            for key in dict.fromkeys(chain.from_iterable(per_rank)):
                 if key[0] not in replicated:
                     continue
                 # A replica that never pushed a series has counted none of it.

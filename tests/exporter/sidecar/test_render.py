@@ -119,3 +119,16 @@ def test_cached_rank_lines_follow_new_snapshots_restarts_and_expiry(populated: t
     expired = _samples(parse_text(renderer.render().decode()))
     assert not [k for k in expired if k[0] == "sglang_evicted_tokens_total"]
     assert [k for k in expired if k[0] == "sglang_rollup_evicted_tokens_total"]
+
+
+def test_renderer_matches_prometheus_client_with_several_bucket_layouts() -> None:
+    """Per-series layouts (one rank with the operator's, one with the catalog's) render as the library renders them."""
+    from tests.exporter.sidecar.test_exposition import golden_state
+
+    renderer, _ = golden_state()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(renderer.collector)
+    reference = generate_latest(registry).decode()
+    ours = renderer.render().decode()
+    _same(_samples(parse_text(ours)), _samples(parse_text(reference)))
+    assert 'le="0.5"' in ours and 'le="0.009"' in ours

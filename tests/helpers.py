@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import threading
 import time
@@ -12,11 +11,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.config import SidecarConfig, config_from_data
-from exporter.protocol.framing import FrameDecoder, encode_frame
-from exporter.protocol.messages import ErrorMessage, Welcome, parse_server_message
+from exporter.protocol.framing import FrameDecoder, encode_message
+from exporter.protocol.messages import (
+    PROTOCOL_VERSION,
+    ErrorMessage,
+    Hello,
+    RankId,
+    Sample,
+    ScalarSample,
+    Snapshot,
+    Welcome,
+    parse_server_message,
+)
 from exporter.sidecar.runner import Sidecar
 
 T = TypeVar("T")
@@ -123,8 +133,9 @@ class RawClient:
     def send_raw(self, data: bytes) -> None:
         self.sock.sendall(data)
 
-    def send(self, message: dict[str, Any]) -> None:
-        self.send_raw(encode_frame(json.dumps(message).encode()))
+    def send(self, message: msgspec.Struct | dict[str, Any]) -> None:
+        """One message, a protocol struct or a plain dict (for the malformed ones)."""
+        self.send_raw(encode_message(message))
 
     def recv(self) -> Welcome | ErrorMessage | None:
         """The next reply, or None when the sidecar closed the connection."""
@@ -155,16 +166,18 @@ class RawClient:
 
 
 def hello(tp: int = 0, pp: int = 0, dp: int = 0, epoch: str = "e1", **labels: str) -> dict[str, Any]:
-    return {"type": "hello", "protocol": 1, "epoch": epoch, "pid": 1234,
-            "rank": {"tp_rank": tp, "pp_rank": pp, "dp_rank": dp}, "labels": labels}
+    """A hello as a plain dict, so a test can merge bad fields into it."""
+    message = Hello(protocol=PROTOCOL_VERSION, epoch=epoch, pid=1234, rank=RankId(tp_rank=tp, pp_rank=pp, dp_rank=dp),
+                    labels=labels)
+    return msgspec.to_builtins(message)
 
 
-def snapshot(seq: int, *samples: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "snapshot", "seq": seq, "time": time.time(), "samples": list(samples)}
+def snapshot(seq: int, *samples: Sample) -> Snapshot:
+    return Snapshot(seq=seq, time=time.time(), samples=list(samples))
 
 
-def counter(family: str, value: float, **labels: str) -> dict[str, Any]:
-    return {"family": family, "labels": labels, "value": value}
+def counter(family: str, value: float, **labels: str) -> Sample:
+    return ScalarSample(family, value, labels)
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ from exporter.catalog import Catalog, MetricType, default_catalog
 from exporter.client.metrics import CounterChild, GaugeChild, HistogramChild, LabelError, MetricSet
 from exporter.client.pusher import Pusher, PushStats
 from exporter.labels import RANK_KEYS, label_name_problem
-from exporter.protocol.messages import PROTOCOL_VERSION
+from exporter.protocol.messages import PROTOCOL_VERSION, Hello, RankId, Snapshot, World
 
 DEFAULT_SOCKET = "/run/hicache/metrics.sock"
 
@@ -37,6 +37,7 @@ class RankClient:
         if set(rank) != set(RANK_KEYS):
             raise LabelError(f"rank must have exactly the keys {list(RANK_KEYS)}, got {sorted(rank)}")
         self.rank = {key: int(rank[key]) for key in RANK_KEYS}
+        self._rank_id = RankId(**self.rank)
         self.labels = {str(k): str(v) for k, v in (labels or {}).items()}
         for name in self.labels:
             problem = label_name_problem(name)
@@ -45,6 +46,9 @@ class RankClient:
         if interval <= 0:
             raise ValueError("interval must be positive")
         self.world = dict(world) if world else None
+        if self.world and set(self.world) != set(World.__struct_fields__):
+            raise LabelError(f"world must have exactly the keys {list(World.__struct_fields__)}, got {sorted(self.world)}")
+        self._world = World(**self.world) if self.world else None
         self.epoch = uuid.uuid4().hex
         self.metrics = MetricSet(catalog or default_catalog())
         self.metrics.preset()
@@ -97,18 +101,9 @@ class RankClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _hello(self) -> dict[str, Any]:
-        hello: dict[str, Any] = {
-            "type": "hello",
-            "protocol": PROTOCOL_VERSION,
-            "epoch": self.epoch,
-            "pid": os.getpid(),
-            "rank": self.rank,
-            "labels": self.labels,
-        }
-        if self.world:
-            hello["world"] = self.world
-        return hello
+    def _hello(self) -> Hello:
+        return Hello(protocol=PROTOCOL_VERSION, epoch=self.epoch, pid=os.getpid(), rank=self._rank_id,
+                     labels=self.labels, world=self._world)
 
-    def _snapshot(self, seq: int) -> dict[str, Any]:
-        return {"type": "snapshot", "seq": seq, "time": time.time(), "samples": self.metrics.samples()}
+    def _snapshot(self, seq: int) -> Snapshot:
+        return Snapshot(seq=seq, time=time.time(), samples=self.metrics.wire_samples())

@@ -2,7 +2,8 @@
 
 Each child is written by one thread (the rank's scheduler thread) and read by the pusher;
 reading a float or copying a list is atomic under the GIL, so snapshots are consistent
-enough: a histogram's `count` is derived from its buckets at snapshot time.
+enough: a histogram's `count` is derived from its buckets at snapshot time. Snapshots are
+made of the protocol's own `Sample` structs (exporter/protocol/messages.py).
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
+
 from exporter.catalog import Catalog, FamilySpec, MetricType
 from exporter.errors import HicacheExporterError
+from exporter.protocol.messages import BucketBound, HistogramSample, Sample, ScalarSample
 
 _INF = math.inf  # a module global is one lookup cheaper than math.inf on the hot path
 LabelValues = tuple[str, ...]
@@ -36,8 +40,9 @@ class CounterChild:
         else:
             raise ValueError(f"a counter only adds finite non-negative amounts, got {amount}")
 
-    def sample(self) -> dict[str, Any]:
-        return {"value": self.value}
+    def sample(self, family: str, labels: dict[str, str] | None = None) -> Sample:
+        """This child as a protocol sample of `family`: its cumulative value."""
+        return ScalarSample(family, self.value, labels)
 
 
 class GaugeChild:
@@ -57,8 +62,9 @@ class GaugeChild:
     def dec(self, amount: float = 1) -> None:
         self.value -= amount
 
-    def sample(self) -> dict[str, Any]:
-        return {"value": self.value}
+    def sample(self, family: str, labels: dict[str, str] | None = None) -> Sample:
+        """This child as a protocol sample of `family`: its current value."""
+        return ScalarSample(family, self.value, labels)
 
 
 class HistogramChild:
@@ -87,11 +93,11 @@ class HistogramChild:
             cumulative.append(running)
         return cumulative, self.sum
 
-    def sample(self) -> dict[str, Any]:
+    def sample(self, family: str, labels: dict[str, str] | None = None) -> Sample:
+        """This child as a protocol sample of `family`: cumulative buckets ending in "+Inf", sum and count."""
         cumulative, total = self.cumulative()
-        buckets: list[list[Any]] = [[b, c] for b, c in zip(self.bounds, cumulative)]
-        buckets.append(["+Inf", cumulative[-1]])
-        return {"buckets": buckets, "sum": total, "count": cumulative[-1]}
+        buckets: list[tuple[BucketBound, int]] = [*zip(self.bounds, cumulative), ("+Inf", cumulative[-1])]
+        return HistogramSample(family, buckets, total, cumulative[-1], labels)
 
 
 Child = CounterChild | GaugeChild | HistogramChild
@@ -155,14 +161,15 @@ class MetricSet:
     def __iter__(self) -> Iterator[SeriesKey]:
         return iter(key for key, _ in self.items())
 
-    def samples(self) -> list[dict[str, Any]]:
+    def wire_samples(self) -> list[Sample]:
         """Every child as a protocol sample: cumulative counters and histograms, current gauges."""
         out = []
         for (family, values), child in self.items():
-            spec = self.catalog.get(family)
-            sample: dict[str, Any] = {"family": family, "labels": dict(zip(spec.labels, values))}
-            sample.update(child.sample())
-            if "value" in sample and not math.isfinite(sample["value"]):
+            if not isinstance(child, HistogramChild) and not math.isfinite(child.value):
                 continue  # JSON cannot carry NaN/Inf, and the sidecar would refuse it anyway
-            out.append(sample)
+            out.append(child.sample(family, dict(zip(self.catalog.get(family).labels, values))))
         return out
+
+    def samples(self) -> list[dict[str, Any]]:
+        """The same samples as plain JSON-ready objects, as they go on the wire (empty labels left out)."""
+        return msgspec.to_builtins(self.wire_samples())

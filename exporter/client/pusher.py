@@ -6,18 +6,16 @@ and retried after a capped exponential backoff with jitter.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from exporter.errors import ErrorCode, ProtocolError
-from exporter.protocol.framing import FrameDecoder, encode_frame
-from exporter.protocol.messages import ErrorMessage, Welcome, parse_server_message
+from exporter.protocol.framing import FrameDecoder, encode_message
+from exporter.protocol.messages import Bye, ErrorMessage, Hello, Snapshot, Welcome, parse_server_message
 
 log = logging.getLogger("hicache_exporter.client")
 
@@ -39,13 +37,13 @@ class PushStats:
 
 
 class Pusher:
-    """Owns the socket and the background thread; `payloads` builds hello and snapshot bodies."""
+    """Owns the socket and the background thread; `hello()` and `snapshot(seq)` build the messages it sends."""
 
     def __init__(
         self,
         socket_path: str,
-        hello: Callable[[], dict[str, Any]],
-        snapshot: Callable[[int], dict[str, Any]],
+        hello: Callable[[], Hello],
+        snapshot: Callable[[int], Snapshot],
         interval: float = 1.0,
         max_backoff: float = 5.0,
         io_timeout: float = 2.0,
@@ -90,7 +88,7 @@ class Pusher:
                 try:
                     self._ensure_connected()
                     self._send_snapshot()
-                    self._send({"type": "bye"})
+                    self._send(Bye())
                 except (OSError, ProtocolError) as err:
                     self._failed(err)
             self._disconnect()
@@ -154,10 +152,9 @@ class Pusher:
             finally:
                 self._sock = None
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, message: Hello | Snapshot | Bye) -> None:
         assert self._sock is not None
-        payload = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
-        self._sock.sendall(encode_frame(payload))
+        self._sock.sendall(encode_message(message))
 
     def _send_snapshot(self) -> None:
         self._seq += 1

@@ -1,6 +1,6 @@
 """Wire protocol v1 between ranks and the sidecar: length-prefixed JSON frames."""
 
-from exporter.protocol.framing import FrameDecoder, encode_frame, encode_message
+from exporter.protocol.framing import FrameDecoder, encode_frame, encode_message, encode_payload
 from exporter.protocol.messages import (
     PROTOCOL_VERSION,
     Bye,
@@ -34,6 +34,7 @@ __all__ = [
     "is_histogram",
     "encode_frame",
     "encode_message",
+    "encode_payload",
     "parse_client_message",
     "parse_server_message",
 ]

@@ -21,11 +21,15 @@ def encode_frame(payload: bytes) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
-def encode_message(message: msgspec.Struct | dict[str, Any]) -> bytes:
-    """Encode a message struct or plain dict as one frame (NaN and Infinity are refused, not sent as null)."""
+def encode_payload(message: msgspec.Struct | dict[str, Any]) -> bytes:
+    """A message struct or plain dict as compact JSON (NaN and Infinity are refused, not sent as null)."""
     obj = msgspec.to_builtins(message) if isinstance(message, msgspec.Struct) else message
-    payload = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
-    return encode_frame(payload)
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def encode_message(message: msgspec.Struct | dict[str, Any]) -> bytes:
+    """Encode a message struct or plain dict as one frame (see `encode_payload`)."""
+    return encode_frame(encode_payload(message))
 
 
 class FrameDecoder:

@@ -10,6 +10,8 @@ import pytest
 
 from exporter.catalog import catalog_from_data, default_catalog
 from exporter.client import LabelError, RankClient
+from exporter.protocol.framing import encode_payload
+from exporter.protocol.messages import Hello, Snapshot, World, parse_client_message
 from tests.helpers import SidecarThread, http_get, sidecar_config, wait_until
 
 RANK = {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0}
@@ -122,3 +124,21 @@ def test_binding_errors_are_raised_at_bind_time() -> None:
         RankClient("/x.sock", rank={"tp_rank": 0})
     with pytest.raises(LabelError, match="reserved"):
         RankClient("/x.sock", rank=RANK, labels={"le": "1"})
+    with pytest.raises(LabelError, match="world"):
+        RankClient("/x.sock", rank=RANK, world={"tp_size": 2, "pp_size": 1})
+
+
+def test_hello_and_snapshot_are_the_protocol_structs() -> None:
+    world = {"tp_size": 2, "pp_size": 1, "dp_size": 1}
+    client = RankClient("/nonexistent.sock", rank={"tp_rank": 1, "pp_rank": 0, "dp_rank": 0},
+                        labels={"cache_type": "HiRadixCache"}, world=world)
+    client.counter("load_back_tokens_total", pool="kv").inc(7)
+    hello = client._hello()
+    assert isinstance(hello, Hello) and parse_client_message(encode_payload(hello)) == hello
+    assert hello.epoch == client.epoch and hello.rank.tp_rank == 1 and hello.world == World(**world)
+    assert hello.labels == {"cache_type": "HiRadixCache"}
+    snapshot = client._snapshot(3)
+    assert isinstance(snapshot, Snapshot) and parse_client_message(encode_payload(snapshot)) == snapshot
+    assert snapshot.seq == 3 and ("load_back_tokens_total", {"pool": "kv"}, 7) in [
+        (s.family, s.labels, s.value) for s in snapshot.samples]
+    assert parse_client_message(encode_payload(RankClient("/x.sock", rank=RANK)._hello())).world is None

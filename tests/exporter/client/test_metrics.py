@@ -13,8 +13,8 @@ from exporter.catalog import MetricType, catalog_from_data, default_catalog
 from exporter.client import RankClient
 from exporter.client.metrics import CounterChild, GaugeChild, HistogramChild, LabelError, MetricSet
 from exporter.errors import UnknownFamilyError
-from exporter.protocol.framing import FrameDecoder, encode_message
-from exporter.protocol.messages import Snapshot, is_histogram, parse_client_message
+from exporter.protocol.framing import FrameDecoder, encode_message, encode_payload
+from exporter.protocol.messages import HistogramSample, ScalarSample, Snapshot, is_histogram, parse_client_message
 
 UNFULFILLED_REASONS = (
     "below_threshold", "host_capacity", "device_capacity", "device_covered", "storage_transfer",
@@ -23,7 +23,7 @@ UNFULFILLED_REASONS = (
 
 
 def buckets_of(child: HistogramChild) -> dict:
-    return {bound: count for bound, count in child.sample()["buckets"]}
+    return {bound: count for bound, count in child.sample("h").buckets}
 
 
 # --- counters and gauges ----------------------------------------------------------------------
@@ -31,13 +31,13 @@ def buckets_of(child: HistogramChild) -> dict:
 
 def test_counter_starts_at_zero_and_adds():
     c = CounterChild()
-    assert c.sample() == {"value": 0}
+    assert c.sample("c") == ScalarSample("c", 0)
     c.inc()
     c.inc(64)
     c.inc(0.5)
     c.inc(0)
     assert c.value == 65.5
-    assert c.sample() == {"value": 65.5}
+    assert c.sample("c", {"pool": "kv"}) == ScalarSample("c", 65.5, {"pool": "kv"})
 
 
 def test_counter_negative_inc_raises_and_changes_nothing():
@@ -52,13 +52,13 @@ def test_counter_negative_inc_raises_and_changes_nothing():
 
 def test_gauge_set_inc_dec():
     g = GaugeChild()
-    assert g.sample() == {"value": 0}
+    assert g.sample("g") == ScalarSample("g", 0)
     g.set(512)
     g.inc(8)
     g.dec(20)
     assert g.value == 500
     g.dec(600)
-    assert g.sample() == {"value": -100}  # gauges may go down and below zero
+    assert g.sample("g").value == -100  # gauges may go down and below zero
     g.inc()
     g.dec()
     assert g.value == -100
@@ -83,25 +83,25 @@ def test_histogram_above_the_last_bound_lands_only_in_inf():
     h = HistogramChild(BOUNDS)
     h.observe(0.1000001)
     h.observe(1e9)
-    sample = h.sample()
-    assert sample["buckets"] == [[0.001, 0], [0.01, 0], [0.1, 0], ["+Inf", 2]]
-    assert sample["count"] == 2
+    sample = h.sample("h")
+    assert sample.buckets == [(0.001, 0), (0.01, 0), (0.1, 0), ("+Inf", 2)]
+    assert sample.count == 2
 
 
 def test_histogram_sample_shape_is_cumulative_with_sum_and_count():
     h = HistogramChild(BOUNDS)
     for value in (0.0005, 0.002, 0.003, 0.05, 0.5):
         h.observe(value)
-    sample = h.sample()
-    assert sample["buckets"] == [[0.001, 1], [0.01, 3], [0.1, 4], ["+Inf", 5]]
-    assert sample["count"] == 5 == sample["buckets"][-1][1]
-    assert sample["sum"] == pytest.approx(0.5555)
-    assert set(sample) == {"buckets", "sum", "count"}
+    sample = h.sample("h", {"pool": "kv"})
+    assert sample.buckets == [(0.001, 1), (0.01, 3), (0.1, 4), ("+Inf", 5)]
+    assert sample.count == 5 == sample.buckets[-1][1]
+    assert sample.sum == pytest.approx(0.5555)
+    assert is_histogram(sample) and sample.family == "h" and sample.labels == {"pool": "kv"}
 
 
 def test_empty_histogram_sample():
-    sample = HistogramChild(BOUNDS).sample()
-    assert sample == {"buckets": [[0.001, 0], [0.01, 0], [0.1, 0], ["+Inf", 0]], "sum": 0.0, "count": 0}
+    sample = HistogramChild(BOUNDS).sample("h")
+    assert sample == HistogramSample("h", [(0.001, 0), (0.01, 0), (0.1, 0), ("+Inf", 0)], 0.0, 0)
 
 
 @settings(max_examples=100, deadline=None)
@@ -110,13 +110,13 @@ def test_histogram_counts_match_a_direct_count(values):
     h = HistogramChild(BOUNDS)
     for value in values:
         h.observe(value)
-    sample = h.sample()
-    for bound, count in sample["buckets"][:-1]:
+    sample = h.sample("h")
+    for bound, count in sample.buckets[:-1]:
         assert count == sum(1 for v in values if v <= bound)
-    assert sample["buckets"][-1] == ["+Inf", len(values)]
-    assert sample["count"] == len(values)
-    assert sample["sum"] == pytest.approx(math.fsum(values), abs=1e-9)
-    counts = [c for _, c in sample["buckets"]]
+    assert sample.buckets[-1] == ("+Inf", len(values))
+    assert sample.count == len(values)
+    assert sample.sum == pytest.approx(math.fsum(values), abs=1e-9)
+    counts = [c for _, c in sample.buckets]
     assert counts == sorted(counts)
 
 
@@ -140,7 +140,7 @@ def test_preset_creates_every_unlabelled_family_and_every_preset_reason(metrics)
         spec = catalog.get(family)
         if spec.type is MetricType.HISTOGRAM:
             assert isinstance(child, HistogramChild)
-            assert child.sample()["count"] == 0 and child.sample()["sum"] == 0
+            assert child.sample(family).count == 0 and child.sample(family).sum == 0
         else:
             assert isinstance(child, CounterChild if spec.type is MetricType.COUNTER else GaugeChild)
             assert child.value == 0
@@ -281,10 +281,17 @@ def test_samples_validate_as_a_snapshot(metrics):
 
 def test_samples_go_through_the_framing(metrics):
     _exercise(metrics)
-    frame = encode_message({"type": "snapshot", "seq": 2, "time": 1.0, "samples": metrics.samples()})
-    (payload,) = FrameDecoder().feed(frame)
+    sent = Snapshot(seq=2, time=1.0, samples=metrics.wire_samples())
+    (payload,) = FrameDecoder().feed(encode_message(sent))
     snap = parse_client_message(payload)
     assert isinstance(snap, Snapshot) and len(snap.samples) == len(set(metrics))
+    assert snap == sent  # the sidecar decodes exactly the structs the client built
+
+
+def test_samples_are_the_wire_samples_as_plain_objects(metrics):
+    _exercise(metrics)
+    wire = json.loads(encode_payload(Snapshot(seq=1, time=1.0, samples=metrics.wire_samples())))["samples"]
+    assert json.loads(json.dumps(metrics.samples())) == wire
 
 
 def test_preset_only_samples_validate(metrics):
@@ -297,6 +304,7 @@ def test_non_finite_gauge_is_left_out_and_the_rest_still_validates(metrics):
     metrics.child("hicache_host_total_tokens", {}).set(float("inf"))
     samples = metrics.samples()
     families = {s["family"] for s in samples}
+    assert families == {s.family for s in metrics.wire_samples()}
     assert "hicache_host_used_tokens" not in families
     assert "hicache_host_total_tokens" not in families
     assert "evicted_tokens_total" in families

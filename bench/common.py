@@ -1,7 +1,9 @@
-"""Shared helpers for the benchmarks: result rows, a full-catalog rank, a sidecar process, a raw pusher.
+"""Shared helpers for the benchmarks: a full-catalog rank, a sidecar process, a raw pusher.
 
 Everything here talks to the sidecar only through its public interfaces: the `serve` command
-line, the Unix-socket wire protocol (4-byte big-endian length + one JSON object) and HTTP.
+line, the Unix-socket wire protocol (exporter/protocol: 4-byte big-endian length + one JSON
+object, built from the protocol's own message structs) and HTTP. With bench/report.py (result
+rows and the table) this is the bottom of the bench import graph: it imports no other bench module.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import random
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -27,8 +28,17 @@ from typing import Any
 
 from exporter.catalog import Catalog, FamilySpec, MetricType, default_catalog
 from exporter.client.metrics import MetricSet
-
-from bench.load import _free_port, _proc_usage
+from exporter.protocol.framing import HEADER, encode_frame, encode_message, encode_payload
+from exporter.protocol.messages import (
+    PROTOCOL_VERSION,
+    Bye,
+    ErrorMessage,
+    Hello,
+    RankId,
+    Snapshot,
+    Welcome,
+    parse_server_message,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "sglang_"  # the sidecar's default namespace
@@ -50,16 +60,14 @@ def child_env(**overrides: str) -> dict[str, str]:
     return env
 
 
-# --- result rows ---
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
-def row(name: str, value: float, unit: str, anchor: str, anchor_value: float, ratio: float | None,
-        goal: str | None, met: bool | None, **extra: Any) -> dict[str, Any]:
-    """One result: `ratio` is defined per row (see `ratio_means`); `met` is None for info rows."""
-    out: dict[str, Any] = {"name": name, "value": value, "unit": unit, "anchor": anchor,
-                           "anchor_value": anchor_value, "ratio": ratio, "goal": goal, "met": met}
-    out.update(extra)
-    return out
 
+# --- measurements ---
 
 def percentile(values: Iterable[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100) of `values`; with n < 100 samples p99 is the maximum."""
@@ -129,18 +137,13 @@ def advance_all(metrics: MetricSet, rng: random.Random) -> None:
 
 def snapshot_payload(metrics: MetricSet, seq: int) -> bytes:
     """The JSON body the client library's pusher sends for this MetricSet."""
-    message = {"type": "snapshot", "seq": seq, "time": time.time(), "samples": metrics.samples()}
-    return json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    return encode_payload(Snapshot(seq=seq, time=time.time(), samples=metrics.wire_samples()))
 
 
 def hello_payload(rank: dict[str, int], labels: dict[str, str] | None = None) -> bytes:
-    message = {"type": "hello", "protocol": 1, "epoch": os.urandom(8).hex(), "pid": os.getpid(),
-               "rank": rank, "labels": dict(labels if labels is not None else STATIC_LABELS)}
-    return json.dumps(message, separators=(",", ":")).encode()
-
-
-def frame(payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload)) + payload
+    """The JSON body of a hello from `rank`, with a fresh epoch."""
+    return encode_payload(Hello(protocol=PROTOCOL_VERSION, epoch=os.urandom(8).hex(), pid=os.getpid(), rank=RankId(**rank),
+                                labels=dict(labels if labels is not None else STATIC_LABELS)))
 
 
 # --- the sidecar as a black box ---
@@ -152,7 +155,7 @@ class Sidecar:
         # Unix socket paths are limited to ~108 bytes: stay short whatever TMPDIR says.
         self.workdir = Path(tempfile.mkdtemp(prefix="hcb-", dir="/tmp" if os.path.isdir("/tmp") else None))
         self.socket_path = str(self.workdir / "metrics.sock")
-        self.port = _free_port()
+        self.port = free_port()
         extra: list[str] = []
         if config_yaml is not None:
             config = self.workdir / "sidecar.yaml"
@@ -223,10 +226,6 @@ class Sidecar:
                 raise RuntimeError(f"the sidecar did not apply {total} snapshots in {timeout:.0f} s")
             time.sleep(0.005)
 
-    def usage(self) -> tuple[float, int]:
-        """(CPU seconds, RSS bytes) of the sidecar process."""
-        return _proc_usage(self.proc.pid)
-
     def stop(self) -> None:
         if self._conn is not None:
             self._conn.close()
@@ -259,15 +258,15 @@ class RawRank:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(10)
         self.sock.connect(socket_path)
-        self.sock.sendall(frame(hello_payload(self.rank)))
-        reply = self._read_frame()
-        if reply.get("type") != "welcome":
+        self.sock.sendall(encode_frame(hello_payload(self.rank)))
+        reply = self._read_reply()
+        if not isinstance(reply, Welcome):
             raise RuntimeError(f"rank {index}: the sidecar refused hello: {reply}")
         self.sock.setblocking(False)
 
-    def _read_frame(self) -> dict[str, Any]:
-        header = self._recv_exact(4)
-        return json.loads(self._recv_exact(struct.unpack(">I", header)[0]))
+    def _read_reply(self) -> Welcome | ErrorMessage:
+        (length,) = HEADER.unpack(self._recv_exact(HEADER.size))
+        return parse_server_message(self._recv_exact(length))
 
     def _recv_exact(self, n: int) -> bytes:
         data = b""
@@ -283,7 +282,7 @@ class RawRank:
         if advance_values and self.seq:
             advance_all(self.metrics, self.rng)
         self.seq += 1
-        data = frame(snapshot_payload(self.metrics, self.seq))
+        data = encode_frame(snapshot_payload(self.metrics, self.seq))
         self.sock.setblocking(True)
         try:
             self.sock.sendall(data)
@@ -305,7 +304,7 @@ class RawRank:
     def close(self) -> None:
         try:
             self.sock.setblocking(True)
-            self.sock.sendall(frame(b'{"type":"bye"}'))
+            self.sock.sendall(encode_message(Bye()))
         except OSError:
             pass
         self.sock.close()
@@ -315,12 +314,3 @@ def series_count(text: str) -> int:
     """Sample lines (not comments) in a Prometheus text exposition."""
     return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
 
-
-def report(rows: list[dict[str, Any]], json_path: str | None) -> None:
-    """Print the rows as the suite's table, and write them as JSON when asked."""
-    from bench.run import print_table
-
-    print_table(rows)
-    if json_path:
-        with open(json_path, "w", encoding="utf-8") as handle:
-            json.dump(rows, handle, indent=2)

@@ -25,7 +25,8 @@ import sys
 import time
 from typing import Any
 
-from bench.common import Sidecar, percentile, progress_printer, rank_id, report, row
+from bench.common import Sidecar, percentile, progress_printer, rank_id
+from bench.report import report, row
 
 GOAL_SLACK_S = 0.020
 POLL_PERIOD_S = 0.005

@@ -27,7 +27,8 @@ import tempfile
 import timeit
 from typing import Any
 
-from bench.common import REPO_ROOT, child_env, progress_printer, report, row
+from bench.common import REPO_ROOT, child_env, progress_printer
+from bench.report import report, row
 
 GOAL_MULTIPROC_RATIO = 0.15
 RANK_LABELS = {"tp_rank": "0", "pp_rank": "0", "dp_rank": "0", "cache_type": "HiRadixCache"}

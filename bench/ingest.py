@@ -31,7 +31,8 @@ from exporter.protocol.messages import parse_client_message
 from exporter.sidecar.process import serving_gc
 from exporter.sidecar.state import SidecarState
 
-from bench.common import advance_all, full_metric_set, hello_payload, progress_printer, rank_id, report, row, snapshot_payload
+from bench.common import advance_all, full_metric_set, hello_payload, progress_printer, rank_id, snapshot_payload
+from bench.report import report, row
 
 GOAL_PER_SECOND = 5000.0
 SLICES = 8  # anchor and sidecar take turns slice by slice

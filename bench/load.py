@@ -13,7 +13,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,13 +25,9 @@ from typing import Any
 
 from exporter.catalog import MetricType, default_catalog
 
+from bench.common import free_port
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _proc_usage(pid: int) -> tuple[float, int]:
@@ -104,7 +99,7 @@ def _metric(url: str, name: str) -> float:
 
 def run(ranks: int, seconds: float, scrapes_per_second: float, interval: float = 1.0, progress: bool = True) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="hicache-load-"))
-    sock, port = str(workdir / "metrics.sock"), _free_port()
+    sock, port = str(workdir / "metrics.sock"), free_port()
     sidecar = subprocess.Popen([sys.executable, "-m", "exporter.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                                 "--socket", sock, "--log-level", "warning"])
     url = f"http://127.0.0.1:{port}/metrics"

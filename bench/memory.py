@@ -21,7 +21,8 @@ import sys
 import time
 from typing import Any
 
-from bench.common import RawRank, Sidecar, progress_printer, report, row
+from bench.common import RawRank, Sidecar, progress_printer
+from bench.report import report, row
 
 GOAL_MB = 150.0
 MB = 1e6

@@ -31,7 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO_ROOT, row
+from bench.common import REPO_ROOT
+from bench.report import markdown_table, print_table, row
 
 RESULTS = REPO_ROOT / "bench" / "results"
 ORDER = ("hotpath", "scrape", "ingest", "memory", "freshness", "transfer")
@@ -157,55 +158,6 @@ def machine() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         info["git_commit"] = None
     return info
-
-
-def _fmt(value: float | None) -> str:
-    if value is None:
-        return "-"
-    magnitude = abs(value)
-    if magnitude >= 1000:
-        return f"{value:,.0f}"
-    if magnitude >= 100:
-        return f"{value:.1f}"
-    if magnitude >= 1:
-        return f"{value:.2f}"
-    return f"{value:.3g}"
-
-
-def verdict(r: dict[str, Any]) -> str:
-    if r.get("met") is None:
-        return "-"
-    return "met" if r["met"] else "NOT met"
-
-
-def table_lines(rows: list[dict[str, Any]]) -> list[str]:
-    headers = ("benchmark", "value", "unit", "anchor (same run)", "anchor", "ratio", "goal", "verdict")
-    cells = [(r["name"], _fmt(r["value"]), r["unit"], r["anchor"], _fmt(r["anchor_value"]),
-              "-" if r["ratio"] is None else f"{_fmt(r['ratio'])}x", r["goal"] or "-", verdict(r)) for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    right = {1, 4, 5}
-
-    def line(values: tuple[str, ...]) -> str:
-        return "  ".join(v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths))).rstrip()
-
-    return [line(headers), line(tuple("-" * w for w in widths)), *(line(c) for c in cells)]
-
-
-def print_table(rows: list[dict[str, Any]], file: Any = None) -> None:
-    for text in table_lines(rows):
-        print(text, file=file or sys.stdout)
-
-
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """The same table as GitHub markdown (for BENCHMARKS.md)."""
-    out = ["| benchmark | value | unit | anchor (same run) | anchor | ratio | goal | verdict |",
-           "|---|--:|---|---|--:|--:|---|---|"]
-    for r in rows:
-        ratio = "-" if r["ratio"] is None else f"{_fmt(r['ratio'])}x"
-        mark = verdict(r)
-        out.append(f"| {r['name']} | {_fmt(r['value'])} | {r['unit']} | {r['anchor']} | {_fmt(r['anchor_value'])} | "
-                   f"{ratio} | {r['goal'] or '-'} | {'**NOT met**' if mark == 'NOT met' else mark} |")
-    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:

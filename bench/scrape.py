@@ -54,9 +54,9 @@ from bench.common import (
     percentile,
     progress_printer,
     rank_id,
-    row,
     series_count,
 )
+from bench.report import print_table, row
 
 GOAL_SPEEDUP = 20.0
 GOAL_RANKS = (64, 256)
@@ -380,8 +380,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.mp_serve:
         _mp_serve()
         return 0
-    from bench.run import print_table
-
     rows = run(tuple(counts), args.repeats, args.budget)
     print_table(rows)
     if args.json:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from bench import report as bench_report
 from bench import run as bench_run
 
 ROW_KEYS = {"name", "value", "unit", "anchor", "anchor_value", "ratio", "goal", "met"}
@@ -59,10 +60,10 @@ def test_scrape_anchor_holds_the_same_series(smoke: Any) -> None:
 def test_table_json_and_plot(smoke: Any, tmp_path: Path) -> None:
     results, _ = smoke
     rows = [r for name in bench_run.ORDER for r in results.get(name, [])]
-    lines = bench_run.table_lines(rows)
+    lines = bench_report.table_lines(rows)
     assert len(lines) == len(rows) + 2
     assert all(("met" in line) or line.rstrip().endswith("-") for line in lines[2:])
-    markdown = bench_run.markdown_table(rows)
+    markdown = bench_report.markdown_table(rows)
     assert markdown.count("\n") == len(rows) + 1
     from bench.scrape import plot  # matplotlib comes with the bench extra, which `make test` installs
 

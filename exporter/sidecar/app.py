@@ -10,10 +10,12 @@ import asyncio
 import gzip
 import html
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client.exposition import choose_encoder
 
 from exporter import __version__
@@ -37,7 +39,7 @@ def build_app(
     config: SidecarConfig, state: SidecarState, stats: SidecarStats, renderer: TextRenderer, ingest: IngestServer,
 ) -> web.Application:
     """The application over in-memory state; its cleanup context runs the ingest listener and housekeeping."""
-    middlewares = []
+    middlewares: list[Middleware] = []
     if config.http.basic_auth_users:
         middlewares.append(auth_middleware(BasicAuth(config.http.basic_auth_users)))
     app = web.Application(middlewares=middlewares)

@@ -7,8 +7,9 @@ samples this collector yields (tests/exporter/sidecar/test_render.py holds the t
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterable, Iterator
 from functools import lru_cache
-from typing import Iterable, Iterator, TypeVar
+from typing import TypeVar
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -17,7 +18,7 @@ from prometheus_client.utils import floatToGoString
 from exporter import __version__
 from exporter.sidecar.families import SELF, SELF_FAMILIES, ExposedFamilies, Family
 from exporter.sidecar.registry import RankState, RankStatus, exposition_order
-from exporter.sidecar.series import HistAccumulator, HistValue, Layout, LabelValues
+from exporter.sidecar.series import HistAccumulator, HistValue, LabelValues, Layout, RollupKey
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import DurationHistogram, SidecarStats
 
@@ -28,7 +29,7 @@ _METRIC_CLASS = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "hi
 
 def new_metric(family: Family) -> Metric:
     """An empty prometheus_client metric family for `family`."""
-    return _METRIC_CLASS[family.type](family.name, family.help)  # type: ignore[operator]
+    return _METRIC_CLASS[family.type](family.name, family.help)
 
 
 @lru_cache(maxsize=256)
@@ -102,9 +103,10 @@ class SidecarCollector(Collector):
 
     def _rollups(self) -> Iterator[Metric]:
         ledger = self.state.ledger
-        by_family = _by_family(
-            ledger.counters.items(), ledger.histograms.items(), ledger.gauges(self.state.ranks.values()).items()
-        )
+        cells: list[tuple[RollupKey, float | HistAccumulator]] = [
+            *ledger.counters.items(), *ledger.histograms.items(), *ledger.gauges(self.state.ranks.values()).items()
+        ]
+        by_family = _by_family(cells)
         for name, family in self.families.rollup.items():
             metric = new_metric(family)
             for (_, static, values), value in by_family.get(name, ()):
@@ -137,7 +139,8 @@ class SidecarCollector(Collector):
         for name, family in self.families.spread.items():
             metric = new_metric(family)
             for (_, (dp_rank, static), values), ratio in by_family.get(name, ()):
-                metric.add_sample(metric.name, _labels(self._labels[name], values, {"dp_rank": str(dp_rank), **dict(static)}), ratio)
+                labels = _labels(self._labels[name], values, {"dp_rank": str(dp_rank), **dict(static)})
+                metric.add_sample(metric.name, labels, ratio)
             yield metric
 
     def _self_metrics(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Iterable
+from collections.abc import Iterable
 
 from exporter.catalog import Catalog, MetricType, Semantics
 from exporter.sidecar.reader import SeriesRoute, Update
 from exporter.sidecar.registry import RankState
-from exporter.sidecar.series import GroupKey, HistAccumulator, RollupCounter, RollupKey, SeriesKey
+from exporter.sidecar.series import GroupKey, HistAccumulator, Layout, RollupCounter, RollupKey, SeriesKey
 
 log = logging.getLogger("hicache_exporter.ledger")
 Watermarks = dict[SeriesKey, "RollupCounter | HistAccumulator"]
@@ -118,7 +118,7 @@ class RollupLedger:
             acc.sum += total - mark.sum
             mark.sum = total
 
-    def _conflict(self, rank: RankState, key: SeriesKey, bounds: tuple[float | str, ...], rollup_bounds: tuple[float | str, ...]) -> None:
+    def _conflict(self, rank: RankState, key: SeriesKey, bounds: Layout, rollup_bounds: Layout) -> None:
         if key in rank.layout_conflicts:
             return
         rank.layout_conflicts.add(key)
@@ -146,5 +146,5 @@ class RollupLedger:
         return out
 
 
-def _spell(bounds: tuple[float | str, ...]) -> str:
+def _spell(bounds: Layout) -> str:
     return "[" + ", ".join(map(str, bounds)) + "]"

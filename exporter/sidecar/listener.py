@@ -201,9 +201,10 @@ class _Connection:
         if result.rejections:
             for code, _ in result.rejections:
                 self.stats.reject(code)
-            code, message = result.rejections[0]
+            first_code, first_message = result.rejections[0]
             more = len(result.rejections) - 1
-            self._send(ErrorMessage(code=code.value, message=message + (f" (and {more} more samples dropped)" if more else "")))
+            suffix = f" (and {more} more samples dropped)" if more else ""
+            self._send(ErrorMessage(code=first_code.value, message=first_message + suffix))
 
     def _send(self, message: Welcome | ErrorMessage) -> None:
         transport = self.writer.transport

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 GC_YOUNG_THRESHOLD = 20_000
 

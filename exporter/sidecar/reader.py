@@ -8,9 +8,10 @@ and hands the ledger one update per series that moved.
 from __future__ import annotations
 
 import operator
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from math import isfinite
-from typing import Hashable, TypeVar, Union
+from typing import TypeVar
 
 from msgspec import UNSET
 
@@ -24,7 +25,7 @@ from exporter.sidecar.series import HistAccumulator, HistValue, Layout, RollupCo
 KeyT = TypeVar("KeyT", bound=Hashable)
 # How a rank's sample is looked up in its route index: the family alone when it has no labels,
 # else the family and its label pairs in the order sent.
-SampleIdent = Union[str, tuple[str, tuple[tuple[str, str], ...]]]
+SampleIdent = str | tuple[str, tuple[tuple[str, str], ...]]
 MAX_LAYOUTS = 4096  # distinct bucket layouts shared between series; more are used unshared
 Rejection = tuple[ErrorCode, str]  # kept as plain data: an exception would pin its traceback's frames
 
@@ -70,7 +71,7 @@ class SeriesRoute:
 # One series that moved: (route, increase, None) for a counter; (route, increase of the sum,
 # increases of the cumulative bucket counts) for a histogram. Gauges need no update: their
 # rollups are read from the ranks' current values.
-Update = tuple[SeriesRoute, float, Union[list[int], tuple[int, ...], None]]
+Update = tuple[SeriesRoute, float, list[int] | tuple[int, ...] | None]
 
 
 class SampleReader:
@@ -200,7 +201,7 @@ class SampleReader:
             return shared
         finite = bounds[:-1]
         if bounds[-1] != "+Inf" or "+Inf" in finite:
-            raise SampleRejected(ErrorCode.BUCKET_MISMATCH, f"{name!r}: the last bucket bound, and only the last, must be \"+Inf\"")
+            raise SampleRejected(ErrorCode.BUCKET_MISMATCH, f'{name!r}: the last bucket bound, and only the last, must be "+Inf"')
         if not all(isfinite(b) for b in finite) or any(a >= b for a, b in zip(finite, finite[1:])):  # type: ignore[operator,arg-type]
             raise SampleRejected(ErrorCode.BUCKET_MISMATCH, f"{name!r}: bucket bounds must be finite and strictly ascending")
         if len(self._layouts) < MAX_LAYOUTS:

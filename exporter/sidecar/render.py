@@ -9,8 +9,8 @@ lean formatter. The output parses to exactly the samples prometheus_client's own
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from math import isfinite
-from typing import Callable
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
@@ -113,7 +113,7 @@ class _RankLayout:
             self.spans[family] = (start, len(self.pieces))
             self.groups.append((keys, histogram))
 
-    def fill(self, values: dict[SeriesKey, object]) -> list[str]:
+    def fill(self, values: Mapping[SeriesKey, object]) -> list[str]:
         """The pieces, every value slot filled with repr() of the rank's value for that line."""
         args: list[object] = []
         for keys, histogram in self.groups:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -27,7 +27,9 @@ HTTP_SHUTDOWN_SECONDS = 5.0  # open HTTP requests get this long at shutdown (aio
 class Sidecar:
     """One sidecar process: `await start()`, then `await stop()` (or `run()` until a signal)."""
 
-    def __init__(self, config: SidecarConfig, catalog: Catalog | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: SidecarConfig, catalog: Catalog | None = None, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.catalog = catalog or load_catalog(config.metrics.catalog)
         self.stats = SidecarStats()

@@ -6,9 +6,10 @@ import base64
 import binascii
 import hashlib
 import ssl
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from exporter.config import TLSServerConfig
 from exporter.errors import ConfigError
@@ -58,7 +59,7 @@ class BasicAuth:
         return ok
 
 
-def auth_middleware(auth: BasicAuth) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def auth_middleware(auth: BasicAuth) -> Middleware:
     """An aiohttp middleware answering 401 without valid credentials, except on the probe routes."""
 
     @web.middleware

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Union
 
 import msgspec
 
@@ -14,7 +13,7 @@ SeriesKey = tuple[str, LabelValues]  # (family name, values of the family's own 
 GroupKey = tuple[int, StaticKey]  # (dp_rank, static labels): one replica group
 RollupKey = tuple[str, StaticKey, LabelValues]
 # A histogram's bucket layout as pushed: ascending finite upper bounds, then "+Inf".
-Layout = tuple[Union[float, str], ...]
+Layout = tuple[float | str, ...]
 
 
 class HistValue(msgspec.Struct, gc=False):
@@ -58,7 +57,7 @@ class HistAccumulator:
         self.sum += total
 
 
-Value = Union[float, HistValue]
+Value = float | HistValue
 
 
 def static_key(labels: dict[str, str]) -> StaticKey:

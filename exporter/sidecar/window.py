@@ -4,9 +4,10 @@ active bandwidth and replica spread."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain, repeat
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 from exporter.catalog import Catalog, FamilySpec, MetricType, Semantics
 from exporter.sidecar.series import GroupKey, LabelValues, RollupKey, SeriesKey
@@ -102,7 +103,8 @@ class Window:
         labelled = {d.name: b for b, d in self.pairs if d.labels}
         for rank in ranks:
             inc = increases[id(rank)]
-            found = [(b, key[1], seconds, inc.get(bytes_key, 0.0))
+            found: list[tuple[FamilySpec, LabelValues, float, float]] = [
+                (b, key[1], seconds, inc.get(bytes_key, 0.0))
                      for b, key, bytes_key in plain if (seconds := inc.get(key, 0.0)) > 0]
             if labelled:
                 found += [(labelled[family], labels, seconds, inc.get((labelled[family].name, labels), 0.0))
@@ -134,5 +136,5 @@ class Window:
                 # A replica that never pushed a series has counted none of it.
                 values = list(map(dict.get, per_rank, repeat(key), repeat(0.0)))
                 top = max(values)
-                spreads[(key[0], group_key, key[1])] = (top - min(values)) / top if top > 0 else 0.0  # type: ignore[operator]
+                spreads[(key[0], group_key, key[1])] = (top - min(values)) / top if top > 0 else 0.0
         return spreads

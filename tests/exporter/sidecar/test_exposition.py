@@ -96,7 +96,8 @@ def test_golden_exposition_holds_every_kind_of_family() -> None:
         stem = "sglang_" + spec.name
         assert any(n.startswith(stem) for n in names), spec.name
         assert any(n.startswith("sglang_rollup_" + spec.name) for n in names) or spec.type is MetricType.GAUGE, spec.name
-    for name in ("sglang_load_back_active_bandwidth_bytes_per_second", "sglang_rollup_load_back_active_bandwidth_bytes_per_second",
+    for name in ("sglang_load_back_active_bandwidth_bytes_per_second",
+                 "sglang_rollup_load_back_active_bandwidth_bytes_per_second",
                  "sglang_load_back_tokens_replica_spread_ratio", "hicache_exporter_rollup_layout_conflicts_total",
                  "hicache_exporter_rank_up", "hicache_exporter_scrape_duration_seconds_bucket"):
         assert name in names, name

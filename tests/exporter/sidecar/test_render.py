@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
@@ -18,7 +19,6 @@ from exporter.sidecar.exposition import SidecarCollector
 from exporter.sidecar.render import TextRenderer
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import SidecarStats
-from prometheus_client import CollectorRegistry
 
 
 class Clock:
@@ -81,16 +81,19 @@ def test_text_renderer_gives_exactly_prometheus_clients_samples(populated: tuple
     reference = generate_latest(registry).decode()
     _same(_samples(parse_text(fast)), _samples(parse_text(reference)))
     # Family headers match too (names and types).
-    headers = lambda text: sorted(l for l in text.splitlines() if l.startswith("#"))  # noqa: E731
+    headers = lambda text: sorted(line for line in text.splitlines() if line.startswith("#"))  # noqa: E731
     assert headers(fast) == headers(reference)
     # Later scrapes with nothing pushed reuse the rank lines, first as filled pieces, then joined
     # per family: the same body every time (self-metrics aside, which count the scrapes).
-    per_rank_part = lambda text: [l for l in text.splitlines() if not l.startswith("hicache_exporter_")]  # noqa: E731
+    per_rank_part = lambda text: [line for line in text.splitlines() if not line.startswith("hicache_exporter_")]  # noqa: E731
     assert per_rank_part(renderer.render().decode()) == per_rank_part(fast)
     assert per_rank_part(renderer.render().decode()) == per_rank_part(fast)
 
 
-def test_openmetrics_renderer_gives_exactly_prometheus_clients_samples(populated: tuple[SidecarState, SidecarCollector, Clock]) -> None:
+Populated = tuple[SidecarState, SidecarCollector, Clock]
+
+
+def test_openmetrics_renderer_gives_exactly_prometheus_clients_samples(populated: Populated) -> None:
     _, collector, _ = populated
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
@@ -100,7 +103,7 @@ def test_openmetrics_renderer_gives_exactly_prometheus_clients_samples(populated
     _same(_samples(parse_openmetrics(fast)), _samples(parse_openmetrics(reference)))
 
 
-def test_cached_rank_lines_follow_new_snapshots_restarts_and_expiry(populated: tuple[SidecarState, SidecarCollector, Clock]) -> None:
+def test_cached_rank_lines_follow_new_snapshots_restarts_and_expiry(populated: Populated) -> None:
     state, collector, clock = populated
     renderer = TextRenderer(collector)
     before = _samples(parse_text(renderer.render().decode()))
@@ -111,7 +114,8 @@ def test_cached_rank_lines_follow_new_snapshots_restarts_and_expiry(populated: t
     state.snapshot(rank, Snapshot(seq=2, time=2.0, samples=[ScalarSample("evicted_tokens_total", 99999.0)]))
     assert _samples(parse_text(renderer.render().decode()))[key] == 99999.0
     state.disconnect(rank.connection, rank)
-    state.hello(object(), Hello(protocol=1, epoch="new", pid=2, rank=RankId(tp_rank=1, pp_rank=0, dp_rank=0), labels=dict(rank.static)))
+    rank_id = RankId(tp_rank=1, pp_rank=0, dp_rank=0)
+    state.hello(object(), Hello(protocol=1, epoch="new", pid=2, rank=rank_id, labels=dict(rank.static)))
     state.snapshot(rank, Snapshot(seq=1, time=3.0, samples=[ScalarSample("evicted_tokens_total", 7.0)]))
     after = _samples(parse_text(renderer.render().decode()))
     assert after[key] == 7.0 and len([k for k in after if k[0] == "sglang_load_back_bytes_total"]) == 2

@@ -155,6 +155,11 @@ class SampleReader:
         if buckets is UNSET or total is UNSET or sample.count is UNSET or sample.value is not UNSET:
             raise SampleRejected(ErrorCode.TYPE_MISMATCH, f"{name!r} is a histogram: send buckets, sum and count, and no value")
         bounds, counts = zip(*buckets)  # two tuples, built in C
+        if counts[-1] != sample.count:
+            raise SampleRejected(
+                ErrorCode.BUCKET_MISMATCH,
+                f"{name!r}: the +Inf bucket ({counts[-1]}) must equal count ({sample.count})",
+            )
         layout: Layout
         if previous is not None:
             layout = previous.bounds
@@ -171,11 +176,6 @@ class SampleReader:
             layout = self._layout(name, bounds)
         if counts[0] < 0:
             raise SampleRejected(ErrorCode.INVALID_VALUE, f"{name!r}: bucket counts must not be negative")
-        if counts[-1] != sample.count:
-            raise SampleRejected(
-                ErrorCode.BUCKET_MISMATCH,
-                f"{name!r}: the +Inf bucket ({counts[-1]}) must equal count ({sample.count})",
-            )
         if list(counts) != sorted(counts):  # cumulative counts never go down from bucket to bucket
             raise SampleRejected(ErrorCode.BUCKET_MISMATCH, f"{name!r}: bucket counts are not cumulative")
         deltas: tuple[int, ...] | list[int]

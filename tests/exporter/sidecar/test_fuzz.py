@@ -14,15 +14,16 @@ import socket
 import struct
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 
 from exporter.client import RankClient
 from exporter.protocol.framing import FrameDecoder, encode_frame
 from exporter.protocol.messages import ErrorMessage, Welcome, parse_server_message
-from tests.helpers import SidecarThread, Scrape, http_get, sidecar_config, wait_until
+from tests.helpers import Scrape, SidecarThread, http_get, sidecar_config, wait_until
 
 FRAMES = int(os.environ.get("HICACHE_FUZZ_FRAMES", "100000"))
 MAX_FRAME = 64 * 1024
@@ -109,9 +110,11 @@ def sample_level(rng: random.Random, conn: FuzzConnection) -> str:
     elif kind == 2:
         bad, reason = {"family": "load_back_duration_seconds", "labels": {}, "value": 3}, "type_mismatch"
     elif kind == 3:
-        bad, reason = {"family": "hicache_backup_dropped_tokens_total", "labels": {}, "value": -rng.random() - 0.1}, "invalid_value"
+        bad = {"family": "hicache_backup_dropped_tokens_total", "labels": {}, "value": -rng.random() - 0.1}
+        reason = "invalid_value"
     elif kind == 4 and conn.applied:
-        bad, reason = {"family": "evicted_tokens_total", "labels": {}, "value": conn.counter_value - 1 - rng.randrange(100)}, "counter_decreased"
+        bad = {"family": "evicted_tokens_total", "labels": {}, "value": conn.counter_value - 1 - rng.randrange(100)}
+        reason = "counter_decreased"
         conn.send(conn.snapshot(bad))
         conn.expect_reply(reason)
         return reason
@@ -119,10 +122,12 @@ def sample_level(rng: random.Random, conn: FuzzConnection) -> str:
         bounds = list(BOUNDS)
         rng.shuffle(bounds)
         buckets = [[b, 0] for b in bounds] + [["+Inf", 0]]
-        bad, reason = {"family": "eviction_duration_seconds", "labels": {}, "buckets": buckets, "sum": 0, "count": 0}, "bucket_mismatch"
+        bad = {"family": "eviction_duration_seconds", "labels": {}, "buckets": buckets, "sum": 0, "count": 0}
+        reason = "bucket_mismatch"
     elif kind == 6:
         buckets = [[b, 5 - i % 3] for i, b in enumerate(BOUNDS)] + [["+Inf", 5]]
-        bad, reason = {"family": "eviction_duration_seconds", "labels": {}, "buckets": buckets, "sum": 0, "count": 5}, "bucket_mismatch"
+        bad = {"family": "eviction_duration_seconds", "labels": {}, "buckets": buckets, "sum": 0, "count": 5}
+        reason = "bucket_mismatch"
     else:
         bad, reason = {"family": "no_such_family_total", "labels": {}, "value": 1}, "unknown_family"
     samples = [good_counter(conn), bad]
@@ -145,9 +150,11 @@ def connection_level(rng: random.Random, conn: FuzzConnection) -> str:
         depth = rng.randrange(300, 5000)
         payload, reason = b"[" * depth + b"]" * depth, "malformed_frame"
     elif kind == 3:
-        payload, reason = conn.snapshot(raw_samples='[{"family":"evicted_tokens_total","labels":{},"value":NaN}]'), "malformed_frame"
+        payload = conn.snapshot(raw_samples='[{"family":"evicted_tokens_total","labels":{},"value":NaN}]')
+        reason = "malformed_frame"
     elif kind == 4:
-        payload = conn.snapshot(raw_samples=json.dumps([{"family": "evicted_tokens_total", "labels": {}, "value": rng.choice(["7", None, [], {}])}]))
+        value = rng.choice(["7", None, [], {}])
+        payload = conn.snapshot(raw_samples=json.dumps([{"family": "evicted_tokens_total", "labels": {}, "value": value}]))
         reason = "malformed_frame"
     elif kind == 5:
         conn.send(struct.pack(">I", rng.randrange(MAX_FRAME + 1, 1 << 32)), raw=True)
@@ -234,11 +241,12 @@ def test_fuzzed_frames_never_break_the_sidecar(fuzz_sidecar: SidecarThread) -> N
         return Counter({s.labels["reason"]: int(s.value) for s in scrape.find("hicache_exporter_rejections_total") if s.value})
 
     wait_until(lambda: counted() == expected, timeout=30)
-    for tp, client in enumerate(good):
+    for client in good:
         client.close()
         assert client.stats.failures == 0
     scrape = fuzz_sidecar.scrape()
     for tp in range(4):
-        assert scrape.value("sglang_load_back_bytes_total", tp_rank=str(tp), dp_rank="0", cache_type="HiRadixCache") == 1000 * (tp + 1)
+        got = scrape.value("sglang_load_back_bytes_total", tp_rank=str(tp), dp_rank="0", cache_type="HiRadixCache")
+        assert got == 1000 * (tp + 1)
     assert sum(expected.values()) > FRAMES * 0.8
     print(f"\nfuzz: {FRAMES} frames in {elapsed:.1f} s, rejections {dict(expected)}")

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import base64
+import http.client
 import os
 import shutil
 import socket
 import ssl
 import subprocess
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import bcrypt
 import pytest
@@ -78,9 +79,10 @@ def test_tls_serves_metrics_over_https(socket_dir: Path, tls_files: tuple[Path, 
     try:
         assert running.sidecar is not None
         context = ssl.create_default_context(cafile=str(cert))
-        with urllib.request.urlopen(f"https://127.0.0.1:{running.sidecar.http_port}/metrics", context=context, timeout=10) as resp:
+        url = f"https://127.0.0.1:{running.sidecar.http_port}/metrics"
+        with urllib.request.urlopen(url, context=context, timeout=10) as resp:
             assert resp.status == 200 and b"hicache_exporter_build_info" in resp.read()
-        with pytest.raises(Exception):  # plain HTTP on a TLS port is not served
+        with pytest.raises((OSError, http.client.HTTPException)):  # plain HTTP on a TLS port is not served
             http_get(f"http://127.0.0.1:{running.sidecar.http_port}/metrics")
     finally:
         running.stop()

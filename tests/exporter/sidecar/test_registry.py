@@ -26,11 +26,11 @@ def test_first_hello_makes_a_rank_with_its_identity(h: Harness) -> None:
     conn, result = h.hello_result(tp=1, pp=2, dp=3)
     rank = result.rank
     assert not result.restart and not result.reconnect
-    assert rank.identity == (1, 2, 3, STATIC_KEY)
-    assert rank.replica_group == (3, STATIC_KEY) and rank.order == (2, 1)
+    assert (rank.tp_rank, rank.pp_rank, rank.dp_rank, rank.static) == (1, 2, 3, STATIC_KEY)
+    assert rank.replica_group == (3, STATIC_KEY)
     assert rank.connection is conn and rank.connected and rank.live
     assert not rank.current  # it has not pushed since it connected
-    assert h.state.ranks == {(1, 2, 3, STATIC_KEY): rank}
+    assert h.state.ranks == {rank.identity: rank}
     assert rank.label_dict() == {"tp_rank": "1", "pp_rank": "2", "dp_rank": "3", **STATIC}
     h.push(rank, bytes_(1.0))
     assert rank.current and rank.snapshots == 1 and rank.last_push_wall == h.wall.now
@@ -341,7 +341,7 @@ def test_exposed_ranks_and_groups_are_in_order(h: Harness) -> None:
             for labels in ({"z": "1"}, {"a": "1"}) for dp in (1, 0) for pp in (1, 0) for tp in (1, 0)]
     exposed = h.state.exposed_ranks()
     assert exposed == sorted(made, key=exposition_order)
-    assert [r.identity for r in exposed[:4]] == [
+    assert [(r.tp_rank, r.pp_rank, r.dp_rank, r.static) for r in exposed[:4]] == [
         (0, 0, 0, (("a", "1"),)), (1, 0, 0, (("a", "1"),)), (0, 1, 0, (("a", "1"),)), (1, 1, 0, (("a", "1"),)),
     ]
     groups = h.state.registry.groups()

@@ -111,7 +111,7 @@ def readings(h: Harness) -> tuple[dict[int, float], dict, dict]:
     by_rank = {}
     for spec, rank, labels, bw in per_rank:
         assert spec.name == BYTES and labels == ()
-        by_rank[rank.identity[0]] = bw.value
+        by_rank[rank.tp_rank] = bw.value
     return by_rank, rolled, increases
 
 

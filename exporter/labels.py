@@ -7,9 +7,13 @@ from collections.abc import Mapping
 from typing import Any
 
 RANK_KEYS: tuple[str, str, str] = ("tp_rank", "pp_rank", "dp_rank")
+# Rank axes a rank may leave out: absent means 0 in its identity, and no such label is exposed
+# (the engine's radix series carry no attn_cp_rank, its storage series do).
+OPTIONAL_RANK_KEYS: tuple[str] = ("attn_cp_rank",)
+RANK_AXES: tuple[str, ...] = (*RANK_KEYS, *OPTIONAL_RANK_KEYS)
 LABEL_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 # Names Prometheus gives meaning to, or that the exposition adds itself.
-RESERVED_LABEL_NAMES: frozenset[str] = frozenset({"le", "quantile", "__name__", *RANK_KEYS})
+RESERVED_LABEL_NAMES: frozenset[str] = frozenset({"le", "quantile", "__name__", *RANK_AXES})
 
 
 def radix_cache_metric_labels(
@@ -34,9 +38,9 @@ def radix_cache_metric_labels(
 
 
 def split_rank_labels(labels: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, str]]:
-    """Split a label dict into (rank keys as ints, static labels as strings)."""
-    rank = {key: int(labels[key]) for key in RANK_KEYS}
-    static = {str(k): str(v) for k, v in labels.items() if k not in RANK_KEYS}
+    """Split a label dict into (rank axes as ints, static labels as strings); optional axes only when present."""
+    rank = {key: int(labels[key]) for key in RANK_AXES if key in labels or key in RANK_KEYS}
+    static = {str(k): str(v) for k, v in labels.items() if k not in RANK_AXES}
     return rank, static
 
 

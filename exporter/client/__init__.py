@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -11,7 +12,7 @@ from typing import Any
 from exporter.catalog import Catalog, MetricType, default_catalog
 from exporter.client.metrics import CounterChild, GaugeChild, HistogramChild, LabelError, MetricSet
 from exporter.client.pusher import Pusher, PushStats
-from exporter.labels import RANK_KEYS, label_name_problem
+from exporter.labels import OPTIONAL_RANK_KEYS, RANK_AXES, RANK_KEYS, label_name_problem
 from exporter.protocol.messages import PROTOCOL_VERSION, Hello, RankId, Snapshot, World
 
 DEFAULT_SOCKET = "/run/hicache/metrics.sock"
@@ -34,9 +35,11 @@ class RankClient:
         max_backoff: float = 5.0,
     ) -> None:
         rank = dict(rank or {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0})
-        if set(rank) != set(RANK_KEYS):
-            raise LabelError(f"rank must have exactly the keys {list(RANK_KEYS)}, got {sorted(rank)}")
-        self.rank = {key: int(rank[key]) for key in RANK_KEYS}
+        if not set(RANK_KEYS) <= set(rank) <= set(RANK_AXES):
+            raise LabelError(
+                f"rank must have the keys {list(RANK_KEYS)} and may have {list(OPTIONAL_RANK_KEYS)}, got {sorted(rank)}"
+            )
+        self.rank = {key: int(rank[key]) for key in RANK_AXES if key in rank}
         self._rank_id = RankId(**self.rank)
         self.labels = {str(k): str(v) for k, v in (labels or {}).items()}
         for name in self.labels:
@@ -51,6 +54,10 @@ class RankClient:
         self._world = World(**self.world) if self.world else None
         self.epoch = uuid.uuid4().hex
         self.metrics = MetricSet(catalog or default_catalog())
+        self._help: dict[str, str] = {}
+        self._help_lock = threading.Lock()
+        self._help_version = 0
+        self._help_sent = -1  # the HELP version the current connection has been sent
         self.metrics.preset()
         path = socket_path or os.environ.get("HICACHE_EXPORTER_SOCKET") or DEFAULT_SOCKET
         self.socket_path = os.fspath(path)
@@ -69,6 +76,14 @@ class RankClient:
         child = self.metrics.child(family, labels, MetricType.GAUGE)
         assert isinstance(child, GaugeChild)
         return child
+
+    def describe(self, family: str, help_text: str) -> None:
+        """Give `family` the HELP text the sidecar exposes for it (an engine's own wording)."""
+        self.metrics.catalog.get(family)  # an unknown family fails here, not at the sidecar
+        with self._help_lock:
+            if self._help.get(family) != help_text:
+                self._help[family] = help_text
+                self._help_version += 1
 
     def histogram(self, family: str, **labels: Any) -> HistogramChild:
         """The histogram child of `family` with `labels`."""
@@ -102,8 +117,13 @@ class RankClient:
         self.close()
 
     def _hello(self) -> Hello:
+        self._help_sent = -1  # a new connection: the next snapshot carries every HELP text
         return Hello(protocol=PROTOCOL_VERSION, epoch=self.epoch, pid=os.getpid(), rank=self._rank_id,
                      labels=self.labels, world=self._world)
 
     def _snapshot(self, seq: int) -> Snapshot:
-        return Snapshot(seq=seq, time=time.time(), samples=self.metrics.wire_samples())
+        help_texts: dict[str, str] = {}
+        if self._help_sent != self._help_version:
+            with self._help_lock:
+                help_texts, self._help_sent = dict(self._help), self._help_version
+        return Snapshot(seq=seq, time=time.time(), samples=self.metrics.wire_samples(), help=help_texts)

@@ -25,6 +25,8 @@ RankNumber = Annotated[int, Meta(ge=0, lt=MAX_RANK)]
 WorldSize = Annotated[int, Meta(ge=1, le=MAX_RANK)]
 # A bucket bound is a finite number, or the string "+Inf" for the last bucket.
 BucketBound = Finite | Literal["+Inf"]
+MAX_HELP_TEXTS = 1024
+HelpText = Annotated[str, Meta(min_length=1, max_length=4096)]
 Buckets = Annotated[list[tuple[BucketBound, Count]], Meta(min_length=1, max_length=1024)]
 
 
@@ -33,12 +35,13 @@ class _Message(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=Tr
     # Subclasses inherit these options; each repeats frozen=True so type checkers see it too.
 
 
-class RankId(Struct, frozen=True, forbid_unknown_fields=True):
+class RankId(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """The rank keys that, with the static labels, identify one rank."""
 
     tp_rank: RankNumber
     pp_rank: RankNumber
     dp_rank: RankNumber
+    attn_cp_rank: RankNumber | None = None  # context-parallel rank; absent is 0, and not exposed
 
 
 class World(Struct, frozen=True, forbid_unknown_fields=True):
@@ -93,11 +96,16 @@ def is_histogram(sample: Sample) -> bool:
 
 
 class Snapshot(_Message, frozen=True, tag="snapshot"):
-    """Cumulative values of the samples it names; `seq` rises within an epoch."""
+    """Cumulative values of the samples it names; `seq` rises within an epoch.
+
+    `help` gives HELP texts of families (the engine's own wording), sent once per connection
+    and again when new ones appear; the sidecar exposes the latest one it got per family.
+    """
 
     seq: Count
     time: Finite
     samples: Annotated[list[Sample], Meta(max_length=MAX_SAMPLES)] = []
+    help: Annotated[dict[str, HelpText], Meta(max_length=MAX_HELP_TEXTS)] = {}
 
 
 class Bye(_Message, frozen=True, tag="bye"):

@@ -108,6 +108,7 @@ def rank_rows(state: SidecarState) -> list[dict[str, Any]]:
             "tp_rank": rank.tp_rank,
             "pp_rank": rank.pp_rank,
             "dp_rank": rank.dp_rank,
+            "attn_cp_rank": rank.attn_cp_rank,
             "labels": dict(rank.static),
             "status": rank.status.value,
             "epoch": rank.epoch,

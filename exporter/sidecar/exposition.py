@@ -27,9 +27,9 @@ ValueT = TypeVar("ValueT")
 _METRIC_CLASS = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}
 
 
-def new_metric(family: Family) -> Metric:
-    """An empty prometheus_client metric family for `family`."""
-    return _METRIC_CLASS[family.type](family.name, family.help)
+def new_metric(family: Family, help_text: str | None = None) -> Metric:
+    """An empty prometheus_client metric family for `family` (with another HELP text, if given)."""
+    return _METRIC_CLASS[family.type](family.name, help_text or family.help)
 
 
 @lru_cache(maxsize=256)
@@ -94,7 +94,8 @@ class SidecarCollector(Collector):
         yield from self._self_metrics(ranks, rank_labels)
 
     def _per_rank(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
-        metrics = {name: new_metric(family) for name, family in self.families.per_rank.items()}
+        reported = self.state.help
+        metrics = {name: new_metric(family, reported.get(name)) for name, family in self.families.per_rank.items()}
         for rank in ranks:
             base = rank_labels[id(rank)]
             for (family, values), value in rank.values.items():

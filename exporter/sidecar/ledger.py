@@ -58,6 +58,8 @@ class RollupLedger:
     def apply(self, rank: RankState, updates: list[Update]) -> None:
         """Move `rank`'s positions by the reader's updates, and the rollups with them."""
         positions = rank.positions
+        if rank.resumed:
+            updates = self._baselines(rank, updates)
         marks: Watermarks | None = None
         for route, amount, bucket_deltas in updates:
             key = route.key
@@ -82,6 +84,20 @@ class RollupLedger:
             if position > mark.value:  # type: ignore[union-attr]
                 cell.value += position - mark.value  # type: ignore[union-attr]
                 mark.value = position  # type: ignore[union-attr]
+
+    @staticmethod
+    def _baselines(rank: RankState, updates: list[Update]) -> list[Update]:
+        """A resumed rank's first value of each per_shard series is a baseline: the rollup already
+        holds what its forgotten self pushed, so the value only sets the position. (What it moved
+        while forgotten is not known: never counted twice, at worst that gap is missed.)"""
+        rest = []
+        for update in updates:
+            route, amount, _ = update
+            if route.plan.per_shard and route.key not in rank.positions:
+                rank.positions[route.key] = amount
+            else:
+                rest.append(update)
+        return rest
 
     def _histogram(
         self, rank: RankState, route: SeriesRoute, dsum: float, deltas: list[int] | tuple[int, ...], marks: Watermarks,

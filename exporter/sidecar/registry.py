@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from exporter.sidecar.reader import SampleIdent, SeriesRoute
 
 Clock = Callable[[], float]
-RankIdentity = tuple[int, int, int, StaticKey]  # (tp_rank, pp_rank, dp_rank, static labels)
+RankIdentity = tuple[int, int, int, int, StaticKey]  # (tp_rank, pp_rank, dp_rank, attn_cp_rank, static labels)
 REPLACED_EPOCHS_KEPT = 64
 HISTORY_POINTS = 60  # entries kept per rank per window: bounds memory whatever the push rate
 
@@ -46,10 +46,14 @@ class RankState:
     epoch: str
     pid: int
     history: WindowHistory
+    attn_cp_rank: int | None = None  # None: the rank has no context-parallel axis (0 in its identity)
     world: World | None = None
     connection: object | None = None  # token of the open connection holding this identity
     seq: int = -1
     pushed: bool = False  # has pushed since it last connected: its gauges are current
+    # The epoch of an identity the registry had forgotten to make room: its per_shard rollups
+    # already hold what it pushed before, so its first values this epoch are baselines.
+    resumed: bool = False
     stale: bool = False
     expired: bool = False
     restarts: int = 0
@@ -73,16 +77,16 @@ class RankState:
 
     @property
     def identity(self) -> RankIdentity:
-        return (self.tp_rank, self.pp_rank, self.dp_rank, self.static)
+        return (self.tp_rank, self.pp_rank, self.dp_rank, self.attn_cp_rank or 0, self.static)
 
     @property
     def replica_group(self) -> GroupKey:
         return (self.dp_rank, self.static)
 
     @property
-    def order(self) -> tuple[int, int]:
-        """Order inside a replica group: the lowest (pp_rank, tp_rank) speaks for its gauges."""
-        return (self.pp_rank, self.tp_rank)
+    def order(self) -> tuple[int, int, int]:
+        """Order inside a replica group: the lowest (pp_rank, attn_cp_rank, tp_rank) speaks for its gauges."""
+        return (self.pp_rank, self.attn_cp_rank or 0, self.tp_rank)
 
     @property
     def connected(self) -> bool:
@@ -108,17 +112,20 @@ class RankState:
     def label_dict(self) -> dict[str, str]:
         """Rank keys and static labels, as exposed on every per-rank series."""
         labels = {"tp_rank": str(self.tp_rank), "pp_rank": str(self.pp_rank), "dp_rank": str(self.dp_rank)}
+        if self.attn_cp_rank is not None:
+            labels["attn_cp_rank"] = str(self.attn_cp_rank)
         labels.update(self.static)
         return labels
 
     def describe(self) -> str:
         static = ",".join(f"{k}={v}" for k, v in self.static)
-        return f"tp={self.tp_rank} pp={self.pp_rank} dp={self.dp_rank}" + (f" {static}" if static else "")
+        cp = f" cp={self.attn_cp_rank}" if self.attn_cp_rank is not None else ""
+        return f"tp={self.tp_rank} pp={self.pp_rank} dp={self.dp_rank}{cp}" + (f" {static}" if static else "")
 
 
-def exposition_order(rank: RankState) -> tuple[StaticKey, int, int, int]:
-    """How ranks sort wherever they are listed: by static labels, then dp, pp and tp rank."""
-    return (rank.static, rank.dp_rank, rank.pp_rank, rank.tp_rank)
+def exposition_order(rank: RankState) -> tuple[StaticKey, int, int, int, int]:
+    """How ranks sort wherever they are listed: by static labels, then dp, pp, cp and tp rank."""
+    return (rank.static, rank.dp_rank, rank.pp_rank, rank.attn_cp_rank or 0, rank.tp_rank)
 
 
 @dataclass
@@ -143,21 +150,23 @@ class RankRegistry:
         self.clock = clock
         self.wall_clock = wall_clock
         self.ranks: dict[RankIdentity, RankState] = {}
+        self.forgotten: dict[RankIdentity, str] = {}  # identity -> its epoch when forgotten, oldest first
         self.series_count = 0  # per-rank series held, for the max_series_total guard
 
     def hello(self, connection: object, msg: Hello) -> HelloResult:
         """Bind `connection` to the rank identity in `msg`; raise ProtocolError to refuse it."""
         self._check_static_labels(msg.labels)
         static = static_key(msg.labels)
-        identity = (msg.rank.tp_rank, msg.rank.pp_rank, msg.rank.dp_rank, static)
+        identity = (msg.rank.tp_rank, msg.rank.pp_rank, msg.rank.dp_rank, msg.rank.attn_cp_rank or 0, static)
         rank = self.ranks.get(identity)
         result: HelloResult
         if rank is None:
             self._make_room_for_a_rank()
             rank = RankState(
                 tp_rank=msg.rank.tp_rank, pp_rank=msg.rank.pp_rank, dp_rank=msg.rank.dp_rank,
-                static=static, epoch=msg.epoch, pid=msg.pid,
+                static=static, epoch=msg.epoch, pid=msg.pid, attn_cp_rank=msg.rank.attn_cp_rank,
                 history=WindowHistory(self.window, self.window / HISTORY_POINTS),
+                resumed=self.forgotten.pop(identity, None) == msg.epoch,
             )
             self.ranks[identity] = rank
             result = HelloResult(rank)
@@ -174,6 +183,7 @@ class RankRegistry:
             )
         elif msg.epoch != rank.epoch:
             self._restart(rank, msg.epoch)
+            rank.attn_cp_rank = msg.rank.attn_cp_rank
             result = HelloResult(rank, restart=True)
         else:
             rank.reconnects += 1
@@ -195,6 +205,7 @@ class RankRegistry:
         rank.values.clear()
         rank.gauge_keys.clear()
         rank.layout_conflicts.clear()
+        rank.resumed = False
         rank.version += 1
         rank.seq = -1
         rank.restarts += 1
@@ -207,6 +218,9 @@ class RankRegistry:
             if rank.expired and not rank.connected:
                 del self.ranks[identity]  # its rollup contribution stays; only the per-rank memory goes
                 self.series_count -= len(rank.values)
+                self.forgotten[identity] = rank.epoch
+                if len(self.forgotten) > self.config.max_ranks:  # a bounded memory of who was forgotten
+                    del self.forgotten[next(iter(self.forgotten))]
         if len(self.ranks) >= self.config.max_ranks:
             raise ProtocolError(
                 ErrorCode.TOO_MANY_RANKS,

@@ -151,10 +151,11 @@ class TextRenderer:
         for identity in [i for i in self._ranks if i not in live]:
             del self._ranks[identity]  # expired or forgotten: drop its cached lines
         per_rank = [self._rank_lines(rank) for rank in ranks]
+        reported = state.help  # the engine's HELP texts, where ranks sent them
         parts: list[str] = []
         for spec in state.catalog:
             family = self.families[spec.name]
-            parts.append(header(family.name, family.type, family.help, openmetrics))
+            parts.append(header(family.name, family.type, reported.get(spec.name, family.help), openmetrics))
             name = spec.name
             for lines in per_rank:
                 if lines.joined is not None:

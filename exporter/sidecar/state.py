@@ -13,7 +13,7 @@ from exporter.config import RanksConfig
 from exporter.protocol.messages import Hello, Snapshot
 from exporter.sidecar.ledger import RollupLedger
 from exporter.sidecar.reader import Rejection, SampleReader
-from exporter.sidecar.registry import Clock, HelloResult, RankRegistry, RankState
+from exporter.sidecar.registry import Clock, HelloResult, RankIdentity, RankRegistry, RankState
 from exporter.sidecar.window import Window
 
 
@@ -44,9 +44,10 @@ class SidecarState:
         self.reader = SampleReader(catalog, self.config, self.registry)
         self.ledger = RollupLedger(catalog)
         self.window = Window(catalog)
+        self.help: dict[str, str] = {}  # HELP texts ranks gave for catalog families, the latest per family
 
     @property
-    def ranks(self) -> dict[tuple[int, int, int, tuple[tuple[str, str], ...]], RankState]:
+    def ranks(self) -> dict[RankIdentity, RankState]:
         return self.registry.ranks
 
     def hello(self, connection: object, msg: Hello) -> HelloResult:
@@ -61,6 +62,8 @@ class SidecarState:
         """Apply a snapshot from `rank`'s open connection."""
         if not self.registry.begin_snapshot(rank, msg.seq):
             return SnapshotResult(ignored=True)
+        if msg.help:
+            self.help.update((family, text) for family, text in msg.help.items() if family in self.catalog)
         updates, rejections = self.reader.read(rank, msg.samples)
         self.ledger.apply(rank, updates)
         rank.history.record(rank.last_activity, rank.positions)

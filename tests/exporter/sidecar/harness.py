@@ -59,21 +59,21 @@ class Harness:
 
     def hello_result(
         self, tp: int = 0, pp: int = 0, dp: int = 0, epoch: str = "epoch-a",
-        labels: dict[str, str] | None = None, connection: object | None = None,
+        labels: dict[str, str] | None = None, connection: object | None = None, cp: int | None = None,
     ) -> tuple[object, HelloResult]:
         conn = connection if connection is not None else object()
         msg = Hello(
-            protocol=1, epoch=epoch, pid=4242, rank=RankId(tp_rank=tp, pp_rank=pp, dp_rank=dp),
+            protocol=1, epoch=epoch, pid=4242, rank=RankId(tp_rank=tp, pp_rank=pp, dp_rank=dp, attn_cp_rank=cp),
             labels=dict(STATIC if labels is None else labels),
         )
         return conn, self.state.hello(conn, msg)
 
     def hello(
         self, tp: int = 0, pp: int = 0, dp: int = 0, epoch: str = "epoch-a",
-        labels: dict[str, str] | None = None, connection: object | None = None,
+        labels: dict[str, str] | None = None, connection: object | None = None, cp: int | None = None,
     ) -> tuple[object, RankState]:
         """Say hello on a fresh connection token; return (connection, rank)."""
-        conn, result = self.hello_result(tp, pp, dp, epoch, labels, connection)
+        conn, result = self.hello_result(tp, pp, dp, epoch, labels, connection, cp)
         return conn, result.rank
 
     def push(self, rank: RankState, *samples: Sample, seq: int | None = None) -> SnapshotResult:

@@ -103,3 +103,23 @@ def test_promtool_finds_nothing_to_lint_in_a_full_exposition(sidecar: SidecarThr
     assert result.stdout.strip() == "" and result.stderr.strip() == ""
     for client in clients:
         client.close()
+
+
+def test_a_ranks_help_texts_replace_the_catalogs_and_follow_a_reconnect(sidecar: SidecarThread) -> None:
+    """An engine's own HELP wording travels with its series: sent on each connection, exposed escaped."""
+    client = RankClient(sidecar.socket_path, rank={"tp_rank": 0, "pp_rank": 0, "dp_rank": 0}, interval=0.05)
+    client.describe("load_back_tokens_total", 'Tokens loaded back.\nRead one rank, not "all".')
+    client.counter("load_back_tokens_total", pool="kv").inc(5)
+    client.start()
+    wanted = '# HELP sglang_load_back_tokens_total Tokens loaded back.\\nRead one rank, not "all".'
+    wait_until(lambda: wanted in sidecar.metrics_text())
+    assert "# HELP sglang_load_back_bytes_total Bytes loaded back" in sidecar.metrics_text()  # others keep the catalog's
+    client.describe("load_back_tokens_total", "Changed wording.")
+    wait_until(lambda: "# HELP sglang_load_back_tokens_total Changed wording." in sidecar.metrics_text())
+    client.close()
+    try:
+        client.describe("no_such_family", "x")
+    except KeyError:
+        pass
+    else:
+        raise AssertionError("an unknown family must be refused by the client")

@@ -607,3 +607,14 @@ def test_rollups_of_other_static_labels_have_their_own_layouts(h: Harness) -> No
     theirs = h.histogram(DURATION, static=static_of(other))
     assert theirs is not None and theirs.bounds == (0.5, 1.0, "+Inf") and theirs.counts == [1, 2, 3]
 
+
+
+def test_context_parallel_peers_count_tokens_once_and_sum_bytes(h: Harness) -> None:
+    """CP peers of one dp group are replicas: their tokens are one watermark, their bytes a sum."""
+    peers = [h.hello(tp=tp, cp=cp)[1] for cp in (0, 1) for tp in (0, 1)]
+    for i, rank in enumerate(peers):
+        h.push(rank, tokens(300.0), bytes_(1000.0 + i))
+    assert h.counter(TOKENS, "kv") == 300.0  # not 4 x 300
+    assert h.counter(BYTES) == 4006.0
+    h.push(peers[3], tokens(350.0))  # the last CP peer runs ahead
+    assert h.counter(TOKENS, "kv") == 350.0

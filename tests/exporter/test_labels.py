@@ -100,3 +100,13 @@ def test_reserved_label_names(name):
 def test_double_underscore_prefix_is_reserved_by_prometheus(name):
     problem = label_name_problem(name)
     assert problem is not None and name in problem
+
+
+def test_split_rank_labels_keeps_attn_cp_rank_as_a_rank_axis_when_present():
+    storage = {"storage_backend": "file", "tp_rank": 1, "dp_rank": 0, "pp_rank": 0, "pp_size": 2,
+               "attn_cp_rank": 3, "attn_cp_size": 4}
+    rank, static = split_rank_labels(storage)
+    assert rank == {"tp_rank": 1, "pp_rank": 0, "dp_rank": 0, "attn_cp_rank": 3}
+    assert static == {"storage_backend": "file", "pp_size": "2", "attn_cp_size": "4"}
+    assert "attn_cp_rank" not in split_rank_labels({"tp_rank": 0, "pp_rank": 0, "dp_rank": 0})[0]
+    assert label_name_problem("attn_cp_rank") is not None  # a rank axis is never a static label

@@ -142,3 +142,14 @@ def test_hello_and_snapshot_are_the_protocol_structs() -> None:
     assert snapshot.seq == 3 and ("load_back_tokens_total", {"pool": "kv"}, 7) in [
         (s.family, s.labels, s.value) for s in snapshot.samples]
     assert parse_client_message(encode_payload(RankClient("/x.sock", rank=RANK)._hello())).world is None
+
+
+def test_a_rank_may_name_its_context_parallel_rank_and_nothing_else() -> None:
+    from exporter.protocol.messages import Hello
+
+    client = RankClient("/nonexistent.sock", rank={"tp_rank": 1, "pp_rank": 0, "dp_rank": 0, "attn_cp_rank": 2})
+    hello = client._hello()
+    assert isinstance(hello, Hello) and hello.rank.attn_cp_rank == 2
+    assert RankClient("/nonexistent.sock")._hello().rank.attn_cp_rank is None
+    with pytest.raises(LabelError):
+        RankClient("/nonexistent.sock", rank={"tp_rank": 1, "pp_rank": 0, "dp_rank": 0, "moe_ep_rank": 2})

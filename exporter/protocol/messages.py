@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -24,7 +24,9 @@ Count = Annotated[int, Meta(ge=0)]
 RankNumber = Annotated[int, Meta(ge=0, lt=MAX_RANK)]
 WorldSize = Annotated[int, Meta(ge=1, le=MAX_RANK)]
 # A bucket bound is a finite number, or the string "+Inf" for the last bucket.
-BucketBound = Finite | Literal["+Inf"]
+# A bucket bound is a finite number, or "+Inf" for the last bucket. Other strings decode too, so
+# that the sidecar drops the one sample that has them (bucket_mismatch), not the whole frame.
+BucketBound = Finite | Annotated[str, Meta(max_length=16)]
 MAX_HELP_TEXTS = 1024
 HelpText = Annotated[str, Meta(min_length=1, max_length=4096)]
 Buckets = Annotated[list[tuple[BucketBound, Count]], Meta(min_length=1, max_length=1024)]

@@ -27,6 +27,10 @@ KeyT = TypeVar("KeyT", bound=Hashable)
 # else the family and its label pairs in the order sent.
 SampleIdent = str | tuple[str, tuple[tuple[str, str], ...]]
 MAX_LAYOUTS = 4096  # distinct bucket layouts shared between series; more are used unshared
+# Bounds on what a value may be, so that every sum the sidecar forms (rollups over max_ranks
+# ranks) stays finite and every count converts to a float exactly.
+MAX_COUNT = 2**53
+MAX_VALUE = 2.0**63
 Rejection = tuple[ErrorCode, str]  # kept as plain data: an exception would pin its traceback's frames
 
 
@@ -116,6 +120,8 @@ class SampleReader:
                     )
                 if value == previous:
                     continue  # unchanged since the last snapshot: the common case when idle
+                if not -MAX_VALUE <= value <= MAX_VALUE:
+                    raise SampleRejected(ErrorCode.INVALID_VALUE, f"{plan.name!r}: {value} is beyond ±2**63")
                 if previous is None:
                     self._check_series_room(rank)
                 if plan.gauge:
@@ -178,6 +184,8 @@ class SampleReader:
             raise SampleRejected(ErrorCode.INVALID_VALUE, f"{name!r}: bucket counts must not be negative")
         if list(counts) != sorted(counts):  # cumulative counts never go down from bucket to bucket
             raise SampleRejected(ErrorCode.BUCKET_MISMATCH, f"{name!r}: bucket counts are not cumulative")
+        if counts[-1] > MAX_COUNT or not -MAX_VALUE <= total <= MAX_VALUE:
+            raise SampleRejected(ErrorCode.INVALID_VALUE, f"{name!r}: a count beyond 2**53 or a sum beyond ±2**63")
         deltas: tuple[int, ...] | list[int]
         if previous is None:
             self._check_series_room(rank)
@@ -200,9 +208,9 @@ class SampleReader:
         if shared is not None:
             return shared
         finite = bounds[:-1]
-        if bounds[-1] != "+Inf" or "+Inf" in finite:
+        if bounds[-1] != "+Inf" or any(isinstance(b, str) for b in finite):
             raise SampleRejected(ErrorCode.BUCKET_MISMATCH, f'{name!r}: the last bucket bound, and only the last, must be "+Inf"')
-        if not all(isfinite(b) for b in finite) or any(a >= b for a, b in zip(finite, finite[1:])):  # type: ignore[operator,arg-type]
+        if not all(isfinite(b) for b in finite) or any(a >= b for a, b in zip(finite, finite[1:])):  # type: ignore[arg-type,operator]
             raise SampleRejected(ErrorCode.BUCKET_MISMATCH, f"{name!r}: bucket bounds must be finite and strictly ascending")
         if len(self._layouts) < MAX_LAYOUTS:
             self._layouts[bounds] = bounds

@@ -238,6 +238,9 @@ class RankRegistry:
             problem = label_name_problem(name)
             if problem is None and self.catalog.static_label_conflicts({name}):
                 problem = f"label name {name!r} is a family label in the catalog"
+            if problem is None and not value:
+                # Prometheus drops a label whose value is empty: two identities would expose as one.
+                problem = f"label {name!r} has an empty value; leave the label out instead"
             if problem is None and len(value) > limits.max_label_value_length:
                 problem = f"value of label {name!r} is longer than {limits.max_label_value_length} characters"
             if problem:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 from collections.abc import Callable, Iterator
@@ -13,7 +14,7 @@ import pytest
 from exporter.errors import ErrorCode
 from exporter.protocol.framing import encode_frame
 from exporter.protocol.messages import ErrorMessage, Welcome
-from tests.helpers import RawClient, SidecarThread, counter, hello, sidecar_config, snapshot, wait_until
+from tests.helpers import RawClient, Scrape, SidecarThread, counter, hello, http_get, sidecar_config, snapshot, wait_until
 
 GOOD_TOKENS = 4096.0
 GOOD_BYTES = 8388608.0
@@ -241,3 +242,26 @@ def test_second_hello_on_a_connection_is_malformed(sidecar: SidecarThread) -> No
     reply = client.recv()
     assert isinstance(reply, ErrorMessage) and reply.code == ErrorCode.MALFORMED_FRAME.value
     assert client.closed_by_peer()
+
+
+def test_a_count_no_float_can_hold_is_dropped_and_metrics_keeps_answering(tight_sidecar: SidecarThread) -> None:
+    """10**400 in a per_shard histogram once turned every later scrape into a 500, for good."""
+    good = _good_rank(tight_sidecar)
+    client = RawClient(tight_sidecar.socket_path)
+    _hello_then(client)
+    huge = 10**400
+    frame = {"type": "snapshot", "seq": 1, "time": 1.0, "samples": [
+        _histogram([*([b, huge] for b in GOOD_BOUNDS), ["+Inf", huge]], 1.0, huge),
+        {"family": "hicache_backup_bytes_total", "labels": {}, "value": 77},
+    ]}
+    client.send_raw(encode_frame(json.dumps(frame).encode()))
+    reply = client.recv()
+    assert isinstance(reply, ErrorMessage) and reply.code == ErrorCode.INVALID_VALUE.value
+    status, body, _ = http_get(tight_sidecar.url + "/metrics")
+    assert status == 200 and str(huge)[:30] not in body.decode()
+    scrape = Scrape(body.decode())
+    assert scrape.value("sglang_hicache_backup_bytes_total", tp_rank="1") == 77
+    client.close()
+    assert http_get(tight_sidecar.url + "/metrics")[0] == 200  # and still after the rank left
+    _assert_good_rank_intact(tight_sidecar)
+    good.close()

@@ -13,6 +13,7 @@ from tests.exporter.sidecar.harness import (
     BYTES,
     DROPPED,
     DURATION,
+    PGS,
     TOKENS,
     USED,
     Harness,
@@ -71,6 +72,15 @@ BAD_SAMPLES: list[tuple[str, Sample, ErrorCode]] = [
     ("inf_twice", empty_hist([*GOOD_LB_BUCKETS, ("+Inf", 0), ("+Inf", 0)]), ErrorCode.BUCKET_MISMATCH),
     ("unsorted_bounds", empty_hist([(0.002, 0), (0.001, 0), ("+Inf", 0)]), ErrorCode.BUCKET_MISMATCH),
     ("repeated_bound", empty_hist([(0.001, 0), (0.001, 0), ("+Inf", 0)]), ErrorCode.BUCKET_MISMATCH),
+    ("lowercase_inf", empty_hist([(0.001, 0), ("+inf", 0)]), ErrorCode.BUCKET_MISMATCH),
+    ("nan_bound_string", empty_hist([("NaN", 0), ("+Inf", 0)]), ErrorCode.BUCKET_MISMATCH),
+    ("huge_count", HistogramSample(family=DURATION, buckets=[(1.0, 10**400), ("+Inf", 10**400)], sum=1.0, count=10**400),
+     ErrorCode.INVALID_VALUE),
+    ("count_past_2_53", HistogramSample(family=PGS, buckets=[("+Inf", 2**53 + 1)], sum=1.0, count=2**53 + 1),
+     ErrorCode.INVALID_VALUE),
+    ("huge_sum", HistogramSample(family=DURATION, buckets=[("+Inf", 1)], sum=1e300, count=1), ErrorCode.INVALID_VALUE),
+    ("huge_counter", ScalarSample(family=BYTES, value=1e300), ErrorCode.INVALID_VALUE),
+    ("huge_negative_gauge", ScalarSample(family=USED, value=-1e300), ErrorCode.INVALID_VALUE),
     (
         "non_cumulative",
         HistogramSample(

@@ -167,10 +167,12 @@ def test_static_labels_are_order_independent(h: Harness) -> None:
         {"reason": "x"},
         {f"l{i}": "v" for i in range(9)},
         {"cache_type": "x" * 129},
+        {"cache_type": "UnifiedRadixCache", "a": ""},
+        {"attn_cp_rank": "1"},
     ],
     ids=[
         "le", "quantile", "tp_rank", "dp_rank", "dunder", "digit_first", "dash",
-        "family_label_pool", "family_label_reason", "too_many", "too_long_value",
+        "family_label_pool", "family_label_reason", "too_many", "too_long_value", "empty_value", "attn_cp_rank",
     ],
 )
 def test_invalid_static_labels_refused(h: Harness, labels: dict[str, str]) -> None:
@@ -370,3 +372,12 @@ def test_attn_cp_rank_is_part_of_the_identity_and_absent_means_zero(h: Harness) 
     _, plain = h.hello(tp=1)
     assert "attn_cp_rank" not in plain.label_dict()  # exposed only by ranks that have the axis
     assert [r.identity[:4] for r in h.state.exposed_ranks()] == [(0, 0, 0, 0), (1, 0, 0, 0), (0, 0, 0, 1)]
+
+
+def test_an_empty_static_label_cannot_make_an_impostor_of_a_connected_rank(h: Harness) -> None:
+    """Prometheus drops empty labels: `a=""` would expose as the real rank's series and win."""
+    h.hello(tp=0)
+    with pytest.raises(ProtocolError) as err:
+        h.hello(tp=0, labels={**STATIC, "a": ""})
+    assert err.value.code is ErrorCode.INVALID_HELLO and "empty value" in err.value.message
+    assert len(h.state.ranks) == 1

@@ -31,6 +31,18 @@ class Semantics(str, Enum):
     REPLICATED = "replicated"
 
 
+class Collector(str, Enum):
+    """The engine collector that emits a family, which fixes the family's rank label set.
+
+    A rank process pushes each collector's families over a connection of its own, since each
+    collector labels its series differently (see the catalog header).
+    """
+
+    RADIX = "radix"
+    STORAGE = "storage"
+    SCHEDULER = "scheduler"
+
+
 class FamilySpec(BaseModel):
     """One metric family as ranks push it (names are without the namespace)."""
 
@@ -45,6 +57,10 @@ class FamilySpec(BaseModel):
     preset: dict[str, tuple[str, ...]] = Field(default_factory=dict)
     attempt_level: bool = False
     duration_histogram: str | None = None
+    # Which engine collector emits the family; None for an operator's family that names none.
+    collector: Collector | None = None
+    # The released engine does not emit this family (the exporter's own addition).
+    beyond_upstream: bool = False
 
     @field_validator("labels")
     @classmethod
@@ -131,6 +147,10 @@ class Catalog(BaseModel):
                 raise ValueError(
                     f"{fam.name!r} and {hist.name!r} must have the same labels and semantics"
                 )
+            if hist.collector is not fam.collector:
+                raise ValueError(
+                    f"{fam.name!r} and {hist.name!r} must come from the same collector (their series pair by labels)"
+                )
         return self
 
     def __iter__(self) -> Iterator[FamilySpec]:  # type: ignore[override]
@@ -162,6 +182,14 @@ class Catalog(BaseModel):
             index = {f.name: f for f in self.families}
             object.__setattr__(self, "_cached_index", index)
         return index
+
+    def for_collector(self, collector: Collector | str) -> Catalog:
+        """The families one collector emits, as a catalog of their own (for that collector's client)."""
+        wanted = Collector(collector)
+        families = tuple(f for f in self.families if f.collector is wanted)
+        if not families:
+            raise UnknownFamilyError(f"no family in the metric catalog is emitted by the {wanted.value!r} collector")
+        return Catalog(families=families)
 
     def bandwidth_pairs(self) -> list[tuple[FamilySpec, FamilySpec]]:
         """(bytes counter, duration histogram) pairs that get active-bandwidth gauges."""

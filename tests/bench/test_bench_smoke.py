@@ -12,8 +12,11 @@ from typing import Any
 
 import pytest
 
+from exporter.catalog import MetricType, default_catalog
+
 from bench import report as bench_report
 from bench import run as bench_run
+from bench.common import label_sets
 
 ROW_KEYS = {"name", "value", "unit", "anchor", "anchor_value", "ratio", "goal", "met"}
 
@@ -48,12 +51,20 @@ def test_benchmark_rows_are_well_formed(smoke: Any, name: str) -> None:
     json.dumps(rows)  # the rows go to JSON as they are
 
 
+def _catalog_sample_lines() -> int:
+    """Sample lines one rank holding the full catalog exposes (a histogram: its buckets, +Inf, sum, count)."""
+    return sum((len(spec.buckets or ()) + 3 if spec.type is MetricType.HISTOGRAM else 1) * len(label_sets(spec))
+               for spec in default_catalog())
+
+
 def test_scrape_anchor_holds_the_same_series(smoke: Any) -> None:
     rows = [r for r in smoke[0]["scrape"] if r["percentile"] in ("p50", "p99")]
     assert {r["ranks"] for r in rows} == {2, 4}
+    per_rank = _catalog_sample_lines()
+    assert per_rank == 164  # 47 series with the catalog of sglang 0.5.23's families
     for r in rows:
-        # 39 series (156 sample lines) per rank in both: the sidecar adds rollups and its own metrics.
-        assert r["anchor_series"] == 156 * r["ranks"], r
+        # The full catalog per rank in both: the sidecar adds rollups and its own metrics.
+        assert r["anchor_series"] == per_rank * r["ranks"], r
         assert r["series"] > r["anchor_series"], r
 
 

@@ -18,7 +18,7 @@ PS = GEOM.page_size
 # The contract (DESIGN.md section 4): pre-set reasons, in this order.
 PRESET_REASONS = (
     "below_threshold", "host_capacity", "device_capacity", "device_covered", "storage_transfer",
-    "anchor_lost", "aux_window_trim", "device_overlap", "cache_admission_shortfall", "dropped",
+    "deadline", "anchor_lost", "aux_window_trim", "device_overlap", "cache_admission_shortfall", "dropped",
 )
 
 

@@ -11,6 +11,7 @@ import yaml
 
 from exporter.catalog import (
     Catalog,
+    Collector,
     MetricType,
     Semantics,
     catalog_from_data,
@@ -25,37 +26,52 @@ REPO = Path(__file__).resolve().parents[2]
 C, G, H = MetricType.COUNTER, MetricType.GAUGE, MetricType.HISTOGRAM
 PS, R = Semantics.PER_SHARD, Semantics.REPLICATED
 
-# name: (type, extra labels, semantics), straight from the DESIGN §4 table and the text below it.
+RADIX, STORAGE, SCHED = Collector.RADIX, Collector.STORAGE, Collector.SCHEDULER
+
+# name: (type, extra labels, semantics, collector), from DESIGN §4 and the released engine's
+# collectors (sglang 0.5.23 observability/metrics_collector.py).
 DOCUMENTED = {
-    "eviction_duration_seconds": (H, (), PS),
-    "evicted_tokens_total": (C, (), R),
-    "load_back_duration_seconds": (H, (), PS),
-    "load_back_tokens_total": (C, ("pool",), R),
-    "load_back_bytes_total": (C, (), PS),
-    "hicache_host_pool_evicted_tokens_total": (C, ("pool",), R),
-    "hicache_backup_duration_seconds": (H, (), PS),
-    "hicache_backup_tokens_total": (C, ("pool",), R),
-    "hicache_backup_bytes_total": (C, (), PS),
-    "hicache_dropped_tokens_total": (C, ("reason", "pool"), R),
-    "prefetched_tokens_total": (C, (), R),
-    "backuped_tokens_total": (C, (), R),
-    "storage_prefetch_hit_tokens_total": (C, (), R),
-    "storage_prefetch_unfulfilled_tokens_total": (C, ("reason",), R),
-    "storage_prefetch_deferred_tokens_total": (C, ("reason",), R),
-    "hicache_backup_dropped_tokens_total": (C, (), R),
-    "prefetch_pgs": (H, (), R),
-    "backup_pgs": (H, (), R),
-    "prefetch_bandwidth": (H, (), PS),
-    "backup_bandwidth": (H, (), PS),
-    "hicache_host_used_tokens": (G, (), R),
-    "hicache_host_total_tokens": (G, (), R),
-    "hicache_host_pool_used_tokens": (G, ("pool",), R),
-    "hicache_host_pool_total_tokens": (G, ("pool",), R),
+    "eviction_duration_seconds": (H, (), PS, RADIX),
+    "evicted_tokens_total": (C, (), R, RADIX),
+    "load_back_duration_seconds": (H, (), PS, RADIX),
+    "load_back_tokens_total": (C, ("pool",), R, RADIX),
+    "load_back_bytes_total": (C, (), PS, RADIX),
+    "hicache_host_pool_evicted_tokens_total": (C, ("pool",), R, RADIX),
+    "hicache_backup_duration_seconds": (H, (), PS, RADIX),
+    "hicache_backup_tokens_total": (C, ("pool",), R, RADIX),
+    "hicache_backup_bytes_total": (C, (), PS, RADIX),
+    "hicache_dropped_tokens_total": (C, ("reason", "pool"), R, RADIX),
+    "prefetched_tokens_total": (C, (), R, STORAGE),
+    "backuped_tokens_total": (C, (), R, STORAGE),
+    "storage_prefetch_hit_tokens_total": (C, (), R, STORAGE),
+    "storage_prefetch_unfulfilled_tokens_total": (C, ("reason",), R, STORAGE),
+    "storage_prefetch_deferred_tokens_total": (C, ("reason",), R, STORAGE),
+    "hicache_backup_dropped_tokens_total": (C, (), R, STORAGE),
+    "hicache_prefetch_aux_alloc_failed_tokens_total": (C, (), R, STORAGE),
+    "prefetch_pgs": (H, (), R, STORAGE),
+    "backup_pgs": (H, (), R, STORAGE),
+    "prefetch_bandwidth": (H, (), PS, STORAGE),
+    "backup_bandwidth": (H, (), PS, STORAGE),
+    "hicache_host_used_tokens": (G, (), R, SCHED),
+    "hicache_host_total_tokens": (G, (), R, SCHED),
+    "hicache_host_mamba_used_states": (G, (), R, SCHED),
+    "hicache_host_mamba_total_states": (G, (), R, SCHED),
+    "hicache_host_pool_used_tokens": (G, ("pool",), R, SCHED),
+    "hicache_host_pool_total_tokens": (G, ("pool",), R, SCHED),
+    "prefill_effective_tokens_total": (C, ("mode",), R, SCHED),
     # Beyond upstream: L3 bytes with their duration histograms.
-    "storage_prefetch_bytes_total": (C, (), PS),
-    "storage_backup_bytes_total": (C, (), PS),
-    "storage_prefetch_duration_seconds": (H, (), PS),
-    "storage_backup_duration_seconds": (H, (), PS),
+    "storage_prefetch_bytes_total": (C, (), PS, STORAGE),
+    "storage_backup_bytes_total": (C, (), PS, STORAGE),
+    "storage_prefetch_duration_seconds": (H, (), PS, STORAGE),
+    "storage_backup_duration_seconds": (H, (), PS, STORAGE),
+}
+
+# Families the released engine does not emit: the L3 bytes/duration view, and per-pool host gauges
+# and host evictions (no collector of sglang 0.5.23 has them).
+BEYOND_UPSTREAM = {
+    "storage_prefetch_bytes_total", "storage_backup_bytes_total",
+    "storage_prefetch_duration_seconds", "storage_backup_duration_seconds",
+    "hicache_host_pool_evicted_tokens_total", "hicache_host_pool_used_tokens", "hicache_host_pool_total_tokens",
 }
 
 SHORT_DURATION = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009,
@@ -64,10 +80,12 @@ BACKUP_DURATION = (0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 PAGES = (1, 5, 10, 50, 100)
 BANDWIDTH = (0.1, 0.5, 1, 5, 10, 50, 100)
 
+# The engine's pre-set order (metrics_collector.py:2247-2259).
 UNFULFILLED_REASONS = (
     "below_threshold", "host_capacity", "device_capacity", "device_covered", "storage_transfer",
-    "anchor_lost", "aux_window_trim", "device_overlap", "cache_admission_shortfall", "dropped",
+    "deadline", "anchor_lost", "aux_window_trim", "device_overlap", "cache_admission_shortfall", "dropped",
 )
+PREFILL_MODES = ("input", "device_hit", "host_hit", "storage_hit")
 
 BANDWIDTH_PAIRS = {
     "load_back_bytes_total": ("load_back_duration_seconds", "load_back_active_bandwidth_bytes_per_second"),
@@ -96,10 +114,12 @@ def test_default_catalog_has_exactly_the_documented_families(catalog):
 @pytest.mark.parametrize("name", sorted(DOCUMENTED))
 def test_family_type_labels_and_semantics(catalog, name):
     family = catalog.get(name)
-    kind, labels, semantics = DOCUMENTED[name]
+    kind, labels, semantics, collector = DOCUMENTED[name]
     assert family.type is kind
     assert tuple(family.labels) == labels
     assert family.semantics is semantics
+    assert family.collector is collector
+    assert family.beyond_upstream is (name in BEYOND_UPSTREAM)
     assert family.help.strip()
     assert name in catalog
     assert catalog.find(name) is family
@@ -115,7 +135,7 @@ def test_only_unfulfilled_is_attempt_level(catalog):
     assert flagged == {"storage_prefetch_unfulfilled_tokens_total"}
 
 
-def test_unfulfilled_presets_exactly_the_ten_reasons_in_order(catalog):
+def test_unfulfilled_presets_exactly_the_engines_eleven_reasons_in_order(catalog):
     family = catalog.get("storage_prefetch_unfulfilled_tokens_total")
     assert dict(family.preset) == {"reason": UNFULFILLED_REASONS}
     assert tuple(family.preset["reason"]) == UNFULFILLED_REASONS
@@ -129,11 +149,37 @@ def test_deferred_presets_host_and_device_capacity(catalog):
     assert family.preset_label_sets() == [{"reason": "host_capacity"}, {"reason": "device_capacity"}]
 
 
-def test_only_the_two_reason_families_have_presets(catalog):
+def test_prefill_effective_tokens_presets_the_four_modes(catalog):
+    family = catalog.get("prefill_effective_tokens_total")
+    assert dict(family.preset) == {"mode": PREFILL_MODES}
+    assert not family.attempt_level
+
+
+def test_only_the_two_reason_families_and_the_prefill_modes_have_presets(catalog):
     assert {f.name for f in catalog if f.preset} == {
         "storage_prefetch_unfulfilled_tokens_total",
         "storage_prefetch_deferred_tokens_total",
+        "prefill_effective_tokens_total",
     }
+
+
+def test_every_default_family_names_its_collector(catalog):
+    assert all(f.collector is not None for f in catalog)
+
+
+def test_for_collector_gives_each_collectors_families_as_a_catalog(catalog):
+    parts = {c: catalog.for_collector(c) for c in Collector}
+    assert sum(len(p) for p in parts.values()) == len(catalog)
+    for collector, part in parts.items():
+        assert {f.name for f in part} == {n for n, spec in DOCUMENTED.items() if spec[3] is collector}
+        assert all(part.get(f.name) is catalog.get(f.name) for f in part)
+    # A bytes counter travels with its duration histogram.
+    assert parts[STORAGE].get("storage_prefetch_bytes_total").duration_histogram in parts[STORAGE]
+    assert catalog.for_collector("radix") == parts[RADIX]
+    with pytest.raises(ValueError):
+        catalog.for_collector("tokenizer")
+    with pytest.raises(UnknownFamilyError):
+        catalog_from_data({"families": [_fam()]}).for_collector("radix")
 
 
 def test_preset_label_sets_of_unlabelled_and_unpreset_families(catalog):
@@ -263,6 +309,7 @@ INVALID = [
     ("reserved-tp_rank", [_fam(labels=["tp_rank"])], ["families.0.labels", "tp_rank"]),
     ("reserved-pp_rank", [_fam(labels=["pool", "pp_rank"])], ["families.0.labels", "pp_rank"]),
     ("reserved-dp_rank", [_fam(labels=["dp_rank"])], ["families.0.labels", "dp_rank"]),
+    ("reserved-attn_cp_rank", [_fam(labels=["attn_cp_rank"])], ["families.0.labels", "attn_cp_rank"]),
     ("reserved-dunder", [_fam(labels=["__meta"])], ["families.0.labels", "__meta"]),
     ("bad-label-name", [_fam(labels=["po-ol"])], ["families.0.labels", "po-ol"]),
     ("repeated-label", [_fam(labels=["pool", "pool"])], ["families.0.labels", "pool"]),
@@ -271,6 +318,12 @@ INVALID = [
     ("bad-semantics", [{**_fam(), "semantics": "summed"}], ["families.0.semantics"]),
     ("missing-semantics", [{k: v for k, v in _fam().items() if k != "semantics"}], ["families.0.semantics"]),
     ("empty-help", [_fam(help="")], ["families.0.help"]),
+    ("bad-collector", [_fam(collector="tokenizer")], ["families.0.collector"]),
+    ("bad-beyond-upstream", [_fam(beyond_upstream="maybe")], ["families.0.beyond_upstream"]),
+    ("duration-histogram-other-collector",
+     [_fam(name="x_bytes_total", duration_histogram="x_seconds", collector="storage"),
+      _hist(name="x_seconds", collector="radix")],
+     ["x_bytes_total", "x_seconds", "collector"]),
 ]
 
 

@@ -40,7 +40,7 @@ def test_version() -> None:
 
 def test_check_config_accepts_the_default_and_names_bad_fields(tmp_path: Path) -> None:
     good = run_cli("check-config", "config/sidecar.yaml")
-    assert good.returncode == 0 and "OK" in good.stdout and "28 families" in good.stdout
+    assert good.returncode == 0 and "OK" in good.stdout and "32 families" in good.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("ranks:\n  stale_after_seconds: -1\n  typo_key: 3\n")
     result = run_cli("check-config", str(bad))

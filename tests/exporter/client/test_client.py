@@ -32,7 +32,7 @@ def test_push_reaches_metrics_and_close_says_bye(sidecar: SidecarThread) -> None
     scrape = sidecar.scrape()
     # Presets arrive with the first snapshot: every documented reason at 0.
     reasons = {s.labels["reason"] for s in scrape.find("sglang_storage_prefetch_unfulfilled_tokens_total")}
-    assert len(reasons) == 10 and "anchor_lost" in reasons
+    assert len(reasons) == 11 and "anchor_lost" in reasons and "deadline" in reasons
     client.close()
     assert _ranks(sidecar)[0]["status"] == "departed"
     assert client.stats.failures == 0 and client.stats.connects == 1

@@ -18,7 +18,7 @@ from exporter.protocol.messages import HistogramSample, ScalarSample, Snapshot, 
 
 UNFULFILLED_REASONS = (
     "below_threshold", "host_capacity", "device_capacity", "device_covered", "storage_transfer",
-    "anchor_lost", "aux_window_trim", "device_overlap", "cache_admission_shortfall", "dropped",
+    "deadline", "anchor_lost", "aux_window_trim", "device_overlap", "cache_admission_shortfall", "dropped",
 )
 
 
@@ -135,6 +135,7 @@ def test_preset_creates_every_unlabelled_family_and_every_preset_reason(metrics)
     expected = {(f.name, ()) for f in catalog if not f.labels}
     expected |= {("storage_prefetch_unfulfilled_tokens_total", (r,)) for r in UNFULFILLED_REASONS}
     expected |= {("storage_prefetch_deferred_tokens_total", (r,)) for r in ("host_capacity", "device_capacity")}
+    expected |= {("prefill_effective_tokens_total", (m,)) for m in ("input", "device_hit", "host_hit", "storage_hit")}
     assert set(metrics) == expected
     for (family, _), child in metrics.items():
         spec = catalog.get(family)

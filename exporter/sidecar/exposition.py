@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import TypeVar
 
@@ -17,13 +16,11 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from exporter import __version__
-from exporter.catalog import FamilySpec
 from exporter.sidecar.families import SELF, SELF_FAMILIES, ExposedFamilies, Family
 from exporter.sidecar.registry import RankState, RankStatus, exposition_order
 from exporter.sidecar.series import HistAccumulator, HistValue, LabelValues, Layout, RollupKey
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import DurationHistogram, SidecarStats
-from exporter.sidecar.window import Bandwidth, Increases
 
 KeyT = TypeVar("KeyT", bound=tuple)
 ValueT = TypeVar("ValueT")
@@ -70,28 +67,6 @@ def _by_family(*sources: Iterable[tuple[KeyT, ValueT]]) -> dict[str, list[tuple[
     return grouped
 
 
-@dataclass(frozen=True, slots=True)
-class RankRows:
-    """A derived family with rank labels, as rows (rank, the family's own label values, value)."""
-
-    family: Family
-    sample_name: str  # a counter's with `_total`
-    label_names: tuple[str, ...]
-    rows: list[tuple[RankState, LabelValues, float]]
-
-
-@dataclass(frozen=True, slots=True)
-class WindowReading:
-    """One scrape's reading of the window."""
-
-    increases: dict[int, Increases]
-    per_rank_bandwidth: list[tuple[FamilySpec, RankState, LabelValues, Bandwidth]]
-    rolled_bandwidth: dict[RollupKey, Bandwidth]
-
-
-RANK_FAMILIES = frozenset(SELF_FAMILIES[SELF + n] for n in ("rank_up", "rank_last_push_timestamp_seconds", "rank_restarts"))
-
-
 class SidecarCollector(Collector):
     """Yields per-rank series, rollups, bandwidth and spread gauges, and the sidecar's self-metrics."""
 
@@ -106,41 +81,17 @@ class SidecarCollector(Collector):
         ranks = self.state.exposed_ranks()
         rank_labels = {id(r): r.label_dict() for r in ranks}
         yield from self._per_rank(ranks, rank_labels)
-        reading = self.read_window()
-        yield from self.shared(reading)
-        for rows in self.rank_rows(ranks, reading):
-            metric = new_metric(rows.family)
-            name = rows.sample_name
-            for rank, values, value in rows.rows:
-                metric.add_sample(name, _labels(rows.label_names, values, rank_labels[id(rank)]), value)
-            yield metric
+        yield from self.derived(ranks, rank_labels)
 
-    def read_window(self) -> WindowReading:
-        """What one scrape reads from the window: every known rank's increases (departed and expired
-        ones too) and the active bandwidths made of them."""
+    def derived(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
+        """Everything but the per-rank catalog series: rollups, bandwidth, spread, self-metrics."""
         state = self.state
+        yield from self._rollups()
         known = sorted(state.ranks.values(), key=exposition_order)
         increases = state.window.increases(known, state.clock())
-        return WindowReading(increases, *state.window.bandwidths(known, increases))
-
-    def shared(self, reading: WindowReading) -> Iterator[Metric]:
-        """The derived families without rank labels: rollups, rolled-up bandwidth, spreads, the sidecar's own."""
-        yield from self._rollups()
-        yield from self._rollup_bandwidth(reading)
-        yield from self._spreads(reading.increases)
-        yield from self._self_metrics()
-
-    def rank_rows(self, ranks: list[RankState], reading: WindowReading) -> Iterator[RankRows]:
-        """The derived families with rank labels, as rows: per-rank bandwidth, rank up, last push, restarts."""
-        by_family: dict[str, list[tuple[RankState, LabelValues, float]]] = {}
-        for spec, rank, values, bw in reading.per_rank_bandwidth:  # unexpired ranks only, in exposition order
-            by_family.setdefault(spec.name, []).append((rank, values, bw.value))
-        for name, (family, _) in self.families.bandwidth.items():
-            yield RankRows(family, family.name, self._labels[name], by_family.get(name, []))
-        up, last, restarts = (SELF_FAMILIES[SELF + n] for n in ("rank_up", "rank_last_push_timestamp_seconds", "rank_restarts"))
-        yield RankRows(up, up.name, (), [(r, (), 1.0 if r.status is RankStatus.LIVE else 0.0) for r in ranks])
-        yield RankRows(last, last.name, (), [(r, (), r.last_push_wall) for r in ranks if r.last_push_wall is not None])
-        yield RankRows(restarts, restarts.name + "_total", (), [(r, (), float(r.restarts)) for r in ranks])
+        yield from self._bandwidth(known, increases, rank_labels)
+        yield from self._spreads(increases)
+        yield from self._self_metrics(ranks, rank_labels)
 
     def _per_rank(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
         reported = self.state.help
@@ -163,15 +114,27 @@ class SidecarCollector(Collector):
                 add_value(metric, _labels(self._labels[name], values, dict(static)), value)
             yield metric
 
-    def _rollup_bandwidth(self, reading: WindowReading) -> Iterator[Metric]:
-        rolled_rows = _by_family(reading.rolled_bandwidth.items())
-        for name, (_, rollup_family) in self.families.bandwidth.items():
+    def _bandwidth(
+        self, known: list[RankState], increases: dict[int, dict[tuple[str, LabelValues], float]],
+        rank_labels: dict[int, dict[str, str]],
+    ) -> Iterator[Metric]:
+        per_rank, rolled = self.state.window.bandwidths(known, increases)
+        rank_rows: dict[str, list[tuple[RankState, LabelValues, float]]] = {}
+        for spec, rank, values, bw in per_rank:
+            rank_rows.setdefault(spec.name, []).append((rank, values, bw.value))
+        rolled_rows = _by_family(rolled.items())
+        for name, (per_rank_family, rollup_family) in self.families.bandwidth.items():
+            names = self._labels[name]
+            metric = new_metric(per_rank_family)
+            for rank, values, value in rank_rows.get(name, ()):
+                metric.add_sample(metric.name, _labels(names, values, rank_labels[id(rank)]), value)
+            yield metric
             rollup = new_metric(rollup_family)
             for (_, static, values), bw in rolled_rows.get(name, ()):
-                rollup.add_sample(rollup.name, _labels(self._labels[name], values, dict(static)), bw.value)
+                rollup.add_sample(rollup.name, _labels(names, values, dict(static)), bw.value)
             yield rollup
 
-    def _spreads(self, increases: dict[int, Increases]) -> Iterator[Metric]:
+    def _spreads(self, increases: dict[int, dict[tuple[str, LabelValues], float]]) -> Iterator[Metric]:
         state = self.state
         by_family = _by_family(state.window.spreads(state.registry.groups(), increases).items())
         for name, family in self.families.spread.items():
@@ -181,10 +144,9 @@ class SidecarCollector(Collector):
                 metric.add_sample(metric.name, labels, ratio)
             yield metric
 
-    def _self_metrics(self) -> Iterator[Metric]:
-        """The sidecar's own families without rank labels (rank_rows() has the per-rank ones)."""
+    def _self_metrics(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
         stats, state = self.stats, self.state
-        metric = {name[len(SELF):]: new_metric(family) for name, family in SELF_FAMILIES.items() if family not in RANK_FAMILIES}
+        metric = {name[len(SELF):]: new_metric(family) for name, family in SELF_FAMILIES.items()}
         info = metric["build_info"]
         info.add_sample(info.name, {"version": __version__, "python_version": platform.python_version()}, 1.0)
         by_status = dict.fromkeys(RankStatus, 0)
@@ -192,6 +154,13 @@ class SidecarCollector(Collector):
             by_status[rank.status] += 1
         for status, count in by_status.items():
             metric["ranks"].add_sample(SELF + "ranks", {"state": status.value}, float(count))
+        up, last, restarts = metric["rank_up"], metric["rank_last_push_timestamp_seconds"], metric["rank_restarts"]
+        for rank in ranks:
+            labels = rank_labels[id(rank)]
+            up.add_sample(up.name, labels, 1.0 if rank.status is RankStatus.LIVE else 0.0)
+            if rank.last_push_wall is not None:
+                last.add_sample(last.name, labels, rank.last_push_wall)
+            restarts.add_sample(restarts.name + "_total", labels, float(rank.restarts))
         for name, value in (
             ("connections", stats.connections_open), ("connections_accepted", stats.connections_accepted),
             ("frames_received", stats.frames_received), ("snapshots_received", stats.snapshots_received),

@@ -16,7 +16,7 @@ from math import isfinite
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
-from exporter.catalog import MetricType
+from exporter.catalog import FamilySpec, MetricType
 from exporter.sidecar.exposition import SidecarCollector, le_values
 from exporter.sidecar.registry import RankState
 from exporter.sidecar.series import HistValue, SeriesKey
@@ -80,11 +80,10 @@ class _RankLines:
     have not changed; the layout they are filled from, valid while its set of series has not
     changed; and the per-series line prefixes (name and labels), valid while the rank exists."""
 
-    __slots__ = ("version", "filled", "joined", "shape", "layout", "prefixes", "epoch", "rank_text")
+    __slots__ = ("version", "filled", "joined", "shape", "layout", "prefixes", "epoch")
 
     def __init__(self) -> None:
         self.epoch = ""  # the epoch `prefixes` were made in: histogram layouts change only across epochs
-        self.rank_text = ""  # the rank's own labels as text, as of that epoch
         self.version: tuple[int, int, str] | None = None
         self.filled: list[str] = []
         # Each family's span of `filled` joined, made at the first scrape that finds the rank
@@ -148,7 +147,8 @@ class TextRenderer:
     def render(self, openmetrics: bool = False) -> bytes:
         """One /metrics body. The garbage collector waits until it is done: a render allocates
         thousands of short-lived strings, enough to set off a full collection over every rank's
-        state now and then (64-rank scrape p99 14.9 ms with it, 9.8 ms without; p50 unchanged)."""
+        state now and then (`python -m bench.scrape --ranks 64`: p99 14.9 ms with it, 9.8 ms
+        without; p50 unchanged)."""
         if not gc.isenabled():
             return self._render(openmetrics)
         gc.disable()
@@ -176,23 +176,9 @@ class TextRenderer:
                     parts.append(lines.joined.get(name, ""))
                 elif (span := lines.layout.spans.get(name)) is not None:
                     parts += lines.filled[span[0]:span[1]]
-        collector = self.collector
-        reading = collector.read_window()
+        rank_labels = {id(r): r.label_dict() for r in ranks}
         texts = self._label_texts
-        parts.extend(format_metric(metric, openmetrics, texts) for metric in collector.shared(reading))
-        # Families with rank labels are most of the derived lines: each rank's label text is kept
-        # with its cached lines, so a line costs one f-string (about 1 ms less per 64-rank scrape
-        # than going through Metric objects; test_render holds the output to prometheus_client's).
-        by_identity = self._ranks
-        for rows in collector.rank_rows(ranks, reading):
-            family = rows.family
-            parts.append(header(family.name, family.type, family.help, openmetrics))
-            name, names = rows.sample_name, rows.label_names
-            for rank, values, value in rows.rows:
-                labels = by_identity[rank.identity].rank_text
-                if values:
-                    labels = self._labels_of(family.name, names, values) + labels
-                parts.append(f"{name}{{{labels}}} {spell_value(value)}\n")
+        parts.extend(format_metric(metric, openmetrics, texts) for metric in self.collector.derived(ranks, rank_labels))
         if openmetrics:
             parts.append("# EOF\n")
         return "".join(parts).encode()
@@ -211,7 +197,6 @@ class TextRenderer:
         if cached.epoch != rank.epoch:
             cached.prefixes.clear()
             cached.epoch = rank.epoch
-            cached.rank_text = label_text(rank.label_dict())
         # Within an epoch series are only ever added, so the count names the set of series.
         shape = (id(rank), rank.epoch, len(values))
         if cached.shape != shape:
@@ -244,7 +229,7 @@ class TextRenderer:
         """`name{labels} ` for each line of one series (every bucket, count and sum of a histogram)."""
         family, values = key
         spec = self.specs[family]
-        labels = self._labels_of(family, spec.labels, values) + self._ranks[rank.identity].rank_text
+        labels = self._labels_of(spec, values) + label_text(rank.label_dict())
         name = self.families[family].name
         value = rank.values[key]
         if not isinstance(value, HistValue):
@@ -252,12 +237,12 @@ class TextRenderer:
         buckets = tuple(f'{name}_bucket{{{labels},le="{bound}"}} ' for bound in le_values(value.bounds))
         return (*buckets, f"{name}_count{{{labels}}} ", f"{name}_sum{{{labels}}} ")
 
-    def _labels_of(self, family: str, names: tuple[str, ...], values: tuple[str, ...]) -> str:
-        """A family's own labels as text, with the separator before the rank labels."""
-        key = (family, values)
+    def _labels_of(self, spec: FamilySpec, values: tuple[str, ...]) -> str:
+        """The family's own labels as text, with the separator before the rank labels."""
+        key = (spec.name, values)
         text = self._family_labels.get(key)
         if text is None:
-            text = "".join(f'{name}="{escape_label_value(value)}",' for name, value in zip(names, values))
+            text = "".join(f'{name}="{escape_label_value(value)}",' for name, value in zip(spec.labels, values))
             if len(self._family_labels) < 100_000:
                 self._family_labels[key] = text
         return text

@@ -136,3 +136,22 @@ def test_renderer_matches_prometheus_client_with_several_bucket_layouts() -> Non
     ours = renderer.render().decode()
     _same(_samples(parse_text(ours)), _samples(parse_text(reference)))
     assert 'le="0.5"' in ours and 'le="0.009"' in ours
+
+
+def test_a_render_pauses_garbage_collection_and_restores_it(populated: Populated) -> None:
+    import gc
+
+    _, collector, _ = populated
+    renderer = TextRenderer(collector)
+    seen: list[bool] = []
+    original = renderer._render
+    renderer._render = lambda openmetrics: (seen.append(gc.isenabled()), original(openmetrics))[1]  # type: ignore[method-assign]
+    assert gc.isenabled()
+    body = renderer.render()
+    assert seen == [False] and gc.isenabled() and body.startswith(b"# HELP")
+    gc.disable()
+    try:
+        renderer.render()
+        assert not gc.isenabled()  # a caller that had it off keeps it off
+    finally:
+        gc.enable()

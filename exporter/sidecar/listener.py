@@ -14,7 +14,7 @@ from exporter.errors import ErrorCode, ProtocolError
 from exporter.protocol.framing import FrameDecoder, encode_message
 from exporter.protocol.messages import Bye, ErrorMessage, Hello, Snapshot, Welcome, message_type, parse_client_message
 from exporter.sidecar.registry import RankState
-from exporter.sidecar.socket_file import peer_uid, prepare_socket_path
+from exporter.sidecar.socket_file import SocketIdentity, peer_uid, prepare_socket_path, remove_socket_file, socket_identity
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import SidecarStats
 
@@ -39,6 +39,7 @@ class IngestServer:
         self.state = state
         self.stats = stats
         self._server: asyncio.AbstractServer | None = None
+        self._socket_file: SocketIdentity | None = None
         self._connections: dict[asyncio.Task[None], _Connection] = {}
 
     @property
@@ -48,6 +49,7 @@ class IngestServer:
     async def start(self) -> None:
         prepare_socket_path(self.path, self.config.dir_mode)
         self._server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=READ_CHUNK)
+        self._socket_file = socket_identity(self.path)
         os.chmod(self.path, self.config.socket_mode)
         self.stats.ingest_listening = True
         log.info("ingest listening on %s", self.path)
@@ -72,10 +74,7 @@ class IngestServer:
             for task in stuck:
                 task.cancel()
             await asyncio.gather(*stuck, return_exceptions=True)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        remove_socket_file(self.path, self._socket_file)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

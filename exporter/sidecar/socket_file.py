@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import stat
@@ -25,14 +26,41 @@ def prepare_socket_path(path: Path, dir_mode: int) -> None:
     probe.settimeout(1.0)
     try:
         probe.connect(str(path))
-    except OSError:
-        os.unlink(path)  # nobody listens: a dead sidecar's leftover
+    except (ConnectionRefusedError, FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # nobody listens: a dead sidecar's leftover
         return
+    except OSError as err:  # EAGAIN: a live listener whose backlog is full; EACCES, timeouts: unknown
+        raise SocketInUseError(
+            f"cannot tell whether another sidecar listens on {path} ({err.strerror or err}); "
+            "refusing to replace it: stop the other sidecar or give this one another --socket"
+        ) from None
     finally:
         probe.close()
     raise SocketInUseError(
         f"another sidecar is already listening on {path}; stop it or give this one another --socket"
     )
+
+
+SocketIdentity = tuple[int, int]  # (st_dev, st_ino) of the socket file a listener created
+
+
+def socket_identity(path: Path) -> SocketIdentity:
+    """Which file `path` is now: taken right after binding, so that only its creator removes it."""
+    info = os.lstat(path)
+    return (info.st_dev, info.st_ino)
+
+
+def remove_socket_file(path: Path, identity: SocketIdentity | None) -> None:
+    """Remove the socket file this process created; one that another sidecar has since put at
+    the same path (the file is not ours any more) stays."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if identity is not None and (info.st_dev, info.st_ino) == identity:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def peer_uid(sock: socket.socket | None) -> int | None:

@@ -10,6 +10,7 @@ import logging
 import random
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,9 +20,7 @@ from exporter.protocol.messages import Bye, ErrorMessage, Hello, Snapshot, Welco
 
 log = logging.getLogger("hicache_exporter.client")
 
-# Codes after which retrying the same hello can never succeed.
-FATAL_CODES = frozenset({ErrorCode.STALE_EPOCH.value, ErrorCode.INVALID_HELLO.value,
-                         ErrorCode.UNSUPPORTED_PROTOCOL.value, ErrorCode.PEER_REFUSED.value})
+REFUSAL_LOG_SECONDS = 60.0  # a refused rank says so at once, then once a minute while it lasts
 
 
 @dataclass
@@ -33,7 +32,7 @@ class PushStats:
     failures: int = 0
     errors_by_code: dict[str, int] = field(default_factory=dict)
     last_error: str | None = None
-    fatal: str | None = None
+    refused: str | None = None  # why the sidecar refuses this rank's hello now (None once accepted)
 
 
 class Pusher:
@@ -58,6 +57,7 @@ class Pusher:
         self._sock: socket.socket | None = None
         self._decoder = FrameDecoder()
         self._seq = 0
+        self._refusal_logged = 0.0
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._io_lock = threading.Lock()  # the thread and close() never write at once
@@ -84,7 +84,7 @@ class Pusher:
         if self._thread is not None:
             self._thread.join(timeout)
         with self._io_lock:
-            if self.stats.fatal is None:
+            if self.stats.refused is None:  # a refused rank would only be refused once more
                 try:
                     self._ensure_connected()
                     self._send_snapshot()
@@ -110,9 +110,9 @@ class Pusher:
                 except (OSError, ProtocolError) as err:
                     self._failed(err)
                     self._disconnect()
-                    if self.stats.fatal is not None:
-                        return
-                    delay = backoff * random.uniform(0.5, 1.0)
+                    # A refused hello (stale epoch, a duplicate, a refused uid) only clears when
+                    # something outside changes: keep asking, at the slowest pace.
+                    delay = (self.max_backoff if self.stats.refused else backoff) * random.uniform(0.5, 1.0)
                     backoff = min(backoff * 2, self.max_backoff)
             self._wake.wait(delay)
             self._wake.clear()
@@ -141,9 +141,13 @@ class Pusher:
         reply = self._read_reply()
         if isinstance(reply, ErrorMessage):
             self._record_error(reply)
+            self._refused(reply)
             raise ProtocolError(ErrorCode(reply.code) if reply.code in ErrorCode._value2member_map_
                                 else ErrorCode.MALFORMED_FRAME, f"sidecar refused hello: {reply.code}: {reply.message}")
         self.stats.connects += 1
+        if self.stats.refused is not None:
+            log.warning("sidecar at %s accepts this rank again", self.socket_path)
+            self.stats.refused = None
 
     def _disconnect(self) -> None:
         if self._sock is not None:
@@ -195,8 +199,16 @@ class Pusher:
         count = self.stats.errors_by_code.get(reply.code, 0) + 1
         self.stats.errors_by_code[reply.code] = count
         self.stats.last_error = f"{reply.code}: {reply.message}"
-        if reply.code in FATAL_CODES:
-            self.stats.fatal = self.stats.last_error
-            log.error("sidecar refused this rank for good: %s", self.stats.last_error)
-        elif count == 1:
+        if count == 1:
             log.warning("sidecar rejected data: %s", self.stats.last_error)
+
+    def _refused(self, reply: ErrorMessage) -> None:
+        """Say loudly, and again every minute, that this rank's numbers are not reaching the sidecar."""
+        now = time.monotonic()
+        if self.stats.refused is None or now - self._refusal_logged >= REFUSAL_LOG_SECONDS:
+            log.error(
+                "sidecar at %s refuses this rank's hello (%s: %s): nothing this process counts reaches /metrics; "
+                "retrying every %.0f s", self.socket_path, reply.code, reply.message, self.max_backoff,
+            )
+            self._refusal_logged = now
+        self.stats.refused = f"{reply.code}: {reply.message}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -93,22 +94,27 @@ def test_sidecar_rejections_are_recorded_not_raised(sidecar: SidecarThread) -> N
     client = RankClient(sidecar.socket_path, rank=RANK, interval=0.05, catalog=extended).start()
     client.counter("made_up_tokens_total").inc(5)
     wait_until(lambda: client.stats.errors_by_code.get("unknown_family", 0) >= 1)
-    assert client.stats.fatal is None
+    assert client.stats.refused is None
     client.close()
 
 
-def test_stale_epoch_is_fatal_for_the_old_process(sidecar: SidecarThread) -> None:
+def test_a_refused_process_keeps_asking_and_says_why(sidecar: SidecarThread, caplog: pytest.LogCaptureFixture) -> None:
+    """stale_epoch once stopped a client for good: a rank whose identity an impostor had taken was locked out."""
     old = RankClient(sidecar.socket_path, rank=RANK, interval=0.05).start()
     wait_until(lambda: old.stats.snapshots_sent > 0)
     old.close()
     new = RankClient(sidecar.socket_path, rank=RANK, interval=0.05).start()
     wait_until(lambda: new.stats.snapshots_sent > 0)
     new.close()
-    ghost = RankClient(sidecar.socket_path, rank=RANK, interval=0.05)
+    ghost = RankClient(sidecar.socket_path, rank=RANK, interval=0.05, max_backoff=0.05)
     ghost.epoch = old.epoch  # the same process start coming back after being replaced
-    ghost.start()
-    wait_until(lambda: ghost.stats.fatal is not None)
-    assert "stale_epoch" in ghost.stats.fatal
+    with caplog.at_level(logging.ERROR, logger="hicache_exporter.client"):
+        ghost.start()
+        wait_until(lambda: ghost.stats.refused is not None and ghost.stats.errors_by_code.get("stale_epoch", 0) >= 3)
+    assert "stale_epoch" in ghost.stats.refused  # type: ignore[operator]
+    assert ghost._pusher._thread is not None and ghost._pusher._thread.is_alive()  # still trying
+    assert [r for r in caplog.records if "refuses this rank's hello" in r.getMessage()]
+    assert len([r for r in caplog.records if "refuses" in r.getMessage()]) == 1  # said once, not per retry
     ghost.close()
 
 

@@ -83,11 +83,37 @@ async def _metrics(request: web.Request) -> web.Response:
     _, content_type = choose_encoder(request.headers.get("Accept", ""))  # prometheus_client's negotiation
     body = request.app[RENDERER].render(openmetrics=content_type.startswith("application/openmetrics-text"))
     request.app[STATS].scrape_duration.observe(time.perf_counter() - started)
-    headers = {"Content-Type": content_type}
-    if "gzip" in request.headers.get("Accept-Encoding", ""):
+    headers = {"Content-Type": content_type, "Vary": "Accept-Encoding"}
+    if accepts_gzip(request.headers.get("Accept-Encoding", "")):
         body = gzip.compress(body, compresslevel=1)
         headers["Content-Encoding"] = "gzip"
     return web.Response(body=body, headers=headers)
+
+
+def accepts_gzip(accept_encoding: str) -> bool:
+    """Whether an Accept-Encoding header allows gzip (RFC 9110 section 12.5.3: codings are
+    case-insensitive, `q=0` refuses one, `*` stands for any not named). aiohttp's own check is a
+    substring test, which reads `gzip;q=0` as yes and `GZIP` as no."""
+    named: float | None = None
+    star: float | None = None
+    for item in accept_encoding.split(","):
+        coding, *params = (part.strip() for part in item.split(";"))
+        weight = 1.0
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    weight = float(value)
+                except ValueError:
+                    weight = 0.0
+        coding = coding.lower()
+        if coding in ("gzip", "x-gzip"):
+            named = weight if named is None else max(named, weight)
+        elif coding == "*":
+            star = weight
+    if named is not None:
+        return named > 0
+    return star is not None and star > 0
 
 
 async def _healthy(request: web.Request) -> web.Response:

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import time
 
+import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
 from exporter.catalog import MetricType, default_catalog
@@ -61,6 +62,19 @@ def test_metrics_gzip_when_accepted(sidecar: SidecarThread) -> None:
     status, body, headers = http_get(sidecar.url + "/metrics", {"Accept-Encoding": "gzip"})
     assert status == 200 and headers.get("Content-Encoding") == "gzip"
     assert b"hicache_exporter_build_info" in gzip.decompress(body)
+    assert headers.get("Vary") == "Accept-Encoding"  # caches must not hand gzip to a client that did not ask
+
+
+@pytest.mark.parametrize(("accept", "gzipped"), [
+    ("gzip;q=0", False), ("GZIP", True), ("deflate, gzip;q=0.5", True), ("identity", False), ("*", True),
+    ("*;q=0", False), ("gzip;q=0, *", False), ("br;q=1, *;q=0.1", True), ("gzip; q=0.000", False), ("gzip;q=x", False),
+    ("", False),
+])
+def test_gzip_follows_the_q_values(sidecar: SidecarThread, accept: str, gzipped: bool) -> None:
+    status, body, headers = http_get(sidecar.url + "/metrics", {"Accept-Encoding": accept})
+    assert status == 200 and (headers.get("Content-Encoding") == "gzip") is gzipped, headers
+    assert headers.get("Vary") == "Accept-Encoding"
+    assert b"hicache_exporter_build_info" in (gzip.decompress(body) if gzipped else body)
 
 
 def test_health_and_readiness(sidecar: SidecarThread) -> None:

@@ -77,8 +77,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
+    from exporter.sidecar.security import server_ssl_context
+
     config: SidecarConfig = load_config(args.file, env={})
     catalog = load_catalog(config.metrics.catalog)
+    if config.http.tls_server_config is not None:
+        server_ssl_context(config.http.tls_server_config)  # the files exist and load, as serve needs them
     print(f"{args.file}: OK ({len(catalog)} families, namespace {config.metrics.namespace!r}, "
           f"http port {config.http.port}, socket {config.ingest.socket_path})")
     return 0

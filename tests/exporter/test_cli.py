@@ -50,6 +50,15 @@ def test_check_config_accepts_the_default_and_names_bad_fields(tmp_path: Path) -
     assert missing.returncode == 2 and "cannot read" in missing.stderr
 
 
+def test_check_config_loads_the_tls_files_it_names(tmp_path: Path) -> None:
+    config = tmp_path / "tls.yaml"
+    config.write_text(f"http:\n  tls_server_config:\n    cert_file: {tmp_path}/no.crt\n    key_file: {tmp_path}/no.key\n")
+    result = run_cli("check-config", str(config))
+    assert result.returncode == 2, result.stdout
+    assert "no.crt" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 def _start_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen([*CLI, "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})

@@ -40,9 +40,12 @@ def build_app(
 ) -> web.Application:
     """The application over in-memory state; its cleanup context runs the ingest listener and housekeeping."""
     middlewares: list[Middleware] = []
-    if config.http.basic_auth_users:
-        middlewares.append(auth_middleware(BasicAuth(config.http.basic_auth_users)))
+    auth = BasicAuth(config.http.basic_auth_users) if config.http.basic_auth_users else None
+    if auth is not None:
+        middlewares.append(auth_middleware(auth))
     app = web.Application(middlewares=middlewares)
+    if auth is not None:
+        app.on_cleanup.append(lambda _: _close(auth))
     app[CONFIG] = config
     app[STATE] = state
     app[STATS] = stats
@@ -56,6 +59,10 @@ def build_app(
     app.router.add_get("/api/v1/ranks", _ranks)
     app.router.add_get("/", _status_page)
     return app
+
+
+async def _close(auth: BasicAuth) -> None:
+    auth.close()
 
 
 async def _ingest_listener(app: web.Application) -> AsyncIterator[None]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
 import ssl
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -18,12 +20,20 @@ from exporter.errors import ConfigError
 OPEN_PATHS = frozenset({"/-/healthy", "/-/ready"})
 REALM = 'Basic realm="hicache-exporter", charset="UTF-8"'
 MAX_CACHED = 1024
+MAX_CONCURRENT_CHECKS = 2
+MAX_WAITING_CHECKS = 64
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class BasicAuth:
-    """Checks `Authorization: Basic` against bcrypt hashes; successful checks are cached (bcrypt is slow)."""
+    """Checks `Authorization: Basic` against bcrypt hashes, off the event loop.
+
+    bcrypt costs tens of milliseconds by design; run on the event loop, eight clients sending
+    wrong passwords held every probe for seconds. Checks run in a small thread pool, at most
+    MAX_CONCURRENT_CHECKS at a time with at most MAX_WAITING_CHECKS queued behind them (more get
+    429 at once), and successful credentials are remembered so that a scraper pays once.
+    """
 
     def __init__(self, users: dict[str, str]) -> None:
         import bcrypt  # only needed when basic auth is configured
@@ -33,30 +43,53 @@ class BasicAuth:
         self._verified: set[bytes] = set()
         # Checked for unknown users, so that they cost the same time as known ones.
         self._dummy = bcrypt.hashpw(b"no such user", bcrypt.gensalt(10))
+        self._pool = ThreadPoolExecutor(MAX_CONCURRENT_CHECKS, thread_name_prefix="bcrypt")
+        self._slots = asyncio.Semaphore(MAX_CONCURRENT_CHECKS)
+        self._waiting = 0
 
-    def allows(self, header: str | None) -> bool:
-        if not header or not header.startswith("Basic "):
+    async def allows(self, header: str | None) -> bool | None:
+        """True or False; None when too many checks are already waiting (the caller answers 429)."""
+        credentials = _credentials(header)
+        if credentials is None:
             return False
-        try:
-            decoded = base64.b64decode(header[6:], validate=True).decode("utf-8")
-        except (binascii.Error, UnicodeDecodeError):
-            return False
-        user, sep, password = decoded.partition(":")
-        if not sep:
-            return False
+        user, password = credentials
         token = hashlib.sha256(f"{user}\0{password}".encode()).digest()
         if token in self._verified:
             return True
-        hashed = self.users.get(user)
+        if self._waiting >= MAX_WAITING_CHECKS:
+            return None
+        self._waiting += 1
         try:
-            ok = self._bcrypt.checkpw(password.encode(), hashed or self._dummy) and hashed is not None
-        except ValueError:
-            ok = False
+            async with self._slots:
+                ok = await asyncio.get_running_loop().run_in_executor(self._pool, self._check, user, password)
+        finally:
+            self._waiting -= 1
         if ok:
             if len(self._verified) >= MAX_CACHED:
                 self._verified.clear()
             self._verified.add(token)
         return ok
+
+    def _check(self, user: str, password: str) -> bool:
+        hashed = self.users.get(user)
+        try:
+            return bool(self._bcrypt.checkpw(password.encode(), hashed or self._dummy)) and hashed is not None
+        except ValueError:
+            return False
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _credentials(header: str | None) -> tuple[str, str] | None:
+    if not header or not header.startswith("Basic "):
+        return None
+    try:
+        decoded = base64.b64decode(header[6:], validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    user, sep, password = decoded.partition(":")
+    return (user, password) if sep else None
 
 
 def auth_middleware(auth: BasicAuth) -> Middleware:
@@ -64,8 +97,14 @@ def auth_middleware(auth: BasicAuth) -> Middleware:
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in OPEN_PATHS or auth.allows(request.headers.get("Authorization")):
+        if request.path in OPEN_PATHS:
             return await handler(request)
+        allowed = await auth.allows(request.headers.get("Authorization"))
+        if allowed:
+            return await handler(request)
+        if allowed is None:
+            return web.Response(status=429, text="Too many password checks at once; retry later\n",
+                                headers={"Retry-After": "1"})
         return web.Response(status=401, text="Unauthorized\n", headers={"WWW-Authenticate": REALM})
 
     return check

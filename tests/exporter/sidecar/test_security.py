@@ -9,6 +9,8 @@ import shutil
 import socket
 import ssl
 import subprocess
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +67,43 @@ def test_basic_auth_guards_everything_but_the_probes(auth_sidecar: SidecarThread
     assert status == 200 and b"hicache_exporter_build_info" in body
     assert http_get(url + "/metrics", _basic("prom", PASSWORD))[0] == 200  # cached verification
     assert http_get(url + "/-/healthy")[0] == 200 and http_get(url + "/-/ready")[0] == 200
+
+
+def test_wrong_passwords_in_flood_never_hold_up_the_probes(socket_dir: Path) -> None:
+    """bcrypt ran on the event loop: sixteen clients with wrong passwords held /-/healthy for seconds."""
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(10)).decode()  # a realistic cost
+    started = time.perf_counter()
+    bcrypt.checkpw(b"wrong", hashed.encode())
+    one_check = time.perf_counter() - started
+    running = SidecarThread(sidecar_config(socket_dir / "m.sock", http={"basic_auth_users": {"prom": hashed}})).start()
+    try:
+        url = running.url
+        stop = threading.Event()
+        codes: list[int] = []
+
+        def attacker() -> None:
+            while not stop.is_set():
+                codes.append(http_get(url + "/metrics", _basic("prom", "wrong"))[0])
+
+        attackers = [threading.Thread(target=attacker, daemon=True) for _ in range(16)]
+        for thread in attackers:
+            thread.start()
+        time.sleep(4 * one_check)  # the flood is under way
+        probes = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            assert http_get(url + "/-/healthy")[0] == 200
+            probes.append(time.perf_counter() - t0)
+        stop.set()
+        for thread in attackers:
+            thread.join(30)
+        # Blocking checks would queue each probe behind up to 16 of them; off the loop a probe
+        # waits for none. A generous bound that only the blocking design can exceed:
+        assert max(probes) < 4 * one_check + 0.25, (max(probes), one_check)
+        assert codes and set(codes) <= {401, 429}
+        assert http_get(url + "/metrics", _basic("prom", PASSWORD))[0] == 200  # the real user still gets in
+    finally:
+        running.stop()
 
 
 def test_plain_text_passwords_are_refused_in_config() -> None:

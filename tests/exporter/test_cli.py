@@ -91,6 +91,42 @@ def test_serve_flags_beat_environment_and_sigterm_cleans_up(socket_dir: Path) ->
             proc.kill()
 
 
+def test_sigterm_is_prompt_while_http_clients_never_read(socket_dir: Path) -> None:
+    """Clients that ask for /metrics and never read held shutdown for aiohttp's default 60 s."""
+    from exporter.client import RankClient
+
+    sock, port = socket_dir / "metrics.sock", free_port()
+    proc = _start_serve("--host", "127.0.0.1", "--port", str(port), "--socket", str(sock))
+    stuck: list[socket.socket] = []
+    try:
+        wait_until(lambda: _ready(port))
+        clients = [RankClient(str(sock), rank={"tp_rank": tp, "pp_rank": 0, "dp_rank": 0}) for tp in range(4)]
+        for client in clients:  # a body of several MB: far more than the socket buffers between us hold
+            for i in range(3500):
+                client.counter("load_back_tokens_total", pool=f"pool-{i:04d}").inc(i)
+            client.start()
+        wait_until(lambda: len(http_get(f"http://127.0.0.1:{port}/metrics")[1]) > 1_500_000, timeout=30)
+        for client in clients:
+            client.close()
+        for _ in range(4):
+            peer = socket.socket()
+            peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            peer.connect(("127.0.0.1", port))
+            peer.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            stuck.append(peer)  # and never read
+        time.sleep(1.0)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert time.monotonic() - started < 15
+    finally:
+        for peer in stuck:
+            peer.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 def test_live_socket_is_refused_and_a_stale_one_replaced(socket_dir: Path) -> None:
     sock = socket_dir / "metrics.sock"
     port = free_port()

@@ -66,11 +66,12 @@ def _setup_logging(level: str) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from exporter.sidecar.process import tune_gc
+    from exporter.sidecar.process import raise_fd_limit, tune_gc
     from exporter.sidecar.runner import Sidecar
 
     config = load_config(args.config, port=args.port, host=args.host, socket_path=args.socket)
     _setup_logging(args.log_level or config.log_level)
+    raise_fd_limit()
     tune_gc()
     asyncio.run(Sidecar(config).run())
     return 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import logging
+import resource
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,3 +32,18 @@ def serving_gc() -> Iterator[None]:
     finally:
         gc.unfreeze()
         gc.set_threshold(*threshold)
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise the soft limit on open files to the hard one: every rank connection, HTTP client
+    and socket is a descriptor, and a soft limit of 1,024 stalled ingest and scrapes at about
+    that many idle connections. Returns the (soft, hard) limits now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as err:
+            logging.getLogger("hicache_exporter").warning("cannot raise the open-file limit from %d: %s", soft, err)
+    return soft, hard

@@ -177,3 +177,13 @@ def test_serving_gc_settings_last_for_their_block_only() -> None:
             "print(*inside, gc.get_threshold() == before, gc.get_freeze_count())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout.split()
     assert out == ["20000", "True", "True", "0"]
+
+
+def test_serve_raises_the_soft_open_file_limit_to_the_hard_one() -> None:
+    code = ("import resource; soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))\n"
+            "from exporter.sidecar.process import raise_fd_limit\n"
+            "got = raise_fd_limit(); now = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "print(got == now, now[0] > 64)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    assert out == ["True", "True"]

@@ -150,3 +150,39 @@ def test_rank_restarted_fifty_times(sidecar: SidecarThread) -> None:
     assert scrape.value("sglang_rollup_load_back_tokens_total", pool="kv", cache_type="HiRadixCache") == 50 * 16
     assert scrape.value("hicache_exporter_rank_restarts_total", tp_rank="0") == 49
     assert scrape.value("sglang_load_back_bytes_total", tp_rank="0") == 4096  # the last epoch's own value
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_flood_of_rejected_samples_does_not_pin_memory(tmp_path: Path) -> None:
+    """Each rejected sample once kept an exception whose traceback held the snapshot: four 1 MiB
+    frames of unknown families grew the sidecar by over 400 MB, past the pod's 256 Mi limit."""
+    from exporter.protocol.framing import encode_frame
+    from tests.helpers import RawClient, hello
+
+    sock, port = tmp_path / "m.sock", free_port()
+    proc = _serve(port, str(sock))
+    try:
+        wait_until(lambda: sock.exists() and http_get(f"http://127.0.0.1:{port}/-/ready")[0] == 200, timeout=20)
+        client = RawClient(str(sock), timeout=30)
+        client.send(hello(tp=0))
+        client.recv()
+        before = _rss_bytes(proc.pid)
+        samples = ",".join(['{"family":"a"}'] * 65_000)  # just under 1 MiB
+        for seq in range(1, 5):
+            client.send_raw(encode_frame(f'{{"type":"snapshot","seq":{seq},"time":0,"samples":[{samples}]}}'.encode()))
+        scrape = lambda: Scrape(http_get(f"http://127.0.0.1:{port}/metrics")[1].decode())  # noqa: E731
+        wait_until(lambda: scrape().value("hicache_exporter_rejections_total", reason="unknown_family") == 4 * 65_000,
+                   timeout=60)
+        grown = _rss_bytes(proc.pid) - before
+        assert grown < 60 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB"
+        print(f"RSS growth after 4 x 65,000 rejected samples: {grown / 2**20:.1f} MiB")
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(15)

@@ -6,7 +6,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo lint test bench serve venv clean
+.PHONY: demo lint test bench serve venv clean upstream-wheel
 
 venv: $(STAMP)
 
@@ -28,6 +28,11 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest
+
+# The released SGLang wheel (39 MB, without its dependencies) whose collectors tests/integrations run,
+# cached in .cache/sglang/. The tests fetch it themselves on first use, and fail (never skip) without it.
+upstream-wheel: $(STAMP)
+	$(PY) -m tests.upstream_sglang
 
 # Every benchmark, one table of ratios against anchors measured in the same run (a few minutes on
 # 2 cores); writes bench/results/latest.json and bench/results/scrape_vs_ranks.png.

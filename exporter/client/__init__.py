@@ -6,7 +6,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from exporter.catalog import Catalog, MetricType, default_catalog
@@ -33,7 +33,10 @@ class RankClient:
         world: Mapping[str, int] | None = None,
         catalog: Catalog | None = None,
         max_backoff: float = 5.0,
+        preset: bool = True,
     ) -> None:
+        """`preset=False` starts with no series at all: only what is bound is pushed, as an engine's
+        own collectors do (exporter.integrations.sglang), instead of every catalog preset at 0."""
         rank = dict(rank or {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0})
         if not set(RANK_KEYS) <= set(rank) <= set(RANK_AXES):
             raise LabelError(
@@ -58,7 +61,8 @@ class RankClient:
         self._help_lock = threading.Lock()
         self._help_version = 0
         self._help_sent = -1  # the HELP version the current connection has been sent
-        self.metrics.preset()
+        if preset:
+            self.metrics.preset()
         path = socket_path or os.environ.get("HICACHE_EXPORTER_SOCKET") or DEFAULT_SOCKET
         self.socket_path = os.fspath(path)
         self._pusher = Pusher(self.socket_path, self._hello, self._snapshot, interval, max_backoff)
@@ -85,9 +89,11 @@ class RankClient:
                 self._help[family] = help_text
                 self._help_version += 1
 
-    def histogram(self, family: str, **labels: Any) -> HistogramChild:
-        """The histogram child of `family` with `labels`."""
-        child = self.metrics.child(family, labels, MetricType.HISTOGRAM)
+    def histogram(self, family: str, *, buckets: Sequence[float] | None = None, **labels: Any) -> HistogramChild:
+        """The histogram child of `family` with `labels`; `buckets` (finite upper bounds, ascending) replaces
+        the catalog's layout, as an engine's bucket overrides do. A series keeps its first layout (a preset
+        one has the catalog's)."""
+        child = self.metrics.child(family, labels, MetricType.HISTOGRAM, bounds=buckets)
         assert isinstance(child, HistogramChild)
         return child
 

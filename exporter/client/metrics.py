@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -121,11 +121,14 @@ class MetricSet:
             for labels in spec.preset_label_sets():
                 self.child(spec.name, labels)
 
-    def child(self, family: str, labels: dict[str, Any], expect: MetricType | None = None) -> Child:
-        """The child for `family` with `labels`, created at 0 on first use."""
+    def child(
+        self, family: str, labels: dict[str, Any], expect: MetricType | None = None, bounds: Sequence[float] | None = None
+    ) -> Child:
+        """The child for `family` with `labels`, created at 0 on first use; a histogram's `bounds` replace the catalog's."""
         spec = self.catalog.get(family)
         if expect is not None and spec.type is not expect:
             raise LabelError(f"{family!r} is a {spec.type.value}, not a {expect.value}")
+        layout = None if bounds is None else self._layout(spec, bounds)
         values = self._label_values(spec, labels)
         key = (spec.name, values)
         child = self._children.get(key)
@@ -133,9 +136,20 @@ class MetricSet:
             with self._lock:
                 child = self._children.get(key)
                 if child is None:
-                    child = self._new_child(spec)
+                    child = self._new_child(spec, layout)
                     self._children[key] = child
+        if layout is not None and isinstance(child, HistogramChild) and child.bounds != layout:
+            raise LabelError(f"{family!r}{dict(zip(spec.labels, values))} already has the buckets {list(child.bounds)}")
         return child
+
+    @staticmethod
+    def _layout(spec: FamilySpec, bounds: Sequence[float]) -> tuple[float, ...]:
+        if spec.type is not MetricType.HISTOGRAM:
+            raise LabelError(f"{spec.name!r} is a {spec.type.value}: only a histogram has buckets")
+        layout = tuple(float(b) for b in bounds)
+        if not layout or not all(math.isfinite(b) for b in layout) or list(layout) != sorted(set(layout)):
+            raise LabelError(f"{spec.name!r}: buckets must be finite and strictly ascending (+Inf implied), got {list(bounds)}")
+        return layout
 
     @staticmethod
     def _label_values(spec: FamilySpec, labels: dict[str, Any]) -> LabelValues:
@@ -146,13 +160,13 @@ class MetricSet:
         return tuple(str(labels[name]) for name in spec.labels)
 
     @staticmethod
-    def _new_child(spec: FamilySpec) -> Child:
+    def _new_child(spec: FamilySpec, bounds: tuple[float, ...] | None = None) -> Child:
         if spec.type is MetricType.COUNTER:
             return CounterChild()
         if spec.type is MetricType.GAUGE:
             return GaugeChild()
         assert spec.buckets is not None
-        return HistogramChild(spec.buckets)
+        return HistogramChild(bounds or spec.buckets)
 
     def items(self) -> list[tuple[SeriesKey, Child]]:
         with self._lock:

@@ -245,6 +245,31 @@ def test_rank_client_binding_checks_the_type():
     assert isinstance(client.histogram("load_back_duration_seconds"), HistogramChild)
 
 
+def test_a_histogram_may_take_the_engines_buckets_and_keeps_its_first_layout():
+    client = RankClient("/nonexistent/metrics.sock", preset=False)  # a preset series has the catalog's layout
+    child = client.histogram("load_back_duration_seconds", buckets=[0.002, 0.25])
+    assert child.bounds == (0.002, 0.25)
+    child.observe(0.1)
+    assert buckets_of(child) == {0.002: 0, 0.25: 1, "+Inf": 1}
+    assert client.histogram("load_back_duration_seconds", buckets=(0.002, 0.25)) is child
+    assert client.histogram("load_back_duration_seconds") is child  # no buckets: the series as it is
+    with pytest.raises(LabelError, match="already has the buckets"):
+        client.histogram("load_back_duration_seconds", buckets=[0.5])
+    for bad in ([], [0.5, 0.1], [0.1, 0.1], [0.1, math.inf], [math.nan]):
+        with pytest.raises(LabelError, match="strictly ascending"):
+            client.histogram("eviction_duration_seconds", buckets=bad)
+    with pytest.raises(LabelError, match="only a histogram"):
+        client.metrics.child("load_back_bytes_total", {}, bounds=[1.0])
+
+
+def test_without_preset_a_client_pushes_only_what_is_bound():
+    client = RankClient("/nonexistent/metrics.sock", preset=False)
+    assert client.metrics.samples() == []
+    client.counter("storage_prefetch_unfulfilled_tokens_total", reason="deadline").inc(5)
+    assert client.metrics.samples() == [
+        {"family": "storage_prefetch_unfulfilled_tokens_total", "labels": {"reason": "deadline"}, "value": 5}]
+
+
 # --- samples on the wire ----------------------------------------------------------------------
 
 

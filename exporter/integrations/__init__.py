@@ -1,0 +1,1 @@
+"""Engine integrations: imported only inside an engine's rank processes, never by the sidecar."""

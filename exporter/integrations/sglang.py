@@ -1,0 +1,423 @@
+"""SGLang's stat-logger hook: the engine's own collectors push their HiCache series to the sidecar.
+
+    import sglang
+    from exporter.integrations.sglang import stat_loggers
+
+    engine = sglang.Engine(model_path=..., enable_metrics=True, stat_loggers=stat_loggers())
+
+`ServerArgs.stat_loggers` maps a collector role to a subclass of the engine's collector; every
+collector builds its metrics from the class attributes `_counter_cls`, `_gauge_cls` and
+`_histogram_cls` (SGLang's `_StatLoggerDIMixin`). The subclasses here set them to classes with
+prometheus_client's constructor and `labels()`:
+
+* a family of the metric catalog (its engine name is `sglang:` + the catalog name) gets children
+  of a `RankClient`, which pushes over the sidecar's socket (`HICACHE_EXPORTER_SOCKET`, default
+  /run/hicache/metrics.sock) every `HICACHE_EXPORTER_PUSH_INTERVAL` seconds (default 1);
+* every other family (most of the scheduler's) is prometheus_client's own metric, so the
+  engine's own /metrics keeps serving it.
+
+Each `labels(**kw)` call's label names split three ways: the rank axes (`tp_rank`, `pp_rank`,
+`dp_rank`, `attn_cp_rank`), the family's own labels as the catalog lists them (`pool`, `reason`,
+`mode`), and static labels (everything else the engine passes: `cache_type`, `storage_backend`,
+`pp_size`, `model_name`, extra labels, ...). Rank axes plus static labels are a rank identity in
+the sidecar; a process pushes through one `RankClient` per identity it meets, created on first
+use, so a scheduler process with a radix cache, a storage backend and scheduler statistics holds
+three connections. The radix cache's labels carry no context-parallel rank, so in an engine
+process where `attn_cp_size > 1` the process's `attn_cp_rank` joins identities that lack one:
+CP peers are then replicas of one dp group instead of one identity claimed twice.
+
+The engine's HELP texts go with the series (`RankClient.describe`), and the engine's buckets
+(including `SGLANG_BUCKET_*` overrides) are the pushed layout. Clients start in the process that
+first binds a series: the engine spawns its scheduler processes after importing this module, and
+a forked child forgets its parent's clients. A last snapshot is pushed at a normal interpreter
+exit. This module imports the engine; the sidecar never imports this module.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import multiprocessing.util
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import prometheus_client
+from sglang.srt.observability.metrics_collector import (
+    STAT_LOGGER_ROLE_RADIX_CACHE,
+    STAT_LOGGER_ROLE_SCHEDULER,
+    STAT_LOGGER_ROLE_STORAGE,
+    RadixCacheMetricsCollector,
+    SchedulerMetricsCollector,
+    StorageMetricsCollector,
+)
+
+from exporter.catalog import Catalog, FamilySpec, MetricType, default_catalog
+from exporter.client import CounterChild, GaugeChild, HistogramChild, LabelError, RankClient
+from exporter.labels import RANK_AXES
+
+__all__ = [
+    "stat_loggers", "close", "SidecarCounter", "SidecarGauge", "SidecarHistogram",
+    "SidecarRadixCacheMetricsCollector", "SidecarStorageMetricsCollector", "SidecarSchedulerMetricsCollector",
+]
+
+ENGINE_PREFIX = "sglang:"
+SOCKET_ENV = "HICACHE_EXPORTER_SOCKET"
+INTERVAL_ENV = "HICACHE_EXPORTER_PUSH_INTERVAL"
+DEFAULT_INTERVAL = 1.0
+
+log = logging.getLogger("hicache_exporter.integrations.sglang")
+
+Identity = tuple[tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]
+Child = CounterChild | GaugeChild | HistogramChild
+
+
+def stat_loggers(socket_path: str | os.PathLike[str] | None = None, *, interval: float | None = None) -> dict[str, type]:
+    """The role -> collector-class mapping for `ServerArgs.stat_loggers` (`sglang.Engine(stat_loggers=...)`).
+
+    `socket_path` and `interval`, when given, are set in this process's environment
+    (`HICACHE_EXPORTER_SOCKET`, `HICACHE_EXPORTER_PUSH_INTERVAL`): the classes travel to the
+    engine's scheduler processes by reference, and the environment travels with them.
+    """
+    if socket_path is not None:
+        os.environ[SOCKET_ENV] = os.fspath(socket_path)
+    if interval is not None:
+        if not 0 < interval < math.inf:
+            raise ValueError(f"interval must be a positive number of seconds, got {interval}")
+        os.environ[INTERVAL_ENV] = repr(float(interval))
+    return {
+        STAT_LOGGER_ROLE_RADIX_CACHE: SidecarRadixCacheMetricsCollector,
+        STAT_LOGGER_ROLE_STORAGE: SidecarStorageMetricsCollector,
+        STAT_LOGGER_ROLE_SCHEDULER: SidecarSchedulerMetricsCollector,
+    }
+
+
+# --- this process's push clients ---
+
+
+class _ProcessClients:
+    """The push clients of one process, one per rank identity, created and started on first use."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.clients: dict[Identity, RankClient] = {}
+        self._lock = threading.Lock()
+
+    def client(self, rank: dict[str, int], static: dict[str, str]) -> RankClient:
+        key: Identity = (tuple(sorted(rank.items())), tuple(sorted(static.items())))
+        client = self.clients.get(key)
+        if client is not None:
+            return client
+        with self._lock:
+            if _exiting_pid == self.pid:
+                raise RuntimeError("this process has pushed its last snapshot (interpreter exit)")
+            client = self.clients.get(key)
+            if client is None:
+                client = RankClient(rank=rank, labels=static, interval=_push_interval(), preset=False)
+                _push_at_exit()
+                client.start()
+                self.clients[key] = client
+                log.info("pushing rank %s %s to %s", rank, static, client.socket_path)
+        return client
+
+    def close(self) -> None:
+        with self._lock:
+            clients = list(self.clients.values())
+        for client in clients:
+            client.close()
+
+
+_state_lock = threading.Lock()
+_process: _ProcessClients | None = None
+_generation = 0  # rises in a forked child and at close(): metrics then drop the children they bound before
+_exit_hooks_pid: int | None = None  # the process that registered the exit hooks
+_exiting_pid: int | None = None  # the process whose exit hooks have run
+
+
+def _this_process() -> _ProcessClients:
+    global _process
+    current = _process
+    if current is None or current.pid != os.getpid():
+        with _state_lock:
+            if _process is None or _process.pid != os.getpid():
+                _process = _ProcessClients()
+            current = _process
+    return current
+
+
+def _forget_parent_clients() -> None:
+    global _process, _generation
+    _process = None  # the parent's pusher threads do not exist here; its sockets are the parent's
+    _generation += 1
+
+
+os.register_at_fork(after_in_child=_forget_parent_clients)
+
+
+def close() -> None:
+    """Push this process's last snapshots and say bye now (what happens at interpreter exit).
+
+    Series bound later start new clients, with new epochs (a restart, as far as the sidecar knows).
+    """
+    global _process, _generation
+    with _state_lock:
+        current = _process
+        if current is None or current.pid != os.getpid():
+            return
+        _process = None
+        _generation += 1
+    current.close()
+
+
+def _at_exit() -> None:
+    global _exiting_pid
+    _exiting_pid = os.getpid()  # no new clients from here on: what binds now stays prometheus_client's
+    close()
+
+
+def _push_at_exit() -> None:
+    global _exit_hooks_pid
+    if _exit_hooks_pid == os.getpid():
+        return
+    _exit_hooks_pid = os.getpid()
+    atexit.register(_at_exit)
+    # A child started by multiprocessing's fork or forkserver methods leaves through os._exit,
+    # skipping atexit; multiprocessing runs its exit-priority finalizers first.
+    multiprocessing.util.Finalize(None, _at_exit, exitpriority=10)
+
+
+def _push_interval() -> float:
+    text = os.environ.get(INTERVAL_ENV)
+    if not text:
+        return DEFAULT_INTERVAL
+    try:
+        interval = float(text)
+    except ValueError:
+        interval = math.nan
+    if not 0 < interval < math.inf:
+        log.warning("%s=%r is not a positive number of seconds; pushing every %s s", INTERVAL_ENV, text, DEFAULT_INTERVAL)
+        return DEFAULT_INTERVAL
+    return interval
+
+
+def _context_parallel_rank() -> int | None:
+    """This engine process's attention context-parallel rank when CP is on, else None (or outside an engine)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        if int(parallel.attn_cp_size) > 1:
+            return int(parallel.attn_cp_rank)
+    except Exception:  # not an engine process, or its parallel state is not published yet
+        return None
+    return None
+
+
+# --- routing a family ---
+
+_catalog: Catalog | None = None
+_warned: set[str] = set()
+
+
+def catalog_family(name: str, kind: MetricType) -> FamilySpec | None:
+    """The catalog family that the engine's metric `name` of type `kind` is, or None."""
+    global _catalog
+    if not name.startswith(ENGINE_PREFIX):
+        return None
+    family = name[len(ENGINE_PREFIX):]
+    if kind is MetricType.COUNTER and not family.endswith("_total"):
+        family += "_total"  # prometheus_client exposes a counter as name + "_total"
+    if _catalog is None:
+        _catalog = default_catalog()
+    spec = _catalog.find(family)
+    if spec is None:
+        return None
+    if spec.type is not kind:
+        _warn_once(name, f"{name} is a {kind.value} in the engine but a {spec.type.value} in the catalog; "
+                         "the engine's /metrics serves it")
+        return None
+    return spec
+
+
+def _warn_once(name: str, message: str) -> None:
+    if name not in _warned:
+        _warned.add(name)
+        log.warning(message)
+
+
+class _SidecarMetric:
+    """prometheus_client's constructor and `labels()`; catalog families push, others stay prometheus_client's.
+
+    `labels()` returns the push client's child (`inc`, `set`, `observe`), bound once per label values.
+    """
+
+    _kind: ClassVar[MetricType]
+    _prometheus_cls: ClassVar[type[prometheus_client.metrics.MetricWrapperBase]]
+    _push_options: ClassVar[frozenset[str]] = frozenset()  # constructor keywords the push path understands
+
+    def __new__(cls, name: str, documentation: str = "", labelnames: Iterable[str] = (), *args: Any, **kwargs: Any) -> Any:
+        labelnames = tuple(labelnames)
+        spec = None if args or set(kwargs) - cls._push_options else catalog_family(name, cls._kind)
+        if spec is not None and not cls._routable(name, spec, labelnames, kwargs):
+            spec = None
+        if spec is None:
+            return cls._prometheus_cls(name, documentation, labelnames, *args, **kwargs)
+        metric = super().__new__(cls)
+        metric._spec = spec
+        return metric
+
+    def __init__(self, name: str, documentation: str = "", labelnames: Iterable[str] = (), **kwargs: Any) -> None:
+        self._spec: FamilySpec
+        self._name = name
+        self._documentation = documentation
+        self._labelnames = tuple(labelnames)
+        self._label_set = frozenset(self._labelnames)
+        self._kwargs = kwargs
+        self._children: dict[tuple[str, ...], Child] = {}
+        self._generation = _generation
+        self._fallback: prometheus_client.metrics.MetricWrapperBase | None = None
+
+    @classmethod
+    def _routable(cls, name: str, spec: FamilySpec, labelnames: tuple[str, ...], kwargs: Mapping[str, Any]) -> bool:
+        missing = {"tp_rank", "pp_rank", *spec.labels} - set(labelnames)
+        if missing:
+            _warn_once(name, f"{name} has no {sorted(missing)} labels; the engine's /metrics serves it")
+            return False
+        return True
+
+    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Any:
+        if labelvalues:
+            if labelkwargs:
+                raise ValueError("Can't pass both *args and **kwargs")
+            if len(labelvalues) != len(self._labelnames):
+                raise ValueError("Incorrect label count")
+            labelkwargs = dict(zip(self._labelnames, labelvalues))
+        elif labelkwargs.keys() != self._label_set:
+            raise ValueError("Incorrect label names")
+        if self._generation != _generation:
+            self._children, self._generation = {}, _generation
+        key = tuple(str(labelkwargs[name]) for name in self._labelnames)
+        child = self._children.get(key)
+        if child is None:
+            child = self._bind(labelkwargs)
+            self._children[key] = child
+        return child
+
+    def _bind(self, labels: dict[str, Any]) -> Any:
+        """The push child for `labels`, or prometheus_client's when they make no valid rank identity."""
+        spec = self._spec
+        rank: dict[str, int] = {}
+        own: dict[str, Any] = {}
+        static: dict[str, str] = {}
+        try:
+            for name, value in labels.items():
+                if name in RANK_AXES:
+                    rank[name] = int(value)
+                elif name in spec.labels:
+                    own[name] = value
+                elif str(value):  # an empty value is no label at all to Prometheus (the priority total's "")
+                    static[name] = str(value)
+            rank.setdefault("dp_rank", 0)
+            if "attn_cp_rank" not in rank:
+                cp_rank = _context_parallel_rank()
+                if cp_rank is not None:
+                    rank["attn_cp_rank"] = cp_rank
+            client = _this_process().client(rank, static)
+            if self._documentation:
+                client.describe(spec.name, self._documentation)
+            return self._child(client, own)
+        except (LabelError, ValueError, TypeError, RuntimeError) as err:
+            _warn_once(self._name, f"{self._name}{labels} is not pushed ({err}); the engine's /metrics serves it")
+            return self._prometheus().labels(**labels)
+
+    def _child(self, client: RankClient, labels: dict[str, Any]) -> Child:
+        raise NotImplementedError
+
+    def _prometheus(self) -> prometheus_client.metrics.MetricWrapperBase:
+        if self._fallback is None:
+            try:
+                self._fallback = self._prometheus_cls(self._name, self._documentation, self._labelnames, **self._kwargs)
+            except ValueError:  # already registered by another collector: keep the values, unexposed
+                self._fallback = self._prometheus_cls(self._name, self._documentation, self._labelnames,
+                                                      registry=None, **self._kwargs)
+        return self._fallback
+
+
+class SidecarCounter(_SidecarMetric):
+    """`prometheus_client.Counter`'s constructor and `labels()`; a catalog family's children push."""
+
+    _kind = MetricType.COUNTER
+    _prometheus_cls = prometheus_client.Counter
+
+    def _child(self, client: RankClient, labels: dict[str, Any]) -> Child:
+        return client.counter(self._spec.name, **labels)
+
+
+class SidecarGauge(_SidecarMetric):
+    """`prometheus_client.Gauge`'s; `multiprocess_mode` means nothing here (the sidecar keeps ranks apart)."""
+
+    _kind = MetricType.GAUGE
+    _prometheus_cls = prometheus_client.Gauge
+    _push_options = frozenset({"multiprocess_mode"})
+
+    def _child(self, client: RankClient, labels: dict[str, Any]) -> Child:
+        return client.gauge(self._spec.name, **labels)
+
+
+class SidecarHistogram(_SidecarMetric):
+    """`prometheus_client.Histogram`'s; the engine's `buckets` (its SGLANG_BUCKET_* overrides included) are pushed."""
+
+    _kind = MetricType.HISTOGRAM
+    _prometheus_cls = prometheus_client.Histogram
+    _push_options = frozenset({"buckets"})
+
+    @classmethod
+    def _routable(cls, name: str, spec: FamilySpec, labelnames: tuple[str, ...], kwargs: Mapping[str, Any]) -> bool:
+        if not super()._routable(name, spec, labelnames, kwargs):
+            return False
+        if "buckets" in kwargs and cls._bounds(kwargs["buckets"]) is None:
+            return False  # prometheus_client refuses them with its own message, as without this hook
+        return True
+
+    @staticmethod
+    def _bounds(buckets: Iterable[float]) -> tuple[float, ...] | None:
+        """prometheus_client's bucket rule (sorted, +Inf implied): the finite upper bounds, or None if invalid."""
+        try:
+            bounds = [float(b) for b in buckets]
+        except (TypeError, ValueError):
+            return None
+        if bounds and bounds[-1] == math.inf:
+            bounds.pop()
+        if not bounds or bounds != sorted(bounds) or not all(math.isfinite(b) for b in bounds):
+            return None
+        return tuple(bounds)
+
+    def _child(self, client: RankClient, labels: dict[str, Any]) -> Child:
+        buckets = self._kwargs.get("buckets")
+        return client.histogram(self._spec.name, buckets=None if buckets is None else self._bounds(buckets), **labels)
+
+
+class SidecarRadixCacheMetricsCollector(RadixCacheMetricsCollector):
+    """The engine's L1/L2 (radix cache) collector, pushing its catalog families to the sidecar."""
+
+    _counter_cls = SidecarCounter
+    _histogram_cls = SidecarHistogram
+
+
+class SidecarStorageMetricsCollector(StorageMetricsCollector):
+    """The engine's L3 (storage) collector, pushing its catalog families to the sidecar."""
+
+    _counter_cls = SidecarCounter
+    _gauge_cls = SidecarGauge
+    _histogram_cls = SidecarHistogram
+
+
+class SidecarSchedulerMetricsCollector(SchedulerMetricsCollector):
+    """The engine's scheduler collector: its hicache_host_* gauges and prefill_effective_tokens_total push;
+    the rest of its families stay prometheus_client's, on the engine's own /metrics."""
+
+    _counter_cls = SidecarCounter
+    _gauge_cls = SidecarGauge
+    _histogram_cls = SidecarHistogram

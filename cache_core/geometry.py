@@ -30,10 +30,19 @@ class ModelGeometry:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def shard(self, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> ShardGeometry:
-        """The part of the KV cache held by one rank: heads / tp (all for MLA) of its pp stage's layers."""
-        if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size):
-            raise ValueError(f"rank tp={tp_rank}/{tp_size} pp={pp_rank}/{pp_size} is out of range")
+    def shard(
+        self, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, cp_rank: int = 0, cp_size: int = 1
+    ) -> ShardGeometry:
+        """The part of the KV cache held by one rank: heads / tp (all for MLA) of its pp stage's layers.
+
+        Context parallelism (NSA-CP, as the engine's file backend keys it: each CP rank "holds a
+        disjoint slice of every page", hicache_storage.py:751-754) gives each CP rank
+        page_size / cp_size token slots of every page: its pages are 1/cp of the bytes.
+        """
+        if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size and 0 <= cp_rank < cp_size):
+            raise ValueError(f"rank tp={tp_rank}/{tp_size} pp={pp_rank}/{pp_size} cp={cp_rank}/{cp_size} is out of range")
+        if self.page_size % cp_size:
+            raise ValueError(f"page_size {self.page_size} does not split evenly over cp_size {cp_size}")
         if pp_size > self.layers:
             raise ValueError(f"pp_size {pp_size} exceeds the model's {self.layers} layers")
         if self.mla:
@@ -45,16 +54,23 @@ class ModelGeometry:
         # Earlier pipeline stages take the remainder layers, as uneven splits usually do.
         base, extra = divmod(self.layers, pp_size)
         layers = base + (1 if pp_rank < extra else 0)
-        return ShardGeometry(model=self, layers=layers, heads=heads)
+        return ShardGeometry(model=self, layers=layers, heads=heads, cp_size=cp_size)
 
 
 @dataclass(frozen=True)
 class ShardGeometry:
-    """One rank's shard: its layers and heads; pages hold `page_size` tokens of K and V (or the latent)."""
+    """One rank's shard: its layers and heads of `page_size / cp_size` token slots of every page
+    (K and V, or the latent)."""
 
     model: ModelGeometry
     layers: int
     heads: int
+    cp_size: int = 1
+
+    @property
+    def page_tokens(self) -> int:
+        """Token slots of one page this rank holds (its CP slice)."""
+        return self.model.page_size // self.cp_size
 
     @property
     def kv_planes(self) -> int:
@@ -62,15 +78,16 @@ class ShardGeometry:
 
     @property
     def page_shape(self) -> tuple[int, ...]:
-        """Shape of one page: (layers, K/V, tokens, heads, head_dim)."""
+        """Shape of one page: (layers, K/V, tokens of this rank's slice, heads, head_dim)."""
         m = self.model
-        return (self.layers, self.kv_planes, m.page_size, self.heads, m.head_dim)
+        return (self.layers, self.kv_planes, self.page_tokens, self.heads, m.head_dim)
 
     @property
     def bytes_per_token(self) -> int:
+        """Bytes of one token slot this rank holds (a logical token costs 1/cp_size of it on average)."""
         m = self.model
         return self.layers * self.kv_planes * self.heads * m.head_dim * m.torch_dtype.itemsize
 
     @property
     def page_bytes(self) -> int:
-        return self.bytes_per_token * self.model.page_size
+        return self.bytes_per_token * self.page_tokens

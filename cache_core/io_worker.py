@@ -28,6 +28,7 @@ class StorageJob:
     error: str | None = None
     seconds: float = 0.0
     cancelled: bool = False
+    deadline_expired: bool = False  # the prefetch stop policy (timeout) ended the read
     finished: threading.Event = field(default_factory=threading.Event)
     owner: object | None = None  # the request or nodes the scheduler attached
 

@@ -13,15 +13,19 @@ import torch
 
 from cache_core.geometry import ModelGeometry
 from cache_core.hicache import AdmitStatus, HiCache, HiCacheConfig, Request
-from cache_core.instrumentation import CacheMetrics
+from cache_core.instrumentation import CacheMetrics, client_catalog
 from cache_core.parallel import ParallelState
 from cache_core.storage import FileStorage
 from cache_core.workload import Workload, WorkloadConfig
+from exporter.catalog import Collector
 from exporter.client import RankClient
 from exporter.labels import split_rank_labels
 
 log = logging.getLogger("cache_core.rank")
-CACHE_TYPE = "HiRadixCache"
+CACHE_TYPE = "UnifiedRadixCache"  # the engine's cache class name, its radix label cache_type
+STORAGE_BACKEND = "file"  # the engine's HiCacheFile backend, its storage label storage_backend
+MODEL_NAME = "cache-core-demo"  # the scheduler label model_name (served_model_name)
+ENGINE_TYPE = "unified"  # the scheduler label engine_type without PD disaggregation
 BARRIER_SECONDS = 120.0
 
 
@@ -32,11 +36,13 @@ class RankSpec:
     attn_tp_rank: int
     pp_rank: int
     dp_rank: int
-    tp_size: int  # attention tp ranks per dp group
+    attn_tp_size: int  # attention tp ranks per dp group (and cp rank)
     pp_size: int
     dp_size: int
     socket_path: str
     storage_root: str
+    attn_cp_rank: int = 0
+    attn_cp_size: int = 1
     interval: float = 1.0
     requests: int | None = None  # per dp group
     batch: int = 4
@@ -49,20 +55,57 @@ class RankSpec:
 
     @property
     def parallel(self) -> ParallelState:
-        return ParallelState.from_layout(self.attn_tp_rank, self.pp_rank, self.dp_rank, self.tp_size, self.pp_size, self.dp_size)
+        return ParallelState.from_layout(self.attn_tp_rank, self.pp_rank, self.dp_rank, self.attn_tp_size,
+                                         self.pp_size, self.dp_size, self.attn_cp_rank, self.attn_cp_size)
 
 
-def build_rank(spec: RankSpec) -> tuple[RankClient, HiCache]:
-    """The rank's client and cache, labelled exactly as the upstream engine labels them."""
+@dataclass
+class RankClients:
+    """One rank process's connections, one per engine collector (one label set each)."""
+
+    radix: RankClient
+    storage: RankClient
+    scheduler: RankClient | None  # only on ranks that log scheduler statistics
+
+    def all(self) -> list[RankClient]:
+        return [c for c in (self.radix, self.storage, self.scheduler) if c is not None]
+
+    def start(self) -> None:
+        for client in self.all():
+            client.start()
+
+    def close(self) -> None:
+        for client in self.all():
+            client.close()
+
+
+def _client(spec: RankSpec, collector: Collector, labels: dict[str, Any], tp_size: int) -> RankClient:
+    rank, static = split_rank_labels(labels)
     parallel = spec.parallel
-    rank, labels = split_rank_labels(parallel.metric_labels(CACHE_TYPE, dict(spec.extra_labels)))
-    client = RankClient(spec.socket_path, rank=rank, labels=labels, interval=spec.interval,
-                        world={"tp_size": parallel.tp_size, "pp_size": parallel.pp_size, "dp_size": parallel.dp_size})
-    # With DP attention the KV heads are split over the attention tp group only.
-    shard = spec.geometry.shard(parallel.attn_tp_rank, parallel.attn_tp_size, parallel.pp_rank, parallel.pp_size)
+    return RankClient(spec.socket_path, rank=rank, labels=static, interval=spec.interval,
+                      catalog=client_catalog(collector),
+                      world={"tp_size": tp_size, "pp_size": parallel.pp_size, "dp_size": parallel.dp_size})
+
+
+def build_rank(spec: RankSpec) -> tuple[RankClients, HiCache]:
+    """The rank's clients and cache, labelled exactly as the engine's three collectors label them."""
+    parallel = spec.parallel
+    extra = dict(spec.extra_labels)
+    _, cache_tp_size = parallel.cache_tp
+    clients = RankClients(
+        radix=_client(spec, Collector.RADIX, parallel.radix_labels(CACHE_TYPE, extra), cache_tp_size),
+        storage=_client(spec, Collector.STORAGE, parallel.storage_labels(STORAGE_BACKEND, extra), cache_tp_size),
+        scheduler=(_client(spec, Collector.SCHEDULER, parallel.scheduler_labels(MODEL_NAME, ENGINE_TYPE, extra),
+                           parallel.tp_size) if parallel.is_stats_logging_rank else None),
+    )
+    # The KV heads are split over the attention tp group, each cp rank holds its slice of every page.
+    shard = spec.geometry.shard(parallel.attn_tp_rank, parallel.attn_tp_size, parallel.pp_rank, parallel.pp_size,
+                                parallel.attn_cp_rank, parallel.attn_cp_size)
     storage = FileStorage(Path(spec.storage_root) / f"tp{parallel.tp_rank}-pp{parallel.pp_rank}", shard.page_bytes)
-    cache = HiCache(shard, spec.cache, CacheMetrics(client, shard.model.page_size, spec.cache.pool), storage)
-    return client, cache
+    metrics = CacheMetrics(clients.radix, clients.storage, clients.scheduler, page_size=shard.model.page_size,
+                           pool=spec.cache.pool, write_policy=spec.cache.write_policy)
+    cache = HiCache(shard, spec.cache, metrics, storage)
+    return clients, cache
 
 
 def run_batch(cache: HiCache, batch: list[list[int]]) -> int:
@@ -98,9 +141,9 @@ def run_rank(spec: RankSpec, slot: int, steps: Any, completed: Any, stop_step: A
     snapshot carry the same totals, so no leader hand-over at shutdown can count work twice.
     """
     torch.set_num_threads(1)
-    client, cache = build_rank(spec)
+    clients, cache = build_rank(spec)
     workload = Workload(spec.workload, spec.dp_rank)
-    client.start()
+    clients.start()
     step = done = 0
     try:
         while not stop.is_set():
@@ -121,4 +164,4 @@ def run_rank(spec: RankSpec, slot: int, steps: Any, completed: Any, stop_step: A
         log.warning("rank %d left the lock-step early (a replica stopped)", slot)
     finally:
         cache.close()
-        client.close()
+        clients.close()

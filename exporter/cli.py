@@ -45,9 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Start the sidecar and one cache_core process per rank (needs torch). "
                                       "With --requests or --duration the ranks stop after that much work and "
                                       "the sidecar keeps serving until interrupted.")
-    demo.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    demo.add_argument("--attn-tp", "--tp", dest="attn_tp", type=int, default=2,
+                      help="attention tensor-parallel size: ranks per dp group and cp rank (default 2; "
+                           "--tp is an alias); the server's tp size is attn-tp x cp x dp")
+    demo.add_argument("--cp", type=int, default=1, help="attention context-parallel size (default 1)")
     demo.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
-    demo.add_argument("--dp", type=int, default=1, help="data-parallel (attention) groups (default 1)")
+    demo.add_argument("--dp", type=int, default=1, help="attention data-parallel groups (default 1; more than 1 "
+                                                       "turns DP attention on)")
     _add_listen_flags(demo)
     demo.add_argument("--requests", type=int, help="requests per dp group, then the ranks stop")
     demo.add_argument("--duration", type=float, help="seconds of work, then the ranks stop")

@@ -31,9 +31,9 @@ def _rank_entry(spec: Any, slot: int, steps: Any, completed: Any, stop_step: Any
 def run_demo(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("torch") is None:
         raise HicacheExporterError("the demo runs cache_core, which needs torch: pip install 'hicache-exporter[cache]'")
-    for name in ("tp", "pp", "dp"):
+    for name in ("attn_tp", "cp", "pp", "dp"):
         if getattr(args, name) < 1:
-            raise HicacheExporterError(f"--{name} must be at least 1")
+            raise HicacheExporterError(f"--{name.replace('_', '-')} must be at least 1")
     if args.requests is not None and args.requests < 1:
         raise HicacheExporterError("--requests must be at least 1")
     if args.duration is not None and args.duration <= 0:
@@ -50,7 +50,8 @@ async def _demo(args: argparse.Namespace, config: Any, workdir: Path) -> int:
 
     sidecar = Sidecar(config)
     await sidecar.start()
-    layout = list(itertools.product(range(args.dp), range(args.pp), range(args.tp)))
+    # (dp, pp, cp, attention tp): the attention tp rank changes fastest, as the engine lays tp ranks out.
+    layout = list(itertools.product(range(args.dp), range(args.pp), range(args.cp), range(args.attn_tp)))
     # Ranks fork from a server that imported torch once: eight cold torch imports take ~30 s on 2 cores.
     # The forkserver is its own process, so the sidecar itself still never imports torch.
     ctx = multiprocessing.get_context("forkserver")
@@ -59,18 +60,21 @@ async def _demo(args: argparse.Namespace, config: Any, workdir: Path) -> int:
     completed = ctx.Array("i", len(layout), lock=False)
     stop_step = ctx.Value("i", -1, lock=False)
     stop = ctx.Event()
-    barriers = {dp: ctx.Barrier(args.tp * args.pp) for dp in range(args.dp)}  # one lock-step per replica group
+    # One lock-step per replica group: the attention tp, cp and pp ranks of a dp group.
+    barriers = {dp: ctx.Barrier(args.attn_tp * args.cp * args.pp) for dp in range(args.dp)}
     procs = []
-    for slot, (dp, pp, tp) in enumerate(layout):
-        spec = RankSpec(attn_tp_rank=tp, pp_rank=pp, dp_rank=dp, tp_size=args.tp, pp_size=args.pp, dp_size=args.dp,
+    for slot, (dp, pp, cp, tp) in enumerate(layout):
+        spec = RankSpec(attn_tp_rank=tp, pp_rank=pp, dp_rank=dp, attn_tp_size=args.attn_tp, pp_size=args.pp,
+                        dp_size=args.dp, attn_cp_rank=cp, attn_cp_size=args.cp,
                         socket_path=str(config.ingest.socket_path), storage_root=str(workdir / "l3"),
                         interval=args.interval, requests=args.requests, workload=WorkloadConfig(seed=args.seed))
         proc = ctx.Process(target=_rank_entry, args=(spec, slot, steps, completed, stop_step, stop, barriers[dp]),
-                           name=f"rank-dp{dp}-pp{pp}-tp{tp}")
+                           name=f"rank-dp{dp}-pp{pp}-cp{cp}-tp{tp}")
         proc.start()
         procs.append(proc)
     host = "localhost" if config.http.host in ("0.0.0.0", "::") else config.http.host
-    print(f"hicache-exporter demo: {len(procs)} ranks (tp={args.tp} pp={args.pp} dp={args.dp}), "
+    print(f"hicache-exporter demo: {len(procs)} ranks (attn_tp={args.attn_tp} cp={args.cp} pp={args.pp} "
+          f"dp={args.dp}), "
           f"socket {config.ingest.socket_path}, L3 in {workdir / 'l3'}", flush=True)
     print(f"  curl http://{host}:{sidecar.http_port}/metrics    (Ctrl-C stops)", flush=True)
 
@@ -110,17 +114,17 @@ async def _demo(args: argparse.Namespace, config: Any, workdir: Path) -> int:
     return 0
 
 
-def _print_progress(sidecar: Sidecar, layout: list[tuple[int, int, int]], steps: Any, completed: Any,
+def _print_progress(sidecar: Sidecar, layout: list[tuple[int, int, int, int]], steps: Any, completed: Any,
                     alive: int, elapsed: float) -> None:
     state = sidecar.state
     state.tick()
-    groups = sorted({dp for dp, _, _ in layout})
+    groups = sorted({slot[0] for slot in layout})
     per_group = []
     for dp in groups:
-        done = [completed[i] for i, (d, _, _) in enumerate(layout) if d == dp]
+        done = [completed[i] for i, slot in enumerate(layout) if slot[0] == dp]
         per_group.append(f"dp{dp}:{min(done)}")
     live = sum(1 for r in state.ranks.values() if r.live)
     tokens = sum(v for (family, _, _), v in state.ledger.counters.items() if family == "load_back_tokens_total")
     moved = sum(v for (family, _, _), v in state.ledger.counters.items() if family == "load_back_bytes_total")
-    print(f"[{elapsed:6.1f}s] requests {' '.join(per_group)} | ranks alive {alive}, pushing {live} | "
+    print(f"[{elapsed:6.1f}s] requests {' '.join(per_group)} | ranks alive {alive}, connections pushing {live} | "
           f"rollup load-back {int(tokens)} tokens, {moved / 2**20:.1f} MiB", flush=True)

@@ -45,9 +45,18 @@ def seed_l3(storage: FileStorage, tokens: Sequence[int], indices: Sequence[int] 
 
 
 def series(cache: HiCache, family: str) -> dict[tuple[str, ...], float]:
-    """Every child of `family` held by the cache's client, by label values."""
-    return {values: child.value for (name, values), child in cache.metrics.client.metrics.items()  # type: ignore[union-attr]
+    """Every child of `family` held by the client of its collector, by label values."""
+    return {values: child.value for (name, values), child in cache.metrics.client_for(family).metrics.items()  # type: ignore[union-attr]
             if name == family}
+
+
+def all_children(cache: HiCache) -> dict:
+    """Every child of every client of the cache, by (family, label values)."""
+    out: dict = {}
+    for client in cache.metrics.clients.values():
+        if client is not None:
+            out.update(client.metrics.items())
+    return out
 
 
 def unfulfilled(cache: HiCache) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""The main job end to end: `hicache-exporter demo --tp 2 --pp 2 --dp 2` with a request budget."""
+"""The main job end to end: `hicache-exporter demo` with a request budget, once with attention tp, pp
+and dp (`--tp` as the alias of `--attn-tp`), once with context parallelism and DP attention."""
 
 from __future__ import annotations
 
@@ -7,19 +8,28 @@ import subprocess
 import sys
 import threading
 from collections import defaultdict
+from typing import Any
 
 import pytest
 
 from cache_core.geometry import ModelGeometry
-from exporter.catalog import MetricType, Semantics, default_catalog
+from cache_core.instrumentation import NOT_EMITTED
+from exporter.catalog import Collector, MetricType, Semantics, default_catalog
 from tests.helpers import Scrape, free_port, http_get, wait_until
 
 REQUESTS = 120
+RANK_AXES = ("tp_rank", "pp_rank", "dp_rank", "attn_cp_rank")
+# The engine's label names per collector (besides a family's own labels).
+COLLECTOR_LABELS = {
+    Collector.RADIX: {"cache_type", "tp_rank", "pp_rank", "dp_rank"},
+    Collector.STORAGE: {"storage_backend", "tp_rank", "dp_rank", "pp_rank", "pp_size", "attn_cp_rank", "attn_cp_size"},
+    Collector.SCHEDULER: {"model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank", "dp_rank"},
+}
 
 
-def test_demo_replicas_agree_and_rollups_follow_the_rules() -> None:
+def run_demo(*layout: str) -> Scrape:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "exporter.cli", "demo", "--tp", "2", "--pp", "2", "--dp", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "exporter.cli", "demo", *layout,
                              "--host", "127.0.0.1", "--port", str(port), "--requests", str(REQUESTS), "--interval", "0.2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -34,22 +44,74 @@ def test_demo_replicas_agree_and_rollups_follow_the_rules() -> None:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
     assert proc.returncode == 0, "".join(lines)
-    catalog = default_catalog()
-    name = lambda family: "sglang_" + family  # noqa: E731
+    return scrape
 
-    # Replicas of a dp group count the same tokens, series by series.
-    for spec in catalog:
-        if spec.type is not MetricType.COUNTER or spec.semantics is not Semantics.REPLICATED:
+
+def name(family: str) -> str:
+    return "sglang_" + family
+
+
+def group_key(labels: dict[str, str]) -> tuple:
+    """A replica group: dp_rank and every label that is not a rank axis."""
+    return (labels["dp_rank"], *sorted((k, v) for k, v in labels.items() if k not in RANK_AXES))
+
+
+def check_rollups(scrape: Scrape) -> None:
+    """Replicas of a dp group agree series by series, and every rollup follows the family's
+    semantics exactly: per_shard ones sum every rank, replicated ones one replica per dp group."""
+    for spec in default_catalog():
+        if spec.type is MetricType.GAUGE:
+            continue  # gauges roll up over live ranks only, and the ranks have left
+        suffixes = ("_total",) if spec.type is MetricType.COUNTER else ("_bucket", "_sum", "_count")
+        stem = name(spec.base_name if spec.type is MetricType.COUNTER else spec.name)
+        rollup_stem = name("rollup_" + (spec.base_name if spec.type is MetricType.COUNTER else spec.name))
+        for suffix in suffixes:
+            expected: dict[tuple, float] = defaultdict(float)
+            if spec.semantics is Semantics.REPLICATED:
+                by_group: dict[tuple, set[float]] = defaultdict(set)
+                for sample in scrape.find(stem + suffix):
+                    by_group[group_key(sample.labels)].add(sample.value)
+                for key, values in by_group.items():
+                    assert len(values) == 1, f"{stem + suffix} {key}: replicas disagree {values}"
+                    rest = tuple(kv for kv in key[1:])
+                    expected[rest] += values.pop()  # one replica per dp group, the groups summed
+            else:
+                for sample in scrape.find(stem + suffix):
+                    expected[tuple(sorted((k, v) for k, v in sample.labels.items() if k not in RANK_AXES))] += sample.value
+            got = {tuple(sorted(s.labels.items())): s.value for s in scrape.find(rollup_stem + suffix)}
+            assert set(got) == set(expected), (spec.name, suffix)
+            for labels, value in expected.items():
+                assert got[labels] == pytest.approx(value, rel=1e-12, abs=0) if suffix == "_sum" else got[labels] == value, \
+                    (stem + suffix, labels, got[labels], value)
+
+
+def check_families_and_labels(scrape: Scrape, extra_radix: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    """Every family the engine's cache mode emits is there, with its collector's label names only."""
+    for spec in default_catalog():
+        sample_name = name(spec.name + ("_count" if spec.type is MetricType.HISTOGRAM else ""))
+        found = scrape.find(sample_name)
+        if spec.name in NOT_EMITTED:
+            assert not found, f"{spec.name} is not emitted in cache mode"
             continue
-        by_group: dict[tuple, set[float]] = defaultdict(set)
-        for sample in scrape.find(name(spec.name)):
-            key = (sample.labels["dp_rank"], *(sample.labels.get(label) for label in spec.labels))
-            by_group[key].add(sample.value)
-        assert by_group, spec.name
-        for key, values in by_group.items():
-            assert len(values) == 1, f"{spec.name} {key}: replicas disagree {values}"
+        assert found, spec.name
+        assert spec.collector is not None
+        wanted = COLLECTOR_LABELS[spec.collector] | set(spec.labels)
+        if spec.collector is Collector.RADIX:
+            wanted |= extra_radix
+        for sample in found:
+            assert set(sample.labels) == wanted, (spec.name, sorted(sample.labels))
+
+
+def logical_bytes_per_token(shard: Any) -> float:
+    return shard.page_bytes / shard.model.page_size
+
+
+def test_demo_replicas_agree_and_rollups_follow_the_rules() -> None:
+    scrape = run_demo("--tp", "2", "--pp", "2", "--dp", "2")
     assert scrape.total(name("load_back_tokens_total")) > 0, "the workload exercises load-back"
     assert scrape.total(name("prefetched_tokens_total")) > 0, "the workload exercises L3 prefetch"
+    check_families_and_labels(scrape)
+    check_rollups(scrape)
 
     # Bytes follow each rank's shard: tokens x bytes per token of its (heads / tp) x (layers of its pp stage).
     geometry = ModelGeometry(layers=5)
@@ -59,30 +121,47 @@ def test_demo_replicas_agree_and_rollups_follow_the_rules() -> None:
                               dp_rank=sample.labels["dp_rank"])
         assert sample.value == tokens * geometry.shard(tp, 2, pp, 2).bytes_per_token
     assert geometry.shard(0, 2, 0, 2).bytes_per_token != geometry.shard(0, 2, 1, 2).bytes_per_token
-
-    # Rollups, every family: per_shard ones are the sum over the 8 ranks, replicated ones one
-    # replica per dp group summed, exactly (the ranks finished at different instants and left).
-    rank_keys = ("tp_rank", "pp_rank", "dp_rank")
-    for spec in catalog:
-        if spec.type is MetricType.GAUGE:
-            continue  # gauges roll up over live ranks only, and the ranks have left
-        suffixes = ("_total",) if spec.type is MetricType.COUNTER else ("_bucket", "_sum", "_count")
-        stem = name(spec.base_name if spec.type is MetricType.COUNTER else spec.name)
-        rollup_stem = name("rollup_" + (spec.base_name if spec.type is MetricType.COUNTER else spec.name))
-        for suffix in suffixes:
-            expected: dict[tuple, float] = defaultdict(float)
-            for sample in scrape.find(stem + suffix):
-                if spec.semantics is Semantics.REPLICATED and (sample.labels["tp_rank"], sample.labels["pp_rank"]) != ("0", "0"):
-                    continue  # the replicas agree (checked above for counters): take one per dp group
-                rest = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in rank_keys))
-                expected[rest] += sample.value
-            got = {tuple(sorted(s.labels.items())): s.value for s in scrape.find(rollup_stem + suffix)}
-            assert set(got) == set(expected), (spec.name, suffix)
-            for labels, value in expected.items():
-                assert got[labels] == pytest.approx(value, rel=1e-12, abs=0) if suffix == "_sum" else got[labels] == value, \
-                    (stem + suffix, labels, got[labels], value)
     assert scrape.value(name("rollup_load_back_tokens_total"), pool="kv") > 0
-    # The ranks said who they are, exactly as the upstream label rule says (DP attention on: dp=2).
+
+    # The ranks said who they are, exactly as the engine's label rules say (DP attention on: dp=2).
     ranks = {(s.labels["tp_rank"], s.labels["pp_rank"], s.labels["dp_rank"]) for s in scrape.find(name("load_back_bytes_total"))}
     assert ranks == {(str(t), str(p), str(d)) for t in range(2) for p in range(2) for d in range(2)}
-    assert {s.labels["cache_type"] for s in scrape.find(name("load_back_bytes_total"))} == {"HiRadixCache"}
+    assert {s.labels["cache_type"] for s in scrape.find(name("load_back_bytes_total"))} == {"UnifiedRadixCache"}
+    storage = {(s.labels["tp_rank"], s.labels["pp_rank"], s.labels["dp_rank"], s.labels["attn_cp_rank"])
+               for s in scrape.find(name("prefetched_tokens_total"))}
+    assert storage == {(str(t), str(p), str(d), "0") for t in range(2) for p in range(2) for d in range(2)}
+    # Scheduler series: only the ranks with attention tp rank 0, under their global tp rank.
+    scheduler = {(s.labels["tp_rank"], s.labels["pp_rank"], s.labels["dp_rank"])
+                 for s in scrape.find(name("prefill_effective_tokens_total"), mode="input")}
+    assert scheduler == {(str(2 * d), str(p), str(d)) for p in range(2) for d in range(2)}
+    assert scrape.value(name("rollup_prefill_effective_tokens_total"), mode="input") > 0
+
+
+def test_demo_with_context_parallelism_counts_tokens_once() -> None:
+    scrape = run_demo("--attn-tp", "2", "--cp", "2", "--dp", "2")
+    # With DP attention the radix labels of cp peers would collide: they carry attn_cp_rank.
+    check_families_and_labels(scrape, extra_radix={"attn_cp_rank"})
+    check_rollups(scrape)
+    # Every cp peer counts the same tokens, and the rollup counts them once per dp group.
+    for family in ("load_back_tokens_total", "prefetched_tokens_total", "storage_prefetch_hit_tokens_total"):
+        per_group: dict[str, set[float]] = defaultdict(set)
+        samples = scrape.find(name(family))
+        assert len(samples) == 8, family
+        for sample in samples:
+            per_group[sample.labels["dp_rank"]].add(sample.value)
+        assert all(len(v) == 1 for v in per_group.values()), (family, per_group)
+        once = sum(v.pop() for v in per_group.values())
+        assert once > 0
+        assert scrape.total(name("rollup_" + family)) == once, family
+    # Bytes: each cp rank moves its slice of every page (half), so they sum to the whole once.
+    geometry = ModelGeometry(layers=5)
+    half = logical_bytes_per_token(geometry.shard(0, 2, 0, 1, 0, 2))
+    assert half * 2 == logical_bytes_per_token(geometry.shard(0, 2, 0, 1))
+    for sample in scrape.find(name("load_back_bytes_total")):
+        tokens = scrape.value(name("load_back_tokens_total"), **{k: sample.labels[k] for k in
+                                                                 ("tp_rank", "pp_rank", "dp_rank", "attn_cp_rank")})
+        assert sample.value == tokens * half
+    assert scrape.value(name("rollup_load_back_bytes_total")) == scrape.total(name("load_back_bytes_total"))
+    # Scheduler statistics: attention tp rank 0 and cp rank 0 of each dp group only.
+    scheduler = {s.labels["tp_rank"] for s in scrape.find(name("hicache_host_used_tokens"))}
+    assert scheduler == {"0", "4"}  # tp_rank = (dp * cp + 0) * attn_tp + 0

@@ -94,3 +94,27 @@ def test_more_pp_stages_than_layers_is_refused() -> None:
 def test_bad_model_is_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         ModelGeometry(**kwargs)
+
+
+def test_cp_ranks_hold_a_slice_of_every_page() -> None:
+    model = ModelGeometry(layers=4, kv_heads=8, head_dim=16, page_size=16)
+    whole = model.shard(1, 2, 0, 1)
+    halves = [model.shard(1, 2, 0, 1, cp, 2) for cp in range(2)]
+    for half in halves:
+        assert (half.heads, half.layers, half.page_tokens) == (whole.heads, whole.layers, 8)
+        assert half.bytes_per_token == whole.bytes_per_token, "a token slot costs the same"
+        assert half.page_bytes * 2 == whole.page_bytes, "the cp ranks' pages sum to the whole page"
+        page = torch.empty(half.page_shape, dtype=model.torch_dtype)
+        assert page.numel() * page.element_size() == half.page_bytes
+    assert whole.page_tokens == 16 and whole.cp_size == 1
+
+
+@pytest.mark.parametrize(("cp_rank", "cp_size"), [(2, 2), (-1, 2)])
+def test_bad_cp_ranks_are_refused(cp_rank: int, cp_size: int) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        ModelGeometry(layers=2, kv_heads=2).shard(0, 1, 0, 1, cp_rank, cp_size)
+
+
+def test_a_page_that_does_not_split_over_cp_is_refused() -> None:
+    with pytest.raises(ValueError, match="cp_size"):
+        ModelGeometry(layers=2, kv_heads=2, page_size=6).shard(0, 1, 0, 1, 0, 4)

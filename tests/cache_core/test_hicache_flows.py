@@ -7,6 +7,7 @@ import torch
 
 from cache_core.geometry import ModelGeometry
 from cache_core.hicache import AdmitStatus, HiCache, HiCacheConfig
+from exporter.catalog import Collector
 from tests.cache_core.support import PS, SHARD, delta, hashes_of, hist_count, seed_l3, toks, unfulfilled
 
 SHARD_3L = ModelGeometry(layers=3, kv_heads=4, head_dim=8, page_size=4).shard(1, 2, 0, 1)  # 3 layers, 2 heads
@@ -60,7 +61,6 @@ def test_write_through_backs_up_on_finish_and_writes_l3(make_cache) -> None:
     assert m.backup_pgs.bounds == (1, 5, 10, 50, 100)
     assert counts == [0, 1, 1, 1, 1, 1] and total == 3, "one L3 batch of 3 pages"
     assert hist_count(m.storage_backup_duration) == 1
-    assert m.backup_dropped_tokens.value == 0
     assert cache.storage.exists(hashes_of(tokens)) == [True] * 3
     for node in nodes:
         assert node.in_storage and node.io_lock == 0
@@ -97,7 +97,7 @@ def test_write_back_backs_up_on_eviction(make_cache) -> None:
     assert m.backup_bytes.value == 3 * SHARD.page_bytes
     assert m.evicted_tokens.value == 3 * PS
     assert hist_count(m.eviction_duration) == 1, "one eviction pass"
-    assert dropped(cache) == {"host_pressure": 0, "write_through_unbacked_eviction": 0}
+    assert dropped(cache) == {"host_pressure": 0}, "write_through_unbacked_eviction is pre-set under write_through only"
     assert all(n.on_host and not n.on_device for n in nodes_for(cache, first))
     cache.flush()
     assert m.backuped_tokens.value == 3 * PS
@@ -106,22 +106,40 @@ def test_write_back_backs_up_on_eviction(make_cache) -> None:
 
 # --- dropped device tokens ---
 
-def test_host_pressure_when_the_backup_found_no_host_room(make_cache) -> None:
+def test_host_pressure_when_the_write_back_found_no_host_room(make_cache) -> None:
+    cache = make_cache(device_pages=3, host_pages=2, write_policy="write_back", storage_backup=False,
+                       prefetch_threshold=PS)
+    held = toks(2, 700)
+    seed_l3(cache.storage, held)
+    holder = cache.begin(held)  # its prefetch holds both host pages, outside the tree: not evictable
+    assert holder.prefetch is not None and cache.host_pool.free_pages == 0
+    run(cache, toks(3, 100))
+    assert cache.metrics.backup_tokens.value == 0, "write_back backs up on eviction only"
+    run(cache, toks(3, 500))  # evicts the first request: its write-back finds no host room
+    assert cache.metrics.backup_tokens.value == 0
+    assert dropped(cache) == {"host_pressure": 3 * PS}
+    assert cache.metrics.evicted_tokens.value == 3 * PS
+    cache.abort(holder)
+
+
+def test_write_through_eviction_of_a_page_whose_backup_found_no_host_room(make_cache) -> None:
     cache = make_cache(device_pages=3, host_pages=1, write_policy="write_through", storage_backup=False)
     first = toks(3, 100)
     run(cache, first)
     assert cache.metrics.backup_tokens.value == PS, "only one host page"
     assert [n.backup_failed for n in nodes_for(cache, first)] == [False, True, True]
     run(cache, toks(3, 500))
-    assert dropped(cache) == {"host_pressure": 2 * PS, "write_through_unbacked_eviction": 0}
+    # The engine counts every unbacked eviction under write_through as such, whatever kept the
+    # backup from landing (unified_radix_cache.py:910-928).
+    assert dropped(cache) == {"host_pressure": 0, "write_through_unbacked_eviction": 2 * PS}
     assert cache.metrics.evicted_tokens.value == 3 * PS
 
 
-def test_unbacked_eviction_under_write_through_selective(make_cache) -> None:
+def test_unbacked_eviction_under_write_through_selective_is_not_counted(make_cache) -> None:
     cache = make_cache(device_pages=3, host_pages=16, write_policy="write_through_selective", storage_backup=False)
     run(cache, toks(3, 100))
     run(cache, toks(3, 500))
-    assert dropped(cache) == {"host_pressure": 0, "write_through_unbacked_eviction": 3 * PS}
+    assert dropped(cache) == {"host_pressure": 0}, "_tracks_write_through_unbacked_evictions: write_through only"
     assert cache.metrics.evicted_tokens.value == 3 * PS
 
 
@@ -174,8 +192,16 @@ def test_host_pool_gauges(make_cache) -> None:
     run(cache, toks(3, 100))
     assert (m.host_used.value, m.host_total.value) == (3 * PS, 10 * PS)
     assert (m.host_pool_used.value, m.host_pool_total.value) == (3 * PS, 10 * PS)
-    series = {(name, values): child for (name, values), child in m.client.metrics.items()}
+    series = {(name, values): child for (name, values), child in m.client_for("hicache_host_pool_used_tokens").metrics.items()}
     assert series[("hicache_host_pool_used_tokens", ("kv",))] is m.host_pool_used
+
+
+def test_host_gauges_live_on_the_scheduler_client_only(make_cache) -> None:
+    cache = make_cache(scheduler=False, device_pages=16, host_pages=10, storage_backup=False)
+    m = cache.metrics
+    assert not m.has_scheduler and m.clients[Collector.SCHEDULER] is None
+    run(cache, toks(3, 100))  # no scheduler statistics on this rank: nothing to set, nothing fails
+    assert m.backup_tokens.value == 3 * PS
 
 
 def test_l3_prefetch_counters_and_data_round_trip(make_cache) -> None:
@@ -243,19 +269,17 @@ def test_host_gauge_after_a_failed_prefetch(make_cache) -> None:
     assert cache.metrics.host_used.value == 0, "hicache_host_used_tokens is stale"
 
 
-def test_host_gauge_after_anchor_lost(make_cache) -> None:
-    cache = make_cache(device_pages=4, host_pages=16, write_policy="write_through_selective",
+def test_host_gauge_after_a_dropped_refill(make_cache) -> None:
+    cache = make_cache(device_pages=8, host_pages=16, write_policy="write_through_selective",
                        prefetch_threshold=PS, storage_backup=False)
     tokens = toks(6, 100)
-    run(cache, tokens[:2 * PS])
+    run(cache, tokens[:2 * PS])  # hit once: on the device, no host copy
     seed_l3(cache.storage, tokens, indices=range(2, 6))
-    req = cache.begin(tokens)
-    run(cache, toks(4, 900))  # evicts the anchor before the prefetch commits
+    cache.begin(tokens)
     cache.poll(wait=True)
-    assert unfulfilled(cache)["anchor_lost"] == 4 * PS
+    assert unfulfilled(cache)["dropped"] == 4 * PS
     assert cache.host_pool.used_pages == 0
     assert cache.metrics.host_used.value == 0, "hicache_host_used_tokens is stale"
-    cache.abort(req)
 
 
 # --- config and lifecycle ---
@@ -289,18 +313,20 @@ def test_without_storage_nothing_touches_l3(make_cache) -> None:
     run(cache, toks(3, 100))
     cache.flush()
     m = cache.metrics
-    assert m.backuped_tokens.value == 0 and m.prefetch_hit_tokens.value == 0
+    assert not m.has_storage and m.clients[Collector.STORAGE] is None, "no storage collector without a backend"
     assert m.load_back_tokens.value > 0
 
 
-def test_l3_write_that_never_lands_counts_backup_dropped(make_cache) -> None:
+def test_l3_write_that_never_lands_is_not_counted(make_cache) -> None:
     cache = make_cache(device_pages=16, host_pages=16, write_policy="write_through")
     cache.storage.page_bytes = 1  # every put is refused as a wrong-size page
     tokens = toks(3, 100)
     run(cache, tokens)
     cache.flush()
     m = cache.metrics
-    assert m.backup_dropped_tokens.value == 3 * PS
+    # Cache mode logs the completed tokens of a backup; hicache_backup_dropped_tokens_total is a
+    # buffer-mode family, which cache_core's storage client does not even hold.
+    assert "hicache_backup_dropped_tokens_total" not in m.clients[Collector.STORAGE].metrics.catalog
     assert m.backuped_tokens.value == 0 and m.storage_backup_bytes.value == 0
     assert hist_count(m.backup_pgs) == 0
     assert all(not n.in_storage and n.io_lock == 0 for n in nodes_for(cache, tokens))

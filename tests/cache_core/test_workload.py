@@ -8,12 +8,12 @@ import pytest
 
 from cache_core.geometry import ModelGeometry
 from cache_core.hicache import HiCache
-from cache_core.instrumentation import UNFULFILLED
+from cache_core.instrumentation import CACHE_MODE_REASONS, UNFULFILLED
 from cache_core.rank import run_batch
 from cache_core.workload import Workload, WorkloadConfig
 from exporter.catalog import MetricType, Semantics, default_catalog
 from exporter.client import CounterChild, GaugeChild, HistogramChild
-from tests.cache_core.support import PRESET_REASONS, PS, hist_count, unfulfilled
+from tests.cache_core.support import PRESET_REASONS, PS, all_children, hist_count, unfulfilled
 
 WORKLOAD = WorkloadConfig(seed=3, system_prompts=4, system_prompt_tokens=(24, 64), turn_tokens=(4, 16),
                           reply_tokens=(4, 12), max_turns=4, active_sessions=6, vocab=1000)
@@ -29,7 +29,7 @@ def drive(cache: HiCache, workload: Workload, batches: int = BATCHES) -> None:
 
 
 def children(cache: HiCache) -> dict:
-    return dict(cache.metrics.client.metrics.items())
+    return all_children(cache)
 
 
 # --- the workload itself ---
@@ -92,6 +92,27 @@ def test_replicas_on_different_pp_stages_count_the_same_tokens(make_cache) -> No
         assert mm.storage_backup_bytes.value == mm.backuped_tokens.value * shard.bytes_per_token
 
 
+def test_cp_peers_count_the_same_tokens_and_split_the_bytes(make_cache) -> None:
+    cp0 = make_cache(shard=MODEL.shard(0, 1, 0, 1, 0, 2), l3="cp0", **POOLS)
+    cp1 = make_cache(shard=MODEL.shard(0, 1, 0, 1, 1, 2), l3="cp1", **POOLS)
+    whole = make_cache(shard=MODEL.shard(0, 1, 0, 1), l3="whole", **POOLS)
+    for cache in (cp0, cp1, whole):
+        drive(cache, Workload(WORKLOAD, 4))
+    catalog = default_catalog()
+    a, b, c = children(cp0), children(cp1), children(whole)
+    assert a.keys() == b.keys() == c.keys()
+    for key, child in a.items():
+        spec = catalog.get(key[0])
+        if spec.type is MetricType.HISTOGRAM:
+            if spec.semantics is Semantics.REPLICATED:
+                assert child.cumulative() == b[key].cumulative() == c[key].cumulative(), key
+        elif spec.semantics is Semantics.REPLICATED:
+            assert child.value == b[key].value == c[key].value, key  # the same logical tokens on every cp rank
+        else:
+            assert child.value == b[key].value and child.value + b[key].value == c[key].value, key  # each a half
+    assert cp0.metrics.load_back_bytes.value > 0
+
+
 def test_other_dp_groups_count_other_tokens(make_cache) -> None:
     dp0 = make_cache(shard=STAGE0, l3="dp0", **POOLS)
     dp1 = make_cache(shard=STAGE0, l3="dp1", **POOLS)
@@ -143,23 +164,26 @@ def test_storage_hits_are_fulfilled_or_given_exactly_one_reason(make_cache, poli
     before = unfulfilled(cache)
     drive(cache, Workload(WORKLOAD, 0), batches=12)
     m = cache.metrics
-    fulfilled_total = 0
+    fulfilled_total = covered_total = discarded_total = 0
     per_reason: Counter = Counter()
     for req in cache.requests:
         assert req.state in ("finished", "aborted")
         reasons = cache.reasons[id(req)]
-        fulfilled = req.storage_accounted - sum(reasons.values())
-        assert req.storage_accounted == req.storage_hit_tokens, "fulfilled + every reason == storage hit tokens"
-        assert 0 <= fulfilled <= len(req.l3_nodes) * PS
-        assert fulfilled % PS == 0
-        fulfilled_total += fulfilled
+        assert req.storage_open is None
+        assert req.storage_accounted == req.storage_hit_tokens, "every storage hit token is resolved once"
+        assert (req.storage_fulfilled + sum(reasons.values()) + req.storage_covered + req.storage_discarded
+                == req.storage_hit_tokens), "fulfilled + reasons + covered + discarded == hits"
+        assert req.storage_fulfilled % PS == 0
+        fulfilled_total += req.storage_fulfilled
+        covered_total += req.storage_covered
+        discarded_total += req.storage_discarded
         per_reason.update(reasons)
     after = unfulfilled(cache)
     assert {r: after[r] - before.get(r, 0) for r in after} == {r: per_reason.get(r, 0) for r in after}
-    assert set(per_reason) <= set(after)
+    assert set(per_reason) <= set(CACHE_MODE_REASONS), "only cache-mode reasons move"
     hits = m.prefetch_hit_tokens.value
     assert hits > 0
-    assert fulfilled_total + sum(per_reason.values()) == hits
+    assert fulfilled_total + sum(per_reason.values()) + covered_total + discarded_total == hits
     assert fulfilled_total <= m.prefetched_tokens.value <= hits, "tokens never exceed hits"
     assert m.storage_prefetch_bytes.value == m.prefetched_tokens.value * STAGE0.bytes_per_token
     assert after["aux_window_trim"] == 0 and after["device_overlap"] == 0
@@ -169,11 +193,14 @@ def test_storage_hits_are_fulfilled_or_given_exactly_one_reason(make_cache, poli
     assert m.host_total.value == host_pages * PS
 
 
-def test_aux_window_trim_and_device_overlap_never_move(make_cache) -> None:
+def test_only_cache_mode_reasons_ever_move(make_cache) -> None:
     cache = make_cache(shard=STAGE0, device_pages=16, host_pages=16, prefetch_threshold=PS)
     drive(cache, Workload(WORKLOAD, 3), batches=20)
     values = unfulfilled(cache)
     assert sum(values.values()) > 0, "other reasons did move"
-    assert values["aux_window_trim"] == 0 and values["device_overlap"] == 0
-    keys = [values for (name, values) in cache.metrics.client.metrics if name == UNFULFILLED]
+    assert {r for r, v in values.items() if v} <= set(CACHE_MODE_REASONS)
+    for reason in ("device_covered", "anchor_lost", "aux_window_trim", "device_overlap"):
+        assert values[reason] == 0, reason  # pre-set, and no cache-mode path moves them
+    keys = [values for (name, values) in all_children(cache) if name == UNFULFILLED]
     assert ("aux_window_trim",) in keys and ("device_overlap",) in keys
+    assert ("shrunk",) not in keys

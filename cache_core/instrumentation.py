@@ -48,14 +48,15 @@ NOT_EMITTED = {
 
 
 def client_catalog(collector: Collector | str, catalog: Catalog | None = None) -> Catalog:
-    """The catalog of one collector's RankClient: that collector's families that cache_core emits."""
+    """The catalog of one collector's RankClient: that collector's families that cache_core emits.
+    Give it to `RankClient(..., catalog=..., preset=False)`."""
     part = (catalog or default_catalog()).for_collector(collector)
     return Catalog(families=tuple(f for f in part if f.name not in NOT_EMITTED))
 
 
 class LazyCounter:
     """A counter child created on its first positive increment, as the engine's collectors create
-    a labelled series only when they first log it (`.labels(...).inc(n)` behind `if n > 0`)."""
+    a series only when they first log it (`.labels(...).inc(n)` behind `if n > 0`)."""
 
     __slots__ = ("_bind", "_child")
 
@@ -79,9 +80,42 @@ class LazyCounter:
         return self._child.value if self._child is not None else 0.0
 
 
-class CacheMetrics:
-    """Every family the cache produces, bound to the client of its collector; increments are plain adds.
+class LazyHistogram:
+    """A histogram child created on its first observation (the engine's `.labels(...).observe(x)`)."""
 
+    __slots__ = ("_bind", "_child", "bounds")
+
+    def __init__(self, bind: Callable[[], HistogramChild], bounds: tuple[float, ...]) -> None:
+        self._bind = bind
+        self._child: HistogramChild | None = None
+        self.bounds = bounds
+
+    def observe(self, value: float) -> None:
+        if self._child is None:
+            self._child = self._bind()
+        self._child.observe(value)
+
+    @property
+    def bound(self) -> bool:
+        return self._child is not None
+
+    @property
+    def sum(self) -> float:
+        return self._child.sum if self._child is not None else 0.0
+
+    def cumulative(self) -> tuple[list[int], float]:
+        if self._child is None:
+            return [0] * (len(self.bounds) + 1), 0.0
+        return self._child.cumulative()
+
+
+class CacheMetrics:
+    """Every family the cache produces, bound to the client of its collector.
+
+    The clients start with no series (`RankClient(preset=False)`). What the engine's collectors
+    pre-seed at construction is bound here at 0 (every pre-set reason and mode, the dropped
+    reasons of the write policy), and so are the host gauges, set from the start; every other
+    series is created on its first positive increment or observation, as the engine creates them.
     `storage` is None on a rank without an L3 backend (the engine creates no storage collector
     there), `scheduler` None on ranks that do not log scheduler statistics (attn_tp_rank or
     attn_cp_rank not 0).
@@ -106,15 +140,15 @@ class CacheMetrics:
         self.pool = pool
 
         # radix collector: L1 eviction, L2 -> L1 load-back, L1 -> L2 backup
-        self.evicted_tokens = self.counter("evicted_tokens_total")
-        self.eviction_duration = self.histogram("eviction_duration_seconds")
+        self.evicted_tokens = self.lazy_counter("evicted_tokens_total")
+        self.eviction_duration = self.lazy_histogram("eviction_duration_seconds")
         self.load_back_tokens = self.lazy_counter("load_back_tokens_total", pool=pool)
-        self.load_back_bytes = self.counter("load_back_bytes_total")
-        self.load_back_duration = self.histogram("load_back_duration_seconds")
+        self.load_back_bytes = self.lazy_counter("load_back_bytes_total")
+        self.load_back_duration = self.lazy_histogram("load_back_duration_seconds")
         self.host_evicted_tokens = self.lazy_counter("hicache_host_pool_evicted_tokens_total", pool=pool)
         self.backup_tokens = self.lazy_counter("hicache_backup_tokens_total", pool=pool)
-        self.backup_bytes = self.counter("hicache_backup_bytes_total")
-        self.backup_duration = self.histogram("hicache_backup_duration_seconds")
+        self.backup_bytes = self.lazy_counter("hicache_backup_bytes_total")
+        self.backup_duration = self.lazy_histogram("hicache_backup_duration_seconds")
         # Pre-seeded as the engine does: host_pressure always, write_through_unbacked_eviction
         # only under write_through (unified_radix_cache.py:565-575, 1060-1065).
         reasons = ["host_pressure"] + (["write_through_unbacked_eviction"] if write_policy == "write_through" else [])
@@ -123,28 +157,33 @@ class CacheMetrics:
         # storage collector: L2 <-> L3
         self.has_storage = storage is not None
         if storage is not None:
-            self.prefetched_tokens = self.counter("prefetched_tokens_total")
-            self.backuped_tokens = self.counter("backuped_tokens_total")
-            self.prefetch_hit_tokens = self.counter("storage_prefetch_hit_tokens_total")
-            self.prefetch_pgs = self.histogram("prefetch_pgs")
-            self.backup_pgs = self.histogram("backup_pgs")
-            self.prefetch_bandwidth = self.histogram("prefetch_bandwidth")
-            self.backup_bandwidth = self.histogram("backup_bandwidth")
-            self.storage_prefetch_bytes = self.counter("storage_prefetch_bytes_total")
-            self.storage_backup_bytes = self.counter("storage_backup_bytes_total")
-            self.storage_prefetch_duration = self.histogram("storage_prefetch_duration_seconds")
-            self.storage_backup_duration = self.histogram("storage_backup_duration_seconds")
-            self._unfulfilled = {r: self.counter(UNFULFILLED, reason=r) for r in CACHE_MODE_REASONS}
-            self._deferred = {r: self.counter(DEFERRED, reason=r) for r in CACHE_MODE_DEFERRED}
+            self.prefetched_tokens = self.lazy_counter("prefetched_tokens_total")
+            self.backuped_tokens = self.lazy_counter("backuped_tokens_total")
+            self.prefetch_hit_tokens = self.lazy_counter("storage_prefetch_hit_tokens_total")
+            self.prefetch_pgs = self.lazy_histogram("prefetch_pgs")
+            self.backup_pgs = self.lazy_histogram("backup_pgs")
+            self.prefetch_bandwidth = self.lazy_histogram("prefetch_bandwidth")
+            self.backup_bandwidth = self.lazy_histogram("backup_bandwidth")
+            self.storage_prefetch_bytes = self.lazy_counter("storage_prefetch_bytes_total")
+            self.storage_backup_bytes = self.lazy_counter("storage_backup_bytes_total")
+            self.storage_prefetch_duration = self.lazy_histogram("storage_prefetch_duration_seconds")
+            self.storage_backup_duration = self.lazy_histogram("storage_backup_duration_seconds")
+            # Every pre-set reason exists at 0 (metrics_collector.py:2247-2263); only cache-mode ones move.
+            preset = {r: self.counter(UNFULFILLED, reason=r) for r in self._preset(UNFULFILLED, "reason")}
+            self._unfulfilled = {r: preset[r] for r in CACHE_MODE_REASONS}
+            deferred = {r: self.counter(DEFERRED, reason=r) for r in self._preset(DEFERRED, "reason")}
+            self._deferred = {r: deferred[r] for r in CACHE_MODE_DEFERRED}
 
         # scheduler collector: host occupancy and the final per-tier prefill count
         self.has_scheduler = scheduler is not None
         if scheduler is not None:
+            # Set from the cache's construction on, as the engine's first log_stats sets them.
             self.host_used = self.gauge("hicache_host_used_tokens")
             self.host_total = self.gauge("hicache_host_total_tokens")
             self.host_pool_used = self.gauge("hicache_host_pool_used_tokens", pool=pool)
             self.host_pool_total = self.gauge("hicache_host_pool_total_tokens", pool=pool)
-            self.prefill_tokens = {m: self.counter(PREFILL, mode=m) for m in PREFILL_MODES}
+            # Pre-seeded at 0 (metrics_collector.py:1052-1053).
+            self.prefill_tokens = {m: self.counter(PREFILL, mode=m) for m in self._preset(PREFILL, "mode")}
 
     # --- binding, routed by the family's collector ---
 
@@ -160,18 +199,28 @@ class CacheMetrics:
         return client
 
     def counter(self, family: str, **labels: Any) -> CounterChild:
+        """A child created now, at 0 (what the engine pre-seeds)."""
         return self.client_for(family).counter(family, **labels)
-
-    def lazy_counter(self, family: str, **labels: Any) -> LazyCounter:
-        client = self.client_for(family)
-        client.metrics.catalog.get(family)  # an unknown family fails now, not at the first increment
-        return LazyCounter(lambda: client.counter(family, **labels))
 
     def gauge(self, family: str, **labels: Any) -> GaugeChild:
         return self.client_for(family).gauge(family, **labels)
 
-    def histogram(self, family: str, **labels: Any) -> HistogramChild:
-        return self.client_for(family).histogram(family, **labels)
+    def lazy_counter(self, family: str, **labels: Any) -> LazyCounter:
+        client = self._checked(family)
+        return LazyCounter(lambda: client.counter(family, **labels))
+
+    def lazy_histogram(self, family: str, **labels: Any) -> LazyHistogram:
+        client = self._checked(family)
+        bounds = client.metrics.catalog.get(family).buckets or ()
+        return LazyHistogram(lambda: client.histogram(family, **labels), tuple(bounds))
+
+    def _checked(self, family: str) -> RankClient:
+        client = self.client_for(family)
+        client.metrics.catalog.get(family)  # an unknown family fails now, not at the first use
+        return client
+
+    def _preset(self, family: str, label: str) -> tuple[str, ...]:
+        return self.client_for(family).metrics.catalog.get(family).preset[label]
 
     # --- the cache's accounting calls ---
 

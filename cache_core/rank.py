@@ -83,7 +83,7 @@ def _client(spec: RankSpec, collector: Collector, labels: dict[str, Any], tp_siz
     rank, static = split_rank_labels(labels)
     parallel = spec.parallel
     return RankClient(spec.socket_path, rank=rank, labels=static, interval=spec.interval,
-                      catalog=client_catalog(collector),
+                      catalog=client_catalog(collector), preset=False,
                       world={"tp_size": tp_size, "pp_size": parallel.pp_size, "dp_size": parallel.dp_size})
 
 

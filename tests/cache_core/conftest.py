@@ -23,7 +23,7 @@ NOWHERE = "/tmp/x-nonexistent.sock"  # the clients are never started: no sidecar
 def clients(storage: bool = True, scheduler: bool = True) -> tuple[RankClient, RankClient | None, RankClient | None]:
     """Radix, storage and scheduler clients, each with its collector's catalog."""
     def make(collector: Collector) -> RankClient:
-        return RankClient(NOWHERE, catalog=client_catalog(collector))
+        return RankClient(NOWHERE, catalog=client_catalog(collector), preset=False)
 
     return (make(Collector.RADIX), make(Collector.STORAGE) if storage else None,
             make(Collector.SCHEDULER) if scheduler else None)

@@ -8,7 +8,18 @@ import torch
 from cache_core.geometry import ModelGeometry
 from cache_core.hicache import AdmitStatus, HiCache, HiCacheConfig
 from exporter.catalog import Collector
-from tests.cache_core.support import PS, SHARD, delta, hashes_of, hist_count, seed_l3, toks, unfulfilled
+from tests.cache_core.support import (
+    PRESET_REASONS,
+    PS,
+    SHARD,
+    all_children,
+    delta,
+    hashes_of,
+    hist_count,
+    seed_l3,
+    toks,
+    unfulfilled,
+)
 
 SHARD_3L = ModelGeometry(layers=3, kv_heads=4, head_dim=8, page_size=4).shard(1, 2, 0, 1)  # 3 layers, 2 heads
 
@@ -346,3 +357,27 @@ def test_poll_without_wait_commits_only_finished_prefetches(make_cache) -> None:
     assert [n.on_host and not n.on_device for n in req.l3_nodes] == [True] * 3
     assert cache.admit(req) is AdmitStatus.ADMITTED
     assert req.storage_accounted == req.storage_hit_tokens == 3 * PS
+
+
+# --- which series exist: what the engine pre-seeds, then what was logged ---
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_a_fresh_cache_holds_only_what_the_engine_pre_seeds(make_cache, policy) -> None:
+    cache = make_cache(write_policy=policy, device_pages=16, host_pages=16)
+    families = {}
+    for (family, values) in all_children(cache):
+        families.setdefault(family, []).append(values)
+    dropped_reasons = [("host_pressure", "kv")] + ([("write_through_unbacked_eviction", "kv")]
+                                                  if policy == "write_through" else [])
+    assert families == {
+        "hicache_dropped_tokens_total": dropped_reasons,
+        "storage_prefetch_unfulfilled_tokens_total": [(r,) for r in PRESET_REASONS],
+        "storage_prefetch_deferred_tokens_total": [("host_capacity",), ("device_capacity",)],
+        "prefill_effective_tokens_total": [(m,) for m in ("input", "device_hit", "host_hit", "storage_hit")],
+        "hicache_host_used_tokens": [()], "hicache_host_total_tokens": [()],
+        "hicache_host_pool_used_tokens": [("kv",)], "hicache_host_pool_total_tokens": [("kv",)],
+    }
+    run(cache, toks(3, 100))
+    new = {family for family, _ in all_children(cache)} - set(families)
+    assert "hicache_backup_tokens_total" in new if policy == "write_through" else "hicache_backup_tokens_total" not in new
+    assert "evicted_tokens_total" not in new and "load_back_tokens_total" not in new, "nothing was evicted or loaded"

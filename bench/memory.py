@@ -8,10 +8,11 @@ moving values (every counter, gauge and histogram changes between pushes), one r
 `period` seconds, /metrics is scraped `scrapes` times, and the sidecar's VmRSS and VmHWM (peak
 RSS) are read from /proc. MB here is 10^6 bytes.
 
-Steady state needs full window histories: the sidecar keeps up to 60 entries per rank per rollup
-window (default 60 s, so a real deployment reaches that after a minute of 1 Hz pushes). To get
-there in seconds, the sidecar runs with `rollup.window_seconds` = 60 x `period`, and the ranks
-push 62 rounds: the same number of entries, the same memory, in a quarter of the time.
+Steady state needs full window histories: the sidecar keeps HISTORY_POINTS (12) entries per rank
+per rollup window, one per window/12 (5 s at the default 60 s, so a real deployment reaches that
+after a minute). To get there in seconds, the sidecar runs with `rollup.window_seconds` =
+HISTORY_POINTS x `period`, and the ranks push 62 rounds: the same number of entries, the same
+memory, in a fraction of the time.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import argparse
 import sys
 import time
 from typing import Any
+
+from exporter.sidecar.registry import HISTORY_POINTS
 
 from bench.common import RawRank, Sidecar, progress_printer
 from bench.report import report, row
@@ -33,7 +36,6 @@ def _status_bytes(pid: int, field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in handle if line.startswith(field + ":"))
 
 
-HISTORY_POINTS = 60  # entries the sidecar keeps per rank and window (DESIGN: bounded history)
 
 
 def measure(ranks: int, rounds: int, period: float, scrapes: int, progress: bool = True) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from exporter.catalog import Catalog, MetricType, Semantics
 from exporter.sidecar.reader import SeriesRoute, Update
 from exporter.sidecar.registry import RankState
-from exporter.sidecar.series import GroupKey, HistAccumulator, Layout, RollupCounter, RollupKey, SeriesKey
+from exporter.sidecar.series import GroupKey, HistAccumulator, Layout, RollupCounter, RollupKey, SeriesBudget, SeriesKey
 
 log = logging.getLogger("hicache_exporter.ledger")
 Watermarks = dict[SeriesKey, "RollupCounter | HistAccumulator"]
@@ -43,7 +43,8 @@ Watermarks = dict[SeriesKey, "RollupCounter | HistAccumulator"]
 class RollupLedger:
     """Rollup counters and histograms, the watermarks of every replica group, and gauge rollups."""
 
-    def __init__(self, catalog: Catalog) -> None:
+    def __init__(self, catalog: Catalog, budget: SeriesBudget) -> None:
+        self.budget = budget  # each rollup series created counts against max_series_total
         self.counter_cells: dict[RollupKey, RollupCounter] = {}
         self.histograms: dict[RollupKey, HistAccumulator] = {}
         self.watermarks: dict[GroupKey, Watermarks] = {}
@@ -72,7 +73,7 @@ class RollupLedger:
                 continue
             cell = route.counter
             if cell is None:  # the rollup series exists from its first accepted value
-                cell = route.counter = self.counter_cells.setdefault(route.rollup_key, RollupCounter())
+                cell = route.counter = self._counter_cell(route.rollup_key)
             if route.plan.per_shard:
                 cell.value += amount
                 continue
@@ -84,6 +85,13 @@ class RollupLedger:
             if position > mark.value:  # type: ignore[union-attr]
                 cell.value += position - mark.value  # type: ignore[union-attr]
                 mark.value = position  # type: ignore[union-attr]
+
+    def _counter_cell(self, key: RollupKey) -> RollupCounter:
+        cell = self.counter_cells.get(key)
+        if cell is None:
+            cell = self.counter_cells[key] = RollupCounter()
+            self.budget.rollup += 1
+        return cell
 
     @staticmethod
     def _baselines(rank: RankState, updates: list[Update]) -> list[Update]:
@@ -109,6 +117,7 @@ class RollupLedger:
             acc = self.histograms.get(route.rollup_key)
             if acc is None:
                 acc = self.histograms[route.rollup_key] = HistAccumulator.empty(bounds)
+                self.budget.rollup += 1
             route.histogram = acc
         if acc.bounds is not bounds and acc.bounds != bounds:
             self._conflict(rank, key, bounds, acc.bounds)

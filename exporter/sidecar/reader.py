@@ -86,6 +86,7 @@ class SampleReader:
         self.registry = registry
         self._plans = {f.name: FamilyPlan.of(f) for f in catalog}
         self._interned: dict[Hashable, Hashable] = {}  # series keys, rollup keys and routes: see _intern
+        self._new_series = 0
         self._layouts: dict[Layout, Layout] = {plan.default_layout: plan.default_layout
                                                for plan in self._plans.values() if plan.histogram}
 
@@ -95,6 +96,7 @@ class SampleReader:
         # C-level builtins over Python loops, and the unchanged-value exits first.
         updates: list[Update] = []
         rejections: list[Rejection] = []
+        self._new_series = 0  # each may make a rollup series when the ledger applies the updates
         by_place = rank.by_place
         values = rank.values
         find_route = self._find_route
@@ -126,7 +128,7 @@ class SampleReader:
                     self._check_series_room(rank)
                 if plan.gauge:
                     if previous is None:
-                        self.registry.series_count += 1
+                        self.registry.budget.per_rank += 1
                     values[key] = value
                     rank.version += 1
                     rank.gauge_keys[key] = None
@@ -135,7 +137,8 @@ class SampleReader:
                     raise SampleRejected(ErrorCode.INVALID_VALUE, f"counter {plan.name!r} is negative ({value})")
                 if previous is None:
                     delta = value
-                    self.registry.series_count += 1
+                    self.registry.budget.per_rank += 1
+                    self._new_series += 1
                 else:
                     if value < previous:  # type: ignore[operator]
                         raise SampleRejected(
@@ -189,7 +192,8 @@ class SampleReader:
         deltas: tuple[int, ...] | list[int]
         if previous is None:
             self._check_series_room(rank)
-            self.registry.series_count += 1
+            self.registry.budget.per_rank += 1
+            self._new_series += 1
             deltas, dsum = counts, total
         else:
             deltas = list(map(operator.sub, counts, previous.counts))
@@ -238,6 +242,8 @@ class SampleReader:
             raise SampleRejected(ErrorCode.UNKNOWN_FAMILY, f"family {family!r} is not in the catalog")
         label_values = self._label_values(plan, labels) if labels or plan.labels else ()
         name = plan.name  # the catalog's string object, shared by every rank's keys
+        if (name, label_values) not in rank.values:
+            self._check_series_room(rank)  # before anything is interned or indexed for it
         intern = self._intern
         route = intern(SeriesRoute(plan, intern((name, label_values)), intern((name, rank.static, label_values))))
         # Labels in the catalog's order (as the client library sends them) map one-to-one to
@@ -262,10 +268,13 @@ class SampleReader:
                 ErrorCode.SERIES_LIMIT,
                 f"rank {rank.describe()} already has {self.config.max_series_per_rank} series (max_series_per_rank)",
             )
-        if self.registry.series_count >= self.config.max_series_total:
+        budget = self.registry.budget
+        # Room for this series and the rollup series it may make (and those this snapshot's may).
+        if budget.per_rank + budget.rollup + self._new_series + 2 > budget.limit:
             raise SampleRejected(
                 ErrorCode.SERIES_LIMIT,
-                f"the sidecar already holds {self.config.max_series_total} series (max_series_total)",
+                f"the sidecar already holds {self.config.max_series_total} series, rank and rollup "
+                "series together (max_series_total)",
             )
 
     def _label_values(self, plan: FamilyPlan, labels: dict[str, str]) -> tuple[str, ...]:

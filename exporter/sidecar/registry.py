@@ -14,7 +14,7 @@ from exporter.config import RanksConfig
 from exporter.errors import ErrorCode, ProtocolError
 from exporter.labels import label_name_problem
 from exporter.protocol.messages import Hello, World
-from exporter.sidecar.series import GroupKey, Layout, SeriesKey, StaticKey, Value, static_key
+from exporter.sidecar.series import GroupKey, Layout, SeriesBudget, SeriesKey, StaticKey, Value, static_key
 from exporter.sidecar.window import Positions, WindowHistory
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 Clock = Callable[[], float]
 RankIdentity = tuple[int, int, int, int, StaticKey]  # (tp_rank, pp_rank, dp_rank, attn_cp_rank, static labels)
 REPLACED_EPOCHS_KEPT = 64
-HISTORY_POINTS = 60  # entries kept per rank per window: bounds memory whatever the push rate
+HISTORY_POINTS = 12  # entries kept per rank per window (5 s apart at 60 s): bounds memory whatever the push rate
 
 
 class RankStatus(str, Enum):
@@ -151,7 +151,12 @@ class RankRegistry:
         self.wall_clock = wall_clock
         self.ranks: dict[RankIdentity, RankState] = {}
         self.forgotten: dict[RankIdentity, str] = {}  # identity -> its epoch when forgotten, oldest first
-        self.series_count = 0  # per-rank series held, for the max_series_total guard
+        self.budget = SeriesBudget(config.max_series_total)
+
+    @property
+    def series_count(self) -> int:
+        """Per-rank series held now (the rollups' are in `budget` too)."""
+        return self.budget.per_rank
 
     def hello(self, connection: object, msg: Hello) -> HelloResult:
         """Bind `connection` to the rank identity in `msg`; raise ProtocolError to refuse it."""
@@ -201,7 +206,10 @@ class RankRegistry:
         """A new process start: its values count from zero again, its positions carry on."""
         rank.replaced_epochs.append(rank.epoch)
         rank.epoch = epoch
-        self.series_count -= len(rank.values)
+        self.budget.per_rank -= len(rank.values)
+        if rank.values:  # positions carry on for what the ended epoch reported; older series' go
+            rank.positions = {key: value for key, value in rank.positions.items() if key in rank.values}
+            rank.bucket_positions = {key: value for key, value in rank.bucket_positions.items() if key in rank.values}
         rank.values.clear()
         rank.gauge_keys.clear()
         rank.layout_conflicts.clear()
@@ -217,7 +225,7 @@ class RankRegistry:
         for identity, rank in list(self.ranks.items()):
             if rank.expired and not rank.connected:
                 del self.ranks[identity]  # its rollup contribution stays; only the per-rank memory goes
-                self.series_count -= len(rank.values)
+                self.budget.per_rank -= len(rank.values)
                 self.forgotten[identity] = rank.epoch
                 if len(self.forgotten) > self.config.max_ranks:  # a bounded memory of who was forgotten
                     del self.forgotten[next(iter(self.forgotten))]

@@ -60,6 +60,20 @@ class HistAccumulator:
 Value = float | HistValue
 
 
+@dataclass(slots=True)
+class SeriesBudget:
+    """The series the sidecar holds, against max_series_total: the ranks' own, and the rollups',
+    which outlive the ranks and epochs that made them (so epoch churn cannot grow memory past it)."""
+
+    limit: int
+    per_rank: int = 0
+    rollup: int = 0
+
+    @property
+    def full(self) -> bool:
+        return self.per_rank + self.rollup >= self.limit
+
+
 def static_key(labels: dict[str, str]) -> StaticKey:
     """A hashable, order-independent form of static labels."""
     return tuple(sorted(labels.items()))

@@ -42,7 +42,7 @@ class SidecarState:
         self.clock = clock
         self.registry = RankRegistry(catalog, self.config, window_seconds, clock, wall_clock)
         self.reader = SampleReader(catalog, self.config, self.registry)
-        self.ledger = RollupLedger(catalog)
+        self.ledger = RollupLedger(catalog, self.registry.budget)
         self.window = Window(catalog)
         self.help: dict[str, str] = {}  # HELP texts ranks gave for catalog families, the latest per family
 

@@ -255,30 +255,48 @@ def test_series_limit_rejects_new_series_only() -> None:
     assert h.counter(BYTES) == 3.0 and h.counter(TOKENS, "kv") == 4.0
 
 
-def test_series_total_limit_counts_every_ranks_series() -> None:
-    h = Harness(ranks_config=RanksConfig(max_series_total=3))
+def test_series_total_limit_counts_every_ranks_series_and_the_rollups() -> None:
+    h = Harness(ranks_config=RanksConfig(max_series_total=5))
     _, a = h.hello(tp=0)
     _, b = h.hello(tp=1)
-    assert codes(h.push(a, bytes_(1.0), used(1.0))) == []
-    result = h.push(b, hist(DURATION, one_hot(DURATION, 0), 0.001), tokens(1.0))
+    assert codes(h.push(a, bytes_(1.0), used(1.0))) == []  # 2 rank series, 1 rollup series (gauges have none)
+    result = h.push(b, hist(DURATION, one_hot(DURATION, 0), 0.001), tokens(1.0))  # the histogram makes it 5
     assert codes(result) == [ErrorCode.SERIES_LIMIT]
     assert set(b.values) == {(DURATION, ())}
-    assert h.state.registry.series_count == 3
+    assert h.state.registry.series_count == 3 and h.state.registry.budget.rollup == 2
     assert codes(h.push(a, bytes_(2.0))) == []  # known series still update
 
 
-def test_a_restart_frees_its_epochs_series_from_the_total() -> None:
-    h = Harness(ranks_config=RanksConfig(max_series_total=2))
+def test_a_restart_frees_its_epochs_series_but_not_the_rollups() -> None:
+    h = Harness(ranks_config=RanksConfig(max_series_total=5))
     conn, a = h.hello(tp=0, epoch="one")
     _, b = h.hello(tp=1)
-    h.push(a, bytes_(1.0), tokens(1.0))
+    h.push(a, bytes_(1.0), tokens(1.0))  # 2 + 2; a new series needs room for itself and a rollup
     assert codes(h.push(b, bytes_(1.0))) == [ErrorCode.SERIES_LIMIT]
     h.state.disconnect(conn, a)
     h.hello(tp=0, epoch="two")
-    assert h.state.registry.series_count == 0
-    assert codes(h.push(b, bytes_(1.0))) == []
+    assert h.state.registry.series_count == 0 and h.state.registry.budget.rollup == 2  # rollups keep a's part
+    assert codes(h.push(b, bytes_(1.0))) == []  # its rollup series exists already
     assert codes(h.push(a, bytes_(1.0), tokens(1.0))) == [ErrorCode.SERIES_LIMIT]
     assert h.state.registry.series_count == 2
+
+
+def test_epoch_churn_with_new_label_values_stays_within_the_total() -> None:
+    """Each epoch bringing new series once grew rollups, positions and interned keys without bound."""
+    limit = 60
+    h = Harness(ranks_config=RanksConfig(max_series_total=limit))
+    conn, rank = h.hello(tp=0, epoch="e0")
+    refused = 0
+    for epoch in range(1, 30):
+        result = h.push(rank, *(tokens(1.0, pool=f"e{epoch}-{i}") for i in range(10)))
+        refused += codes(result).count(ErrorCode.SERIES_LIMIT)
+        budget = h.state.registry.budget
+        assert budget.per_rank + budget.rollup <= limit
+        assert len(rank.positions) <= 20  # the ended epoch's series carry positions on, older ones' go
+        h.state.disconnect(conn, rank)
+        conn, rank = h.hello(tp=0, epoch=f"e{epoch}")
+    assert refused > 0  # counted as rejections, not silently held
+    assert len(h.state.reader._interned) < 4 * limit  # refused series are not interned first
 
 
 # --- the per-rank route index (validated series, looked up by how samples name them) ---

@@ -197,7 +197,8 @@ def test_socket_modes_keep_other_users_out(socket_dir: Path) -> None:
 
 
 def test_total_series_guard(socket_dir: Path) -> None:
-    running = SidecarThread(sidecar_config(socket_dir / "m.sock", ranks={"max_series_total": 5})).start()
+    # Rank and rollup series count together, and a new series needs room for its rollup too.
+    running = SidecarThread(sidecar_config(socket_dir / "m.sock", ranks={"max_series_total": 8})).start()
     try:
         clients = []
         for tp in range(2):
@@ -209,7 +210,9 @@ def test_total_series_guard(socket_dir: Path) -> None:
             clients.append(client)
         reply = clients[1].recv()
         assert isinstance(reply, ErrorMessage) and reply.code == "series_limit" and "max_series_total" in reply.message
-        assert len(running.scrape().find("sglang_hicache_dropped_tokens_total")) == 5
+        scrape = running.scrape()
+        assert len(scrape.find("sglang_hicache_dropped_tokens_total")) == 4  # 3 of rank 0, 1 of rank 1
+        assert len(scrape.find("sglang_rollup_hicache_dropped_tokens_total")) == 3
     finally:
         running.stop()
 

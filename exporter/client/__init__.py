@@ -13,7 +13,7 @@ from exporter.catalog import Catalog, MetricType, default_catalog
 from exporter.client.metrics import CounterChild, GaugeChild, HistogramChild, LabelError, MetricSet
 from exporter.client.pusher import Pusher, PushStats
 from exporter.labels import OPTIONAL_RANK_KEYS, RANK_AXES, RANK_KEYS, label_name_problem
-from exporter.protocol.messages import PROTOCOL_VERSION, Hello, RankId, Snapshot, World
+from exporter.protocol.messages import MAX_HELP_LENGTH, PROTOCOL_VERSION, Hello, RankId, Snapshot, World
 
 DEFAULT_SOCKET = "/run/hicache/metrics.sock"
 
@@ -82,8 +82,14 @@ class RankClient:
         return child
 
     def describe(self, family: str, help_text: str) -> None:
-        """Give `family` the HELP text the sidecar exposes for it (an engine's own wording)."""
+        """Give `family` the HELP text the sidecar exposes for it (an engine's own wording).
+
+        Cut to the protocol's 4,096 characters (a longer one would make every snapshot malformed);
+        an empty one is ignored (the catalog's stays)."""
         self.metrics.catalog.get(family)  # an unknown family fails here, not at the sidecar
+        help_text = help_text[:MAX_HELP_LENGTH]
+        if not help_text:
+            return
         with self._help_lock:
             if self._help.get(family) != help_text:
                 self._help[family] = help_text

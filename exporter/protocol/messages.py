@@ -28,7 +28,8 @@ WorldSize = Annotated[int, Meta(ge=1, le=MAX_RANK)]
 # that the sidecar drops the one sample that has them (bucket_mismatch), not the whole frame.
 BucketBound = Finite | Annotated[str, Meta(max_length=16)]
 MAX_HELP_TEXTS = 1024
-HelpText = Annotated[str, Meta(min_length=1, max_length=4096)]
+MAX_HELP_LENGTH = 4096
+HelpText = Annotated[str, Meta(min_length=1, max_length=MAX_HELP_LENGTH)]
 Buckets = Annotated[list[tuple[BucketBound, Count]], Meta(min_length=1, max_length=1024)]
 
 

@@ -159,3 +159,16 @@ def test_a_rank_may_name_its_context_parallel_rank_and_nothing_else() -> None:
     assert RankClient("/nonexistent.sock")._hello().rank.attn_cp_rank is None
     with pytest.raises(LabelError):
         RankClient("/nonexistent.sock", rank={"tp_rank": 1, "pp_rank": 0, "dp_rank": 0, "moe_ep_rank": 2})
+
+
+def test_help_texts_are_cut_to_what_the_protocol_carries_and_empty_ones_ignored() -> None:
+    from exporter.protocol.framing import encode_payload
+    from exporter.protocol.messages import MAX_HELP_LENGTH, parse_client_message
+
+    client = RankClient("/nonexistent.sock", rank=RANK)
+    client.describe("load_back_tokens_total", "x" * (MAX_HELP_LENGTH + 10))
+    client.describe("load_back_bytes_total", "")
+    snapshot = client._snapshot(1)
+    assert snapshot.help == {"load_back_tokens_total": "x" * MAX_HELP_LENGTH}
+    parse_client_message(encode_payload(snapshot))  # the sidecar decodes it: not malformed
+    assert client._snapshot(2).help == {}  # sent once per connection

@@ -75,6 +75,7 @@ class IngestConfig(_Strict):
     socket_mode: int = 0o660
     dir_mode: int = 0o750
     max_frame_bytes: int = Field(1 << 20, ge=64, le=64 << 20)
+    max_buffered_bytes: int = Field(32 << 20, ge=64)  # partial frames of every connection together
     max_connections: int = Field(1024, ge=1)
     hello_timeout_seconds: float = Field(5.0, gt=0)
     idle_timeout_seconds: float = Field(120.0, gt=0)

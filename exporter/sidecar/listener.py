@@ -24,6 +24,8 @@ READ_CHUNK = 1 << 16
 MAX_PENDING_REPLY_BYTES = 1 << 16
 # After an error reply, input still arriving is read and dropped for this long (at most this much).
 LINGER_SECONDS = 0.5
+# A hello is a few hundred bytes: nobody may buffer a large frame before saying who it is.
+MAX_HELLO_BYTES = 64 << 10
 LINGER_BYTES = 4 << 20
 
 
@@ -39,6 +41,7 @@ class IngestServer:
         self.state = state
         self.stats = stats
         self._server: asyncio.AbstractServer | None = None
+        self.buffered = 0  # bytes of partial frames held across every connection
         self._socket_file: SocketIdentity | None = None
         self._connections: dict[asyncio.Task[None], _Connection] = {}
 
@@ -91,6 +94,8 @@ class IngestServer:
             log.exception("connection handler failed")
         finally:
             connection.release()
+            self.buffered -= connection.held
+            connection.held = 0
             self.stats.connections_open -= 1
             self._connections.pop(task, None)
             writer.close()
@@ -110,7 +115,8 @@ class _Connection:
         self.config = server.config
         self.reader = reader
         self.writer = writer
-        self.decoder = FrameDecoder(self.config.max_frame_bytes)
+        self.decoder = FrameDecoder(min(MAX_HELLO_BYTES, self.config.max_frame_bytes))
+        self.held = 0  # bytes of partial frames this connection has counted in server.buffered
         self.rank: RankState | None = None
         self.pending: list[bytes] = []
 
@@ -130,6 +136,9 @@ class _Connection:
         except ProtocolError as err:
             self.stats.reject(err.code)
             log.info("closing connection (%s): %s", err.code.value, err.message)
+            self.decoder = FrameDecoder(0)  # the connection is done: its half frame goes now, not after lingering
+            self.pending.clear()
+            self._count_buffered()
             await self._reply_and_close(ErrorMessage(code=err.code.value, message=err.message))
         except _Closing:
             pass
@@ -169,9 +178,24 @@ class _Connection:
                     log.info("connection ended in the middle of a frame (%d bytes buffered)", self.decoder.buffered)
                 return None
             frames = self.decoder.feed(chunk)
+            self._count_buffered()
             self.stats.frames_received += len(frames)
             self.pending.extend(frames)
         return self.pending.pop(0)
+
+    def _count_buffered(self) -> None:
+        """Keep the server's total of partial-frame bytes; past ingest.max_buffered_bytes, the
+        connection adding to it is closed (so many peers' half frames cannot add up past the pod's memory)."""
+        server = self.server
+        held = self.decoder.buffered
+        server.buffered += held - self.held
+        self.held = held
+        if held and server.buffered > self.config.max_buffered_bytes:
+            raise ProtocolError(
+                ErrorCode.FRAME_TOO_LARGE,
+                f"the sidecar already buffers {server.buffered} bytes of partial frames "
+                f"(ingest.max_buffered_bytes={self.config.max_buffered_bytes}); send again later",
+            )
 
     def _handle_hello(self, payload: bytes) -> None:
         message = parse_client_message(payload)
@@ -179,6 +203,7 @@ class _Connection:
             raise ProtocolError(ErrorCode.HELLO_REQUIRED, f"the first frame must be a hello, got {message_type(message)!r}")
         result = self.state.hello(self, message)
         self.rank = result.rank
+        self.decoder.max_frame_bytes = self.config.max_frame_bytes  # snapshots may now be large
         self._send(Welcome(server=f"hicache-exporter/{__version__}", restart=result.restart, reconnect=result.reconnect))
 
     def _handle_frame(self, payload: bytes) -> None:

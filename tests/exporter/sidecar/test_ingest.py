@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -265,3 +266,45 @@ def test_a_count_no_float_can_hold_is_dropped_and_metrics_keeps_answering(tight_
     assert http_get(tight_sidecar.url + "/metrics")[0] == 200  # and still after the rank left
     _assert_good_rank_intact(tight_sidecar)
     good.close()
+
+
+def test_partial_frames_of_all_connections_together_are_bounded(socket_dir: Path) -> None:
+    """400 connections each holding most of a 1 MiB frame once took the sidecar to about 470 MB."""
+    config = sidecar_config(socket_dir / "m.sock", ingest={"max_buffered_bytes": 4 << 20})
+    running = SidecarThread(config).start()
+    peers: list[RawClient] = []
+    try:
+        good = _good_rank(running)
+        # Before a hello nobody may start a large frame.
+        early = RawClient(running.socket_path)
+        early.send_raw(struct.pack(">I", 1 << 20) + b"{" * 1000)
+        reply = early.recv()
+        assert isinstance(reply, ErrorMessage) and reply.code == ErrorCode.FRAME_TOO_LARGE.value
+        early.close()
+        # After one, half frames add up only to ingest.max_buffered_bytes.
+        refused = 0
+        for tp in range(1, 13):
+            peer = RawClient(running.socket_path)
+            peer.send(hello(tp=tp, epoch=f"half{tp}"))
+            assert isinstance(peer.recv(), Welcome)
+            try:
+                peer.send_raw(struct.pack(">I", 1 << 20) + b" " * (600 << 10))  # 600 KiB of a 1 MiB frame
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            peers.append(peer)
+        wait_until(lambda: running.call(lambda: running.sidecar.ingest.buffered) > 0)  # type: ignore[union-attr]
+        time.sleep(0.3)
+        held = running.call(lambda: running.sidecar.ingest.buffered)  # type: ignore[union-attr]
+        assert held <= 4 << 20
+        refused = _rejections(running, ErrorCode.FRAME_TOO_LARGE) - 1
+        assert refused >= 12 - (4 << 20) // (600 << 10)  # those past the budget were closed
+        # A well-behaved rank's next snapshot still goes through.
+        good.send(snapshot(2, counter("load_back_tokens_total", GOOD_TOKENS + 1, pool="kv"),
+                           counter("load_back_bytes_total", GOOD_BYTES)))
+        wait_until(lambda: running.scrape().value("sglang_load_back_tokens_total", tp_rank="0", pool="kv") == GOOD_TOKENS + 1)
+        for peer in peers:
+            peer.close()
+        wait_until(lambda: running.call(lambda: running.sidecar.ingest.buffered) == 0)  # type: ignore[union-attr]
+        good.close()
+    finally:
+        running.stop()

@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import gzip
 import html
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 from prometheus_client.exposition import choose_encoder
 
@@ -35,6 +37,24 @@ RENDERER: web.AppKey[TextRenderer] = web.AppKey("renderer", TextRenderer)
 INGEST: web.AppKey[IngestServer] = web.AppKey("ingest", IngestServer)
 
 
+class BadRequestLogFilter(logging.Filter):
+    """aiohttp logs a malformed request with its traceback, which quotes the offending bytes (an
+    over-long `Authorization` header, say): keep one line that names the kind of error instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            said = record.getMessage()
+            record.msg = "%s: refused a malformed HTTP request (%s %s)"
+            record.args = (said, error.code, type(error).__name__)
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+_BAD_REQUESTS = BadRequestLogFilter()
+
+
 def build_app(
     config: SidecarConfig, state: SidecarState, stats: SidecarStats, renderer: TextRenderer, ingest: IngestServer,
 ) -> web.Application:
@@ -44,6 +64,9 @@ def build_app(
     if auth is not None:
         middlewares.append(auth_middleware(auth))
     app = web.Application(middlewares=middlewares)
+    server_log = logging.getLogger("aiohttp.server")
+    if _BAD_REQUESTS not in server_log.filters:
+        server_log.addFilter(_BAD_REQUESTS)
     if auth is not None:
         app.on_cleanup.append(lambda _: _close(auth))
     app[CONFIG] = config

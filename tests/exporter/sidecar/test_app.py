@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import shutil
 import subprocess
 import time
@@ -137,3 +138,21 @@ def test_a_ranks_help_texts_replace_the_catalogs_and_follow_a_reconnect(sidecar:
         pass
     else:
         raise AssertionError("an unknown family must be refused by the client")
+
+
+def test_a_malformed_request_is_logged_in_one_line_without_its_bytes(
+    sidecar: SidecarThread, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An over-long Authorization header once went to the log inside a traceback, quoting the secret."""
+    import socket
+
+    assert sidecar.sidecar is not None
+    with caplog.at_level(logging.ERROR, logger="aiohttp.server"):
+        peer = socket.create_connection(("127.0.0.1", sidecar.sidecar.http_port), timeout=5)
+        peer.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic " + b"c2VjcmV0" * 2000 + b"\r\n\r\n")
+        assert peer.recv(64).startswith(b"HTTP/1.0 400")
+        peer.close()
+        wait_until(lambda: any("malformed HTTP request" in r.getMessage() for r in caplog.records))
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert records and all(r.exc_info is None and "c2VjcmV0" not in r.getMessage() for r in records)
+    assert "LineTooLong" in records[0].getMessage()

@@ -56,6 +56,8 @@ class HttpConfig(_Strict):
     tls_server_config: TLSServerConfig | None = None
     # user name -> bcrypt hash (as exporter-toolkit's basic_auth_users); empty: no authentication
     basic_auth_users: dict[str, str] = Field(default_factory=dict)
+    max_connections: int = Field(512, ge=1)  # open HTTP connections; more are answered 503 and closed
+    idle_timeout_seconds: float = Field(15.0, gt=0)  # a connection with no complete request for this long is closed
 
     @field_validator("basic_auth_users")
     @classmethod

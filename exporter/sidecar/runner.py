@@ -7,6 +7,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -22,6 +23,40 @@ from exporter.sidecar.stats import SidecarStats
 
 log = logging.getLogger("hicache_exporter")
 HTTP_SHUTDOWN_SECONDS = 5.0  # open HTTP requests get this long at shutdown (aiohttp's default is 60 s)
+
+
+class _Refused(asyncio.Protocol):
+    """A connection past http.max_connections: answered 503 and closed, before anything is read."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        transport.close()
+
+
+class CappedServer(web.Server):
+    """aiohttp's server, refusing connections past a cap (it has none of its own)."""
+
+    max_connections = 512
+
+    def __call__(self) -> asyncio.BaseProtocol:  # type: ignore[override]
+        if len(self.connections) >= self.max_connections:
+            return _Refused()
+        return super().__call__()
+
+
+class CappedRunner(web.AppRunner):
+    """An AppRunner whose server is a CappedServer."""
+
+    def __init__(self, app: web.Application, max_connections: int, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.max_connections = max_connections
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = CappedServer  # the app builds the server itself; only the factory call differs
+        server.max_connections = self.max_connections  # type: ignore[attr-defined]
+        return server
 
 
 class Sidecar:
@@ -44,7 +79,11 @@ class Sidecar:
         tls = self.config.http.tls_server_config
         ssl_context = server_ssl_context(tls) if tls is not None else None  # fail before binding anything
         app = build_app(self.config, self.state, self.stats, self.renderer, self.ingest)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=HTTP_SHUTDOWN_SECONDS)
+        http = self.config.http
+        # aiohttp's keep-alive timer runs from accept until a request is whole, so it is also the
+        # header deadline that keeps idle or dribbling connections from holding descriptors.
+        self._runner = CappedRunner(app, http.max_connections, access_log=None, handle_signals=False,
+                                    shutdown_timeout=HTTP_SHUTDOWN_SECONDS, keepalive_timeout=http.idle_timeout_seconds)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.http.host, self.config.http.port, ssl_context=ssl_context)
         try:

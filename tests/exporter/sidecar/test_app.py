@@ -8,13 +8,14 @@ import logging
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
 from exporter.catalog import MetricType, default_catalog
 from exporter.client import RankClient
-from tests.helpers import Scrape, SidecarThread, http_get, wait_until
+from tests.helpers import Scrape, SidecarThread, http_get, sidecar_config, wait_until
 
 
 def _full_catalog_ranks(sidecar: SidecarThread) -> list[RankClient]:
@@ -156,3 +157,30 @@ def test_a_malformed_request_is_logged_in_one_line_without_its_bytes(
     records = [r for r in caplog.records if r.name == "aiohttp.server"]
     assert records and all(r.exc_info is None and "c2VjcmV0" not in r.getMessage() for r in records)
     assert "LineTooLong" in records[0].getMessage()
+
+
+def test_http_connections_are_capped_and_idle_ones_closed(socket_dir: Path) -> None:
+    """Idle TCP connections were held with no deadline; past the fd limit they stalled ingest and scrapes."""
+    import socket
+
+    running = SidecarThread(sidecar_config(socket_dir / "m.sock",
+                                           http={"max_connections": 4, "idle_timeout_seconds": 0.5})).start()
+    peers: list[socket.socket] = []
+    try:
+        assert running.sidecar is not None
+        port = running.sidecar.http_port
+        for _ in range(4):
+            peers.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        peers[0].sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # a request that never completes
+        time.sleep(0.1)
+        extra = socket.create_connection(("127.0.0.1", port), timeout=5)
+        assert extra.recv(64).startswith(b"HTTP/1.1 503")  # refused at once, nothing read
+        extra.close()
+        for peer in peers:  # the idle ones, and the dribbling one, are closed at the deadline
+            peer.settimeout(5)
+            assert peer.recv(64) == b""
+        assert http_get(running.url + "/-/healthy")[0] == 200  # and their slots are free again
+    finally:
+        for peer in peers:
+            peer.close()
+        running.stop()

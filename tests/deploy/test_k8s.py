@@ -375,10 +375,10 @@ groups:
     interval: 30s
     rules:
       - record: cluster:sglang_load_back_bytes:rate5m
-        expr: sum without (instance, pod, tp_rank, pp_rank, dp_rank) (rate(sglang_load_back_bytes_total[5m]))
+        expr: sum without (instance, pod, tp_rank, pp_rank, attn_cp_rank, dp_rank) (rate(sglang_load_back_bytes_total[5m]))
       - record: dp_group:sglang_load_back_tokens:rate5m
         expr: |
-          max without (instance, pod, tp_rank, pp_rank) (
+          max without (instance, pod, tp_rank, pp_rank, attn_cp_rank) (
             rate(sglang_load_back_tokens_total[5m])
           )
 """

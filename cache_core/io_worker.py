@@ -6,6 +6,7 @@ the scheduler thread reads finished jobs and does all accounting.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -15,6 +16,9 @@ import torch
 
 from cache_core.pools import PagePool
 from cache_core.storage import FileStorage, StorageError
+
+log = logging.getLogger("cache_core.storage")
+FAILURE_LOG_SECONDS = 60.0
 
 
 @dataclass(eq=False)
@@ -37,6 +41,14 @@ class StorageJob:
         self.cancelled = True
 
 
+def page_bytes(page: torch.Tensor) -> bytes:
+    """A host page's bytes, copied through a buffer torch fills itself (no numpy needed)."""
+    flat = page.contiguous().view(torch.uint8).reshape(-1)
+    buffer = bytearray(flat.numel())
+    torch.frombuffer(buffer, dtype=torch.uint8).copy_(flat)
+    return bytes(buffer)
+
+
 class StorageWorker:
     """One background thread serving storage jobs in order."""
 
@@ -44,6 +56,8 @@ class StorageWorker:
         self.storage = storage
         self.host = host
         self._queue: queue.Queue[StorageJob | None] = queue.Queue()
+        self._failures = 0
+        self._failure_logged = 0.0
         self._thread = threading.Thread(target=self._run, name="hicache-storage", daemon=True)
         self._thread.start()
 
@@ -70,7 +84,19 @@ class StorageWorker:
                 job.error = f"{type(err).__name__}: {err}"
             finally:
                 job.seconds = time.perf_counter() - started
+                if job.error is not None:
+                    self._failed(job)
                 job.finished.set()
+
+    def _failed(self, job: StorageJob) -> None:
+        """Say so in the log when jobs fail: at once, then once a minute with how many did. A
+        storage that fails every job (a full disk, a missing dependency) is otherwise visible only
+        as dropped-token counters."""
+        self._failures += 1
+        now = time.monotonic()
+        if self._failures == 1 or now - self._failure_logged >= FAILURE_LOG_SECONDS:
+            log.warning("storage %s failed (%d storage jobs failed so far): %s", job.kind, self._failures, job.error)
+            self._failure_logged = now
 
     def _read(self, job: StorageJob) -> None:
         shape = self.host.data.shape[1:]
@@ -90,7 +116,7 @@ class StorageWorker:
     def _write(self, job: StorageJob) -> None:
         for key, page in zip(job.keys, job.host_pages):
             try:
-                self.storage.put(key, self.host.data[page].contiguous().view(torch.uint8).numpy().tobytes())
+                self.storage.put(key, page_bytes(self.host.data[page]))
             except StorageError as err:
                 job.error = str(err)
                 return

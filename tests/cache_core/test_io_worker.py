@@ -20,6 +20,7 @@ import sys
 sys.modules["numpy"] = None  # as on a machine with torch but not numpy
 import torch
 from pathlib import Path
+from cache_core.geometry import ModelGeometry
 from cache_core.io_worker import StorageJob, StorageWorker
 from cache_core.pools import PagePool
 from cache_core.storage import FileStorage

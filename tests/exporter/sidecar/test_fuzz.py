@@ -101,7 +101,7 @@ def good_counter(conn: FuzzConnection) -> dict[str, Any]:
 # --- generators: each returns the rejection reason it must cause (None: accepted) ---
 
 def sample_level(rng: random.Random, conn: FuzzConnection) -> str:
-    kind = rng.randrange(7)
+    kind = rng.randrange(10)
     if kind == 0:
         bad, reason = {"family": f"no_such_{rng.randrange(10**6)}_total", "labels": {}, "value": 1}, "unknown_family"
     elif kind == 1:
@@ -128,6 +128,18 @@ def sample_level(rng: random.Random, conn: FuzzConnection) -> str:
         buckets = [[b, 5 - i % 3] for i, b in enumerate(BOUNDS)] + [["+Inf", 5]]
         bad = {"family": "eviction_duration_seconds", "labels": {}, "buckets": buckets, "sum": 0, "count": 5}
         reason = "bucket_mismatch"
+    elif kind == 7:  # counts no float holds: they once broke /metrics for everyone, for good
+        huge = 10 ** rng.randrange(20, 400)
+        buckets = [[b, huge] for b in BOUNDS] + [["+Inf", huge]]
+        bad = {"family": "eviction_duration_seconds", "labels": {}, "buckets": buckets, "sum": 1.0, "count": huge}
+        reason = "invalid_value"
+    elif kind == 8:
+        bound = rng.choice(["+inf", "NaN", "Inf", "-Inf", "0.5", ""])
+        bad = {"family": "prefetch_pgs", "labels": {}, "buckets": [[bound, 0], ["+Inf", 0]], "sum": 0, "count": 0}
+        reason = "bucket_mismatch"
+    elif kind == 9:
+        bad = {"family": "load_back_bytes_total", "labels": {}, "value": rng.choice([1e300, 2.0**63 * 2, 1.7e308])}
+        reason = "invalid_value"
     else:
         bad, reason = {"family": "no_such_family_total", "labels": {}, "value": 1}, "unknown_family"
     samples = [good_counter(conn), bad]

@@ -5,19 +5,34 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo lint test bench serve venv clean upstream-wheel
+.PHONY: demo lint test bench serve venv clean upstream-wheel prometheus-tools
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[cache,test,bench]'
-	touch $(STAMP)
 
-demo: $(STAMP)
+# Everything: the cache, test and bench extras (the full install includes what the demo needs).
+$(STAMP): pyproject.toml | $(PY)
+	@echo "installing hicache-exporter with its cache, test and bench extras into $(VENV)/"
+	$(PY) -m pip install --quiet -e '.[cache,test,bench]'
+	touch $(STAMP) $(DEMO_STAMP)
+
+# The demo needs only the `cache` extra (torch, CPU build, and numpy): not the test or bench tools.
+$(DEMO_STAMP): pyproject.toml | $(PY)
+	@echo "make demo: installing hicache-exporter with its cache extra (torch==2.13.0 CPU build, numpy) into $(VENV)/"
+	$(PY) -m pip install --quiet -e '.[cache]'
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/hicache-exporter demo --tp 2 --pp 2 --dp 2
+
+# promtool and the Prometheus server: installed (Debian package, as root) or named, before anything else.
+prometheus-tools:
+	@$(SHELL) .ci/prometheus-tools
 
 serve: $(STAMP)
 	$(VENV)/bin/hicache-exporter serve
@@ -26,7 +41,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check exporter cache_core bench tests
 	$(VENV)/bin/mypy exporter cache_core
 
-test: $(STAMP) lint
+test: prometheus-tools $(STAMP) lint
 	$(PY) -m pytest
 
 # The released SGLang wheel (39 MB, without its dependencies) whose collectors tests/integrations run,

@@ -54,7 +54,7 @@ class Prometheus:
 
     def __init__(self, workdir: Path, target: str, rules: list[Path]) -> None:
         binary = shutil.which("prometheus")
-        assert binary, "the prometheus server is required (Debian package `prometheus`; .ci/run installs it)"
+        assert binary, "the prometheus server is required (Debian package `prometheus`; `make test` installs it)"
         self.port = free_port()
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},

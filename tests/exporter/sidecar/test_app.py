@@ -104,7 +104,7 @@ def test_rank_json_and_status_page(sidecar: SidecarThread) -> None:
 
 def test_promtool_finds_nothing_to_lint_in_a_full_exposition(sidecar: SidecarThread) -> None:
     promtool = shutil.which("promtool")
-    assert promtool, "promtool is required (Debian package `prometheus`; .ci/run installs it)"
+    assert promtool, "promtool is required (Debian package `prometheus`; `make test` installs it)"
     clients = _full_catalog_ranks(sidecar)
     time.sleep(0.3)  # a spread window with both replicas pushing
     text = sidecar.metrics_text()

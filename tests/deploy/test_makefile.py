@@ -1,0 +1,67 @@
+"""The README's two commands are all the set-up: `make test` installs or names promtool and the
+Prometheus server before anything else, and `make demo` installs only what the demo needs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MAKE = shutil.which("make")
+
+
+def make(*args: str, path: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    assert MAKE, "make is required"
+    started = time.monotonic()
+    result = subprocess.run([MAKE, "-s", *args], cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PATH": path})
+    return result, time.monotonic() - started
+
+
+def test_make_test_without_promtool_stops_at_once_with_one_line(tmp_path: Path) -> None:
+    bare = tmp_path / "bin"
+    bare.mkdir()  # no promtool, no prometheus, no apt-get: nothing can be installed
+    result, seconds = make("test", path=str(bare))
+    assert result.returncode != 0
+    assert seconds < 10
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("make test: promtool and prometheus not on the PATH; install the Debian package prometheus")
+    assert len([line for line in lines if not line.startswith("make: ***")]) == 1, result.stderr
+    assert "Traceback" not in result.stderr and "pytest" not in result.stdout + result.stderr
+
+
+def test_make_test_installs_the_debian_package_as_root(tmp_path: Path) -> None:
+    """As root with apt-get: `apt-get update`, then `apt-get install prometheus` (faked here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "apt.log"
+    (bin_dir / "id").write_text("#!/bin/sh\necho 0\n")
+    (bin_dir / "apt-get").write_text(
+        f"#!/bin/sh\necho \"$*\" >> {log}\n"
+        f"case \"$*\" in *install*) for t in promtool prometheus; do printf '#!/bin/sh\\n' > {bin_dir}/$t; "
+        f"/bin/chmod +x {bin_dir}/$t; done;; esac\n")
+    for tool in ("id", "apt-get"):
+        (bin_dir / tool).chmod(0o755)
+    result, _ = make("prometheus-tools", path=str(bin_dir))
+    assert result.returncode == 0, result.stderr
+    assert "installing the Debian package prometheus" in result.stdout
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith("update") and "install -y -qq prometheus" in calls[1]
+
+
+def test_make_test_checks_the_tools_first_and_ci_calls_it() -> None:
+    dry = subprocess.run([MAKE or "make", "-n", "test"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert dry.stdout.splitlines()[0].endswith(".ci/prometheus-tools")
+    assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+def test_make_demo_installs_only_the_cache_extra(tmp_path: Path) -> None:
+    dry = subprocess.run([MAKE or "make", "-n", "demo", f"VENV={tmp_path / 'venv'}"], cwd=REPO,
+                         capture_output=True, text=True, timeout=30)
+    assert dry.returncode == 0, dry.stderr
+    installs = [line for line in dry.stdout.splitlines() if "pip install" in line and " -e " in line]
+    assert installs == [f"{tmp_path / 'venv'}/bin/python -m pip install --quiet -e '.[cache]'"]
+    assert "installing hicache-exporter with its cache extra" in dry.stdout

@@ -52,6 +52,8 @@ class RankSpec:
     cache: HiCacheConfig = field(default_factory=lambda: HiCacheConfig(device_pages=48, host_pages=96, prefetch_threshold=128))
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     extra_labels: tuple[tuple[str, str], ...] = ()
+    # The L3 budget of the whole server (every rank's store together); None: unbounded.
+    storage_capacity_bytes: int | None = None
 
     @property
     def parallel(self) -> ParallelState:
@@ -87,6 +89,18 @@ def _client(spec: RankSpec, collector: Collector, labels: dict[str, Any], tp_siz
                       world={"tp_size": tp_size, "pp_size": parallel.pp_size, "dp_size": parallel.dp_size})
 
 
+def storage_capacity_pages(spec: RankSpec) -> int | None:
+    """Each rank's L3 capacity in pages: the server's budget over the bytes one page takes on
+    every rank together, the same number on every rank, so that replicas keep the same pages."""
+    if spec.storage_capacity_bytes is None:
+        return None
+    parallel = spec.parallel
+    page_all_ranks = parallel.dp_size * sum(
+        spec.geometry.shard(tp, parallel.attn_tp_size, pp, parallel.pp_size, cp, parallel.attn_cp_size).page_bytes
+        for tp in range(parallel.attn_tp_size) for pp in range(parallel.pp_size) for cp in range(parallel.attn_cp_size))
+    return max(1, spec.storage_capacity_bytes // page_all_ranks)
+
+
 def build_rank(spec: RankSpec) -> tuple[RankClients, HiCache]:
     """The rank's clients and cache, labelled exactly as the engine's three collectors label them."""
     parallel = spec.parallel
@@ -101,7 +115,8 @@ def build_rank(spec: RankSpec) -> tuple[RankClients, HiCache]:
     # The KV heads are split over the attention tp group, each cp rank holds its slice of every page.
     shard = spec.geometry.shard(parallel.attn_tp_rank, parallel.attn_tp_size, parallel.pp_rank, parallel.pp_size,
                                 parallel.attn_cp_rank, parallel.attn_cp_size)
-    storage = FileStorage(Path(spec.storage_root) / f"tp{parallel.tp_rank}-pp{parallel.pp_rank}", shard.page_bytes)
+    storage = FileStorage(Path(spec.storage_root) / f"tp{parallel.tp_rank}-pp{parallel.pp_rank}", shard.page_bytes,
+                          storage_capacity_pages(spec))
     metrics = CacheMetrics(clients.radix, clients.storage, clients.scheduler, page_size=shard.model.page_size,
                            pool=spec.cache.pool, write_policy=spec.cache.write_policy)
     cache = HiCache(shard, spec.cache, metrics, storage)

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--duration", type=float, help="seconds of work, then the ranks stop")
     demo.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     demo.add_argument("--interval", type=float, default=1.0, help="rank push interval in seconds (default 1)")
+    demo.add_argument("--l3-capacity-mb", type=float, default=256.0,
+                      help="L3 store budget of all ranks together, in MiB (default 256); past it the least "
+                           "recently used pages are evicted. The demo's directory is removed on exit")
 
     check = sub.add_parser("check-config", help="validate a config file and its catalog, then exit")
     check.add_argument("file", type=Path)

@@ -7,6 +7,7 @@ import asyncio
 import importlib.util
 import itertools
 import multiprocessing
+import shutil
 import signal
 import sys
 import tempfile
@@ -25,6 +26,8 @@ def _rank_entry(spec: Any, slot: int, steps: Any, completed: Any, stop_step: Any
     """Child process entry: cache_core (and torch) are imported here, never in the sidecar."""
     from cache_core.rank import run_rank
 
+    # Ctrl-C reaches the whole process group: the demo process stops the ranks itself, in step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     run_rank(spec, slot, steps, completed, stop_step, stop, barrier)
 
 
@@ -38,10 +41,22 @@ def run_demo(args: argparse.Namespace) -> int:
         raise HicacheExporterError("--requests must be at least 1")
     if args.duration is not None and args.duration <= 0:
         raise HicacheExporterError("--duration must be positive")
+    if args.l3_capacity_mb <= 0:
+        raise HicacheExporterError("--l3-capacity-mb must be positive")
     workdir = Path(tempfile.mkdtemp(prefix="hicache-demo-"))
-    socket_path = args.socket or workdir / "metrics.sock"
-    config = load_config(None, port=args.port, host=args.host, socket_path=socket_path)
-    return asyncio.run(_demo(args, config, workdir))
+    # SIGTERM before the event loop takes the signal over must still remove the directory.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        socket_path = args.socket or workdir / "metrics.sock"
+        config = load_config(None, port=args.port, host=args.host, socket_path=socket_path)
+        return asyncio.run(_demo(args, config, workdir))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(workdir, ignore_errors=True)  # the L3 store and the socket: nothing is left behind
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 async def _demo(args: argparse.Namespace, config: Any, workdir: Path) -> int:
@@ -67,7 +82,8 @@ async def _demo(args: argparse.Namespace, config: Any, workdir: Path) -> int:
         spec = RankSpec(attn_tp_rank=tp, pp_rank=pp, dp_rank=dp, attn_tp_size=args.attn_tp, pp_size=args.pp,
                         dp_size=args.dp, attn_cp_rank=cp, attn_cp_size=args.cp,
                         socket_path=str(config.ingest.socket_path), storage_root=str(workdir / "l3"),
-                        interval=args.interval, requests=args.requests, workload=WorkloadConfig(seed=args.seed))
+                        interval=args.interval, requests=args.requests, workload=WorkloadConfig(seed=args.seed),
+                        storage_capacity_bytes=int(args.l3_capacity_mb * 2**20))
         proc = ctx.Process(target=_rank_entry, args=(spec, slot, steps, completed, stop_step, stop, barriers[dp]),
                            name=f"rank-dp{dp}-pp{pp}-cp{cp}-tp{tp}")
         proc.start()
@@ -75,7 +91,8 @@ async def _demo(args: argparse.Namespace, config: Any, workdir: Path) -> int:
     host = "localhost" if config.http.host in ("0.0.0.0", "::") else config.http.host
     print(f"hicache-exporter demo: {len(procs)} ranks (attn_tp={args.attn_tp} cp={args.cp} pp={args.pp} "
           f"dp={args.dp}), "
-          f"socket {config.ingest.socket_path}, L3 in {workdir / 'l3'}", flush=True)
+          f"socket {config.ingest.socket_path}, L3 in {workdir / 'l3'} (at most {args.l3_capacity_mb:g} MiB, "
+          f"least recently used pages evicted; removed on exit)", flush=True)
     print(f"  curl http://{host}:{sidecar.http_port}/metrics    (Ctrl-C stops)", flush=True)
 
     interrupted = asyncio.Event()

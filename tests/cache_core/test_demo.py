@@ -3,11 +3,14 @@ and dp (`--tp` as the alias of `--attn-tp`), once with context parallelism and D
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -165,3 +168,42 @@ def test_demo_with_context_parallelism_counts_tokens_once() -> None:
     # Scheduler statistics: attention tp rank 0 and cp rank 0 of each dp group only.
     scheduler = {s.labels["tp_rank"] for s in scrape.find(name("hicache_host_used_tokens"))}
     assert scheduler == {"0", "4"}  # tp_rank = (dp * cp + 0) * attn_tp + 0
+
+
+def _l3_bytes(l3: Path) -> int:
+    """Bytes of stored pages (a page being written is a `.tmp-` file until it is renamed)."""
+    return sum(f.stat().st_size for f in l3.glob("*/??/*") if f.is_file() and not f.name.startswith(".tmp-"))
+
+
+def test_demo_l3_stays_under_its_capacity_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
+    """The L3 store evicts past its capacity, and the demo's directory goes with the demo."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    capacity = 2 * 2**20
+    proc = subprocess.Popen([sys.executable, "-m", "exporter.cli", "demo", "--tp", "2", "--host", "127.0.0.1",
+                             "--port", str(free_port()), "--interval", "0.2", "--l3-capacity-mb", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp)})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        wait_until(lambda: any(" L3 in " in line for line in lines), timeout=120, interval=0.2)
+        l3 = Path(next(line for line in lines if " L3 in " in line).split(" L3 in ")[1].split(" (")[0])
+        assert l3.parent.parent == tmp and "at most 2 MiB" in "".join(lines)
+        peak, full_for = 0, 0
+        deadline = time.monotonic() + 90
+        while full_for < 15 and time.monotonic() < deadline:  # 3 s with the store at its capacity
+            size = _l3_bytes(l3)
+            peak = max(peak, size)
+            full_for = full_for + 1 if size > capacity * 0.9 else 0
+            time.sleep(0.2)
+        assert full_for >= 15, f"the store never filled: peak {peak} bytes"
+        assert peak <= capacity
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    reader.join(5)
+    assert proc.returncode == 0, "".join(lines)
+    assert "Traceback" not in "".join(lines), "".join(lines)
+    assert list(tmp.iterdir()) == [], "the demo left files behind"

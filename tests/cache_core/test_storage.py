@@ -170,3 +170,31 @@ def test_worker_read_stops_at_a_truncated_page(worker_setup) -> None:
     assert job.finished.wait(10)
     assert job.done_pages == 2
     assert job.error is not None and "10 bytes" in job.error
+
+
+def test_capacity_evicts_the_least_recently_used_pages(tmp_path: Path) -> None:
+    store = FileStorage(tmp_path / "l3", PAGE, capacity_pages=3)
+    assert store.capacity_bytes == 3 * PAGE
+    keys = chained_hashes([[i] for i in range(5)])
+    for key in keys[:3]:
+        store.put(key, os.urandom(PAGE))
+    assert store.prefix_hits(keys[:1]) == 1  # keys[0] is used again: keys[1] is now the oldest
+    store.put(keys[3], os.urandom(PAGE))
+    assert store.exists(keys[:4]) == [True, False, True, True]
+    assert store.prefix_hits(keys[:4]) == 1, "a prefetch of an evicted page misses"
+    with pytest.raises(StorageError):
+        store.get(keys[1])
+    store.put(keys[4], os.urandom(PAGE))
+    assert store.stored_pages() == 3 and store.evicted_pages == 2
+    assert sum(f.stat().st_size for f in (tmp_path / "l3").glob("??/*")) <= store.capacity_bytes
+
+
+def test_capacity_counts_the_pages_already_stored(tmp_path: Path) -> None:
+    first = FileStorage(tmp_path / "l3", PAGE)
+    keys = chained_hashes([[i] for i in range(4)])
+    for key in keys:
+        first.put(key, os.urandom(PAGE))
+    reopened = FileStorage(tmp_path / "l3", PAGE, capacity_pages=2)
+    assert reopened.stored_pages() == 2
+    with pytest.raises(ValueError):
+        FileStorage(tmp_path / "x", PAGE, capacity_pages=0)

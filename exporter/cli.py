@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
+import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
 from exporter import __version__
 from exporter.catalog import load_catalog
-from exporter.config import ENV_CONFIG, ENV_PORT, ENV_SOCKET, SidecarConfig, load_config
-from exporter.errors import HicacheExporterError
+from exporter.config import (
+    ENV_CONFIG,
+    ENV_PORT,
+    ENV_SOCKET,
+    SidecarConfig,
+    apply_web_config,
+    load_config,
+    setting_origin,
+)
+from exporter.errors import HicacheExporterError, StartupError
 
 EXIT_USAGE = 2
 
@@ -29,9 +40,48 @@ def _add_listen_flags(parser: argparse.ArgumentParser) -> None:
                         help=f"ingest Unix socket path (default /run/hicache/metrics.sock; env {ENV_SOCKET})")
 
 
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+def _add_exporter_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags every Prometheus exporter has (exporter-toolkit's names); the older ones stay."""
+    parser.add_argument("--web.listen-address", dest="web_listen_address", metavar="HOST:PORT",
+                        help="HTTP listen address: HOST:PORT, [IPV6]:PORT, or :PORT for every IPv4 address "
+                             "(instead of --host and --port)")
+    parser.add_argument("--web.config.file", dest="web_config_file", type=Path, metavar="FILE",
+                        help="Prometheus exporter-toolkit web config file: tls_server_config and "
+                             "basic_auth_users (bcrypt), as http.tls_server_config and http.basic_auth_users; "
+                             "beats the config file's")
+    parser.add_argument("--log.level", dest="log_level", choices=LOG_LEVELS,
+                        help="log level (as --log-level); debug also prints the traceback of a start-up error")
+    parser.add_argument("--log.format", dest="log_format", choices=["logfmt", "json"],
+                        help="log line format (default: plain text)")
+
+
+def parse_listen_address(text: str) -> tuple[str, int]:
+    """HOST:PORT, [IPV6]:PORT or :PORT (0.0.0.0), as exporter-toolkit's --web.listen-address."""
+    usage = f"--web.listen-address {text!r}: expected HOST:PORT, [IPV6]:PORT or :PORT"
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+        if not sep or not host:
+            raise HicacheExporterError(usage)
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep:
+            raise HicacheExporterError(usage)
+        if ":" in host:
+            raise HicacheExporterError(f"{usage} (an IPv6 address goes in brackets: [{host}]:{port})")
+        host = host or "0.0.0.0"
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise HicacheExporterError(f"{usage} (the port must be 0 to 65535)")
+    return host, int(port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hicache-exporter", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"hicache-exporter {__version__}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the sidecar",
@@ -39,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "which beats the config file, which beats the defaults.")
     serve.add_argument("--config", type=Path, help=f"YAML config file (env {ENV_CONFIG})")
     _add_listen_flags(serve)
+    _add_exporter_flags(serve)
+
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="override log_level")
 
     demo = sub.add_parser("demo", help="run the sidecar plus simulated ranks on a synthetic workload",
@@ -68,19 +120,83 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+def _logfmt_value(value: str) -> str:
+    if value and not any(c in value for c in ' "=\\') and value.isprintable():
+        return value
+    return json.dumps(value, ensure_ascii=False)
+
+
+class LogfmtFormatter(logging.Formatter):
+    """`ts=... level=info logger=... msg="..."`, as Prometheus exporters log with --log.format logfmt."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = {"ts": _timestamp(record), "level": record.levelname.lower(), "logger": record.name,
+                  "msg": record.getMessage()}
+        if record.exc_info:
+            fields["err"] = self.formatException(record.exc_info)
+        return " ".join(f"{key}={_logfmt_value(value)}" for key, value in fields.items())
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg (and err with a traceback)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = {"ts": _timestamp(record), "level": record.levelname.lower(), "logger": record.name,
+                  "msg": record.getMessage()}
+        if record.exc_info:
+            fields["err"] = self.formatException(record.exc_info)
+        return json.dumps(fields, ensure_ascii=False)
+
+
+def _timestamp(record: logging.LogRecord) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+
+
+def _setup_logging(level: str, fmt: str | None = None) -> None:
+    if fmt is None:
+        logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                            stream=sys.stderr)
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else LogfmtFormatter())
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+
+
+def _listen_settings(args: argparse.Namespace) -> tuple[str | None, int | None, dict[str, str]]:
+    """host, port and which flag set each config key, from --web.listen-address or --host/--port."""
+    flags = {key: flag for key, flag, value in (("http.host", "--host", args.host), ("http.port", "--port", args.port),
+                                                ("ingest.socket_path", "--socket", args.socket)) if value is not None}
+    address = getattr(args, "web_listen_address", None)
+    if address is None:
+        return args.host, args.port, flags
+    if args.host is not None or args.port is not None:
+        raise HicacheExporterError("give either --web.listen-address or --host/--port, not both")
+    host, port = parse_listen_address(address)
+    flags.update({"http.host": "--web.listen-address", "http.port": "--web.listen-address"})
+    return host, port, flags
+
+
+def _naming_the_setting(err: StartupError, path: Path | None, flags: dict[str, str]) -> StartupError:
+    named = StartupError(f"{err} ({err.setting}, {setting_origin(err.setting, path, flags=flags)})", err.setting)
+    named.__cause__ = err
+    return named
 
 
 def _serve(args: argparse.Namespace) -> int:
     from exporter.sidecar.process import raise_fd_limit, tune_gc
     from exporter.sidecar.runner import Sidecar
 
-    config = load_config(args.config, port=args.port, host=args.host, socket_path=args.socket)
-    _setup_logging(args.log_level or config.log_level)
+    host, port, flags = _listen_settings(args)
+    config = load_config(args.config, port=port, host=host, socket_path=args.socket)
+    if args.web_config_file is not None:
+        config = apply_web_config(config, args.web_config_file)
+    _setup_logging(args.log_level or config.log_level, args.log_format)
     raise_fd_limit()
     tune_gc()
-    asyncio.run(Sidecar(config).run())
+    try:
+        asyncio.run(Sidecar(config).run())
+    except StartupError as err:
+        raise _naming_the_setting(err, args.config, flags) from err
     return 0
 
 
@@ -99,7 +215,11 @@ def _check_config(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from exporter.demo import run_demo
 
-    return run_demo(args)
+    _, _, flags = _listen_settings(args)
+    try:
+        return run_demo(args)
+    except StartupError as err:
+        raise _naming_the_setting(err, None, flags) from err
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -115,6 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except HicacheExporterError as err:
+        if getattr(args, "log_level", None) == "debug":
+            traceback.print_exc()  # --log.level debug: the whole story, then the one line
         print(f"hicache-exporter: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -214,3 +214,74 @@ def load_config(
             data = _deep_merge(data, layer)
             config = config_from_data(data, source)
     return config
+
+
+# --- where a setting came from, and the exporter-toolkit web config file ---------------------
+
+SETTING_FLAGS = {"http.port": "--port", "http.host": "--host", "ingest.socket_path": "--socket"}
+SETTING_ENV = {"http.port": ENV_PORT, "ingest.socket_path": ENV_SOCKET}
+
+
+def _lookup(data: Any, key: str) -> tuple[bool, Any]:
+    for part in key.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return False, None
+        data = data[part]
+    return True, data
+
+
+def setting_origin(
+    key: str, path: Path | str | None = None, *, env: Mapping[str, str] | None = None,
+    flags: Mapping[str, str] | None = None,
+) -> str:
+    """Which layer gave the config key `key` its value, in load_config's order, for messages:
+    `flags` maps the keys set on the command line to the flag that set them."""
+    env = os.environ if env is None else env
+    if flags and key in flags:
+        return f"set by {flags[key]}"
+    name = SETTING_ENV.get(key)
+    if name and env.get(name):
+        return f"set by {name} in the environment"
+    if path is None and env.get(ENV_CONFIG):
+        path = env[ENV_CONFIG]
+    if path is not None:
+        try:
+            found, _ = _lookup(_normalise(load_yaml(Path(path)), str(path)), key)
+        except ConfigError:
+            found = False
+        if found:
+            return f"set in {path}"
+    ways = [way for way in (SETTING_FLAGS.get(key), SETTING_ENV.get(key)) if way]
+    return "the default; set it with " + ", ".join([*ways, f"{key} in the config file"])
+
+
+WEB_CONFIG_KEYS = ("tls_server_config", "basic_auth_users", "http_server_config")
+
+
+def web_config_layer(path: Path | str) -> dict[str, Any]:
+    """The http settings of a Prometheus exporter-toolkit web config file (`--web.config.file`):
+    `tls_server_config` and `basic_auth_users`, named as the config file's http section names them.
+    `http_server_config` is accepted and ignored (this sidecar speaks HTTP/1.1 only)."""
+    data = _normalise(load_yaml(Path(path)), str(path))
+    unknown = sorted(set(data) - set(WEB_CONFIG_KEYS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; a web config file holds "
+                          + ", ".join(WEB_CONFIG_KEYS))
+    layer: dict[str, Any] = {key: data[key] for key in ("tls_server_config", "basic_auth_users")
+                             if key in data and data[key] != {}}
+    tls = layer.get("tls_server_config")
+    if isinstance(tls, dict):  # exporter-toolkit's client auth: a client CA means RequireAndVerifyClientCert
+        tls = {k: v for k, v in tls.items() if k != "client_auth_type"}
+        base = Path(path).parent  # relative file names are relative to the web config file, as in the toolkit
+        for name in ("cert_file", "key_file", "client_ca_file"):
+            if isinstance(tls.get(name), str) and not Path(tls[name]).is_absolute():
+                tls[name] = str(base / tls[name])
+        layer["tls_server_config"] = tls
+    return layer
+
+
+def apply_web_config(config: SidecarConfig, path: Path | str) -> SidecarConfig:
+    """`config` with the web config file's http settings on top (they beat the config file's)."""
+    data = config.model_dump(mode="json", exclude_none=True)
+    data["http"] = {**data.get("http", {}), **web_config_layer(path)}
+    return config_from_data(data, f"{path} (--web.config.file)")

@@ -45,6 +45,15 @@ class SocketInUseError(HicacheExporterError):
     """Another live sidecar already listens on the ingest socket path."""
 
 
+class StartupError(HicacheExporterError):
+    """The sidecar cannot listen where its settings say; `setting` is the config key that says it
+    (`http.port`, `http.host`, `ingest.socket_path`), so that the message can name who set it."""
+
+    def __init__(self, message: str, setting: str) -> None:
+        super().__init__(message)
+        self.setting = setting
+
+
 class ProtocolError(HicacheExporterError):
     """A peer broke wire protocol v1; `code` is what the sidecar reports back."""
 

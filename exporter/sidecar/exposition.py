@@ -6,8 +6,10 @@ samples this collector yields (tests/exporter/sidecar/test_render.py holds the t
 
 from __future__ import annotations
 
+import os
 import platform
-from collections.abc import Iterable, Iterator
+import subprocess
+from collections.abc import Iterable, Iterator, Sequence
 from functools import lru_cache
 from typing import TypeVar
 
@@ -22,6 +24,7 @@ from exporter.sidecar.series import HistAccumulator, HistValue, LabelValues, Lay
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import DurationHistogram, SidecarStats
 
+ENV_REVISION = "HICACHE_EXPORTER_REVISION"
 KeyT = TypeVar("KeyT", bound=tuple)
 ValueT = TypeVar("ValueT")
 _METRIC_CLASS = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}
@@ -30,6 +33,22 @@ _METRIC_CLASS = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "hi
 def new_metric(family: Family, help_text: str | None = None) -> Metric:
     """An empty prometheus_client metric family for `family` (with another HELP text, if given)."""
     return _METRIC_CLASS[family.type](family.name, help_text or family.help)
+
+
+@lru_cache(maxsize=1)
+def build_revision() -> str:
+    """The commit the sidecar runs: $HICACHE_EXPORTER_REVISION (set by an image build), else the git
+    checkout the package lives in, else "unknown"."""
+    revision = os.environ.get(ENV_REVISION, "").strip()
+    if revision:
+        return revision
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                                capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    out = result.stdout.strip()
+    return out if result.returncode == 0 and out else "unknown"
 
 
 @lru_cache(maxsize=256)
@@ -70,9 +89,11 @@ def _by_family(*sources: Iterable[tuple[KeyT, ValueT]]) -> dict[str, list[tuple[
 class SidecarCollector(Collector):
     """Yields per-rank series, rollups, bandwidth and spread gauges, and the sidecar's self-metrics."""
 
-    def __init__(self, state: SidecarState, stats: SidecarStats, namespace: str) -> None:
+    def __init__(self, state: SidecarState, stats: SidecarStats, namespace: str, extra: Sequence[Collector] = ()) -> None:
         self.state = state
         self.stats = stats
+        self.extra = tuple(extra)  # other collectors rendered last, such as prometheus_client's process collector
+        self.revision = build_revision()
         self.families = ExposedFamilies(state.catalog, namespace)
         self._labels = {spec.name: spec.labels for spec in state.catalog}
 
@@ -92,6 +113,8 @@ class SidecarCollector(Collector):
         yield from self._bandwidth(known, increases, rank_labels)
         yield from self._spreads(increases)
         yield from self._self_metrics(ranks, rank_labels)
+        for collector in self.extra:
+            yield from collector.collect()
 
     def _per_rank(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
         reported = self.state.help
@@ -148,7 +171,8 @@ class SidecarCollector(Collector):
         stats, state = self.stats, self.state
         metric = {name[len(SELF):]: new_metric(family) for name, family in SELF_FAMILIES.items()}
         info = metric["build_info"]
-        info.add_sample(info.name, {"version": __version__, "python_version": platform.python_version()}, 1.0)
+        info.add_sample(info.name, {"version": __version__, "revision": self.revision,
+                                  "python_version": platform.python_version()}, 1.0)
         by_status = dict.fromkeys(RankStatus, 0)
         for rank in state.ranks.values():
             by_status[rank.status] += 1

@@ -32,7 +32,7 @@ def exported_name(spec: FamilySpec, prefix: str) -> str:
 
 
 SELF_FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family(SELF + "build_info", "gauge", "Version of the running sidecar (value is always 1)."),
+    Family(SELF + "build_info", "gauge", "Version, git revision and Python version of the running sidecar (value is always 1)."),
     Family(SELF + "ranks", "gauge", "Rank identities the sidecar knows, by status."),
     Family(SELF + "rank_up", "gauge", "1 while the rank is connected and pushing, else 0."),
     Family(SELF + "rank_last_push_timestamp_seconds", "gauge", "Wall-clock time of the rank's last snapshot."),

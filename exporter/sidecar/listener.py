@@ -14,7 +14,14 @@ from exporter.errors import ErrorCode, ProtocolError
 from exporter.protocol.framing import FrameDecoder, encode_message
 from exporter.protocol.messages import Bye, ErrorMessage, Hello, Snapshot, Welcome, message_type, parse_client_message
 from exporter.sidecar.registry import RankState
-from exporter.sidecar.socket_file import SocketIdentity, peer_uid, prepare_socket_path, remove_socket_file, socket_identity
+from exporter.sidecar.socket_file import (
+    SocketIdentity,
+    peer_uid,
+    prepare_socket_path,
+    remove_socket_file,
+    socket_identity,
+    socket_startup_error,
+)
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import SidecarStats
 
@@ -51,7 +58,10 @@ class IngestServer:
 
     async def start(self) -> None:
         prepare_socket_path(self.path, self.config.dir_mode)
-        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=READ_CHUNK)
+        try:
+            self._server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=READ_CHUNK)
+        except OSError as err:
+            raise socket_startup_error(self.path, err) from err
         self._socket_file = socket_identity(self.path)
         os.chmod(self.path, self.config.socket_mode)
         self.stats.ingest_listening = True

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from prometheus_client.process_collector import ProcessCollector
 
 from exporter.catalog import Catalog, load_catalog
 from exporter.config import SidecarConfig
+from exporter.errors import StartupError
 from exporter.sidecar.app import build_app
 from exporter.sidecar.exposition import SidecarCollector
 from exporter.sidecar.listener import IngestServer
@@ -59,6 +63,51 @@ class CappedRunner(web.AppRunner):
         return server
 
 
+DCGM_EXPORTER_PORT = 9400  # NVIDIA dcgm-exporter's default port, and this sidecar's
+
+
+def http_startup_error(host: str, port: int, err: OSError) -> StartupError:
+    """One line naming the address and why it cannot be listened on."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if isinstance(err, socket.gaierror):
+        return StartupError(f"cannot listen on {where}: the host {host!r} does not resolve ({err.strerror})", "http.host")
+    if err.errno == errno.EADDRINUSE:
+        clash = (f"; {DCGM_EXPORTER_PORT} is also the default port of NVIDIA's dcgm-exporter, so move one of them"
+                 if port == DCGM_EXPORTER_PORT else "")
+        return StartupError(f"cannot listen on {where}: the port is already in use{clash}", "http.port")
+    if err.errno == errno.EADDRNOTAVAIL:
+        return StartupError(f"cannot listen on {where}: {host} is not an address of this machine", "http.host")
+    if err.errno == errno.EACCES and 0 < port < 1024:
+        return StartupError(f"cannot listen on {where}: ports below 1024 need privileges", "http.port")
+    return StartupError(f"cannot listen on {where}: {err.strerror or err}", "http.port")
+
+
+def bind_http(host: str, port: int, backlog: int = 128) -> list[socket.socket]:
+    """Listening sockets for every address `host` resolves to, as asyncio's create_server makes
+    them; bound before anything else starts, so that a taken port fails start-up at once."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise http_startup_error(host, port, err) from err
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            target: tuple[Any, ...] = (address[0], port, *address[2:])
+            sock.bind(target)
+            sock.listen(backlog)
+            port = sock.getsockname()[1]  # port 0: every address on the port the first one got
+    except OSError as err:
+        for sock in sockets:
+            sock.close()
+        raise http_startup_error(host, port, err) from err
+    return sockets
+
+
 class Sidecar:
     """One sidecar process: `await start()`, then `await stop()` (or `run()` until a signal)."""
 
@@ -69,7 +118,9 @@ class Sidecar:
         self.catalog = catalog or load_catalog(config.metrics.catalog)
         self.stats = SidecarStats()
         self.state = SidecarState(self.catalog, config.ranks, config.rollup.window_seconds, clock=clock)
-        self.renderer = TextRenderer(SidecarCollector(self.state, self.stats, config.metrics.namespace))
+        # prometheus_client's own process_* families (memory, CPU, file descriptors) follow the sidecar's.
+        process = ProcessCollector(registry=None)
+        self.renderer = TextRenderer(SidecarCollector(self.state, self.stats, config.metrics.namespace, extra=(process,)))
         self.ingest = IngestServer(config.ingest, self.state, self.stats)
         self._runner: web.AppRunner | None = None
         self.http_port: int | None = None
@@ -84,13 +135,19 @@ class Sidecar:
         # header deadline that keeps idle or dribbling connections from holding descriptors.
         self._runner = CappedRunner(app, http.max_connections, access_log=None, handle_signals=False,
                                     shutdown_timeout=HTTP_SHUTDOWN_SECONDS, keepalive_timeout=http.idle_timeout_seconds)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.http.host, self.config.http.port, ssl_context=ssl_context)
+        sockets = bind_http(http.host, http.port)  # before the ingest socket: a taken port fails first
         try:
-            await site.start()
-        except OSError:
-            await self._runner.cleanup()
+            await self._runner.setup()
+        except BaseException:
+            for sock in sockets:
+                sock.close()
             raise
+        try:
+            for sock in sockets:
+                await web.SockSite(self._runner, sock, ssl_context=ssl_context).start()
+        except OSError as err:
+            await self._runner.cleanup()
+            raise http_startup_error(http.host, http.port, err) from err
         addresses = self._runner.addresses
         self.http_port = addresses[0][1] if addresses else self.config.http.port
         log.info("serving /metrics on http://%s:%s", self.config.http.host, self.http_port)

@@ -3,21 +3,64 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import stat
 import struct
 from pathlib import Path
 
-from exporter.errors import SocketInUseError
+from exporter.errors import SocketInUseError, StartupError
+
+MAX_SOCKET_PATH_BYTES = 107  # sun_path is 108 bytes on Linux, the last one the terminating NUL
+SETTING = "ingest.socket_path"
+
+
+def check_socket_path(path: Path) -> None:
+    """A path a Unix socket can have at all: short enough for sun_path."""
+    size = len(os.fsencode(path))
+    if size > MAX_SOCKET_PATH_BYTES:
+        raise StartupError(f"the ingest socket path {path} is {size} bytes long, over the {MAX_SOCKET_PATH_BYTES} "
+                           "a Unix socket path may have: choose a shorter one", SETTING)
+
+
+def _file_in_the_way(path: Path) -> Path | None:
+    """The first ancestor of `path` that exists and is not a directory."""
+    for parent in reversed(path.parents):
+        if parent.exists() and not parent.is_dir():
+            return parent
+    return None
+
+
+def socket_startup_error(path: Path, err: OSError) -> StartupError:
+    """One line naming the socket and what is wrong with its directory."""
+    blocker = _file_in_the_way(path)
+    if blocker is not None:
+        why = f"{blocker} is a file, not a directory"
+    elif err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        where = next((p for p in path.parents if p.exists()), path.parent)
+        kind = "is on a read-only file system" if err.errno == errno.EROFS else "is not writable by this process"
+        what = "its directory" if where == path.parent else f"its directory {path.parent} is missing and"
+        why = f"{what} {where} {kind} ({err.strerror})"
+    elif err.errno == errno.ENOENT:
+        why = f"its directory {path.parent} does not exist and cannot be created ({err.strerror})"
+    else:
+        why = err.strerror or str(err)
+    return StartupError(f"cannot create the ingest socket {path}: {why}", SETTING)
 
 
 def prepare_socket_path(path: Path, dir_mode: int) -> None:
     """Create the socket's directory; replace a dead sidecar's socket file, refuse a live one."""
+    check_socket_path(path)
+    if _file_in_the_way(path) is not None:
+        raise socket_startup_error(path, NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)))
     directory = path.parent
     if not directory.exists():
-        directory.mkdir(parents=True, mode=dir_mode)
-        os.chmod(directory, dir_mode)  # mkdir's mode is filtered by the umask
+        try:
+            directory.mkdir(parents=True, mode=dir_mode)
+            os.chmod(directory, dir_mode)  # mkdir's mode is filtered by the umask
+        except OSError as err:
+            raise socket_startup_error(path, err) from err
     if not os.path.lexists(path):
         return
     if not stat.S_ISSOCK(os.lstat(path).st_mode):

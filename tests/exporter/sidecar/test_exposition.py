@@ -16,7 +16,7 @@ import pytest
 
 from exporter.catalog import FamilySpec, MetricType, default_catalog
 from exporter.protocol.messages import Hello, HistogramSample, RankId, Sample, ScalarSample, Snapshot
-from exporter.sidecar.exposition import SidecarCollector
+from exporter.sidecar.exposition import SidecarCollector, build_revision
 from exporter.sidecar.render import TextRenderer
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import SidecarStats
@@ -77,6 +77,7 @@ def golden_state() -> tuple[TextRenderer, SidecarStats]:
 
 
 def _normalised(body: str) -> str:
+    body = body.replace(f'revision="{build_revision()}"', 'revision="REVISION"')
     return body.replace(f'python_version="{platform.python_version()}"', 'python_version="X.Y.Z"')
 
 

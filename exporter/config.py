@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from exporter.catalog import format_validation_error, load_yaml
+from exporter.catalog import load_yaml
 from exporter.errors import ConfigError
 
 ENV_CONFIG = "HICACHE_EXPORTER_CONFIG"
@@ -168,7 +171,56 @@ def config_from_data(data: Any, source: str) -> SidecarConfig:
         # Strict JSON-mode validation: YAML scalars are JSON scalars, and paths/lists still map.
         return SidecarConfig.model_validate_json(json.dumps(data, default=str), strict=True)
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err, source)) from None
+        raise ConfigError(format_config_error(err, source)) from None
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The config model a location points into (None past a plain field)."""
+    model: Any = SidecarConfig
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return None
+        annotation = field.annotation
+        if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+            annotation = next((a for a in typing.get_args(annotation) if a is not type(None)), None)
+        model = annotation
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _origin_of(key: str, source: str) -> str:
+    """Which source gave `key`, from the layer's name: the file, the variable or the flag."""
+    if source.startswith("environment") and key in SETTING_ENV:
+        return f"from {SETTING_ENV[key]} in the environment"
+    if source == "command-line flags" and key in ERROR_FLAGS:
+        return f"from {ERROR_FLAGS[key]}"
+    return f"from {source}"
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, default=str, ensure_ascii=False)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def format_config_error(err: ValidationError, source: str) -> str:
+    """One line per problem: the key, what is wrong, the value received and where it came from;
+    for an unknown key, the closest known one (`did you mean ...?`)."""
+    lines = [f"{source}: {err.error_count()} problem(s)"]
+    for problem in err.errors():
+        loc = tuple(problem["loc"])
+        key = ".".join(str(part) for part in loc) or "(top level)"
+        value = problem.get("input")
+        if problem["type"] == "extra_forbidden":
+            model = _model_at(loc[:-1])
+            known = list(model.model_fields) if model is not None else []
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+            hint = f"; did you mean `{close[0]}`?" if close else (f"; known keys: {', '.join(known)}" if known else "")
+            lines.append(f"  {key}: unknown key (value {_shown(value)}, {_origin_of(key, source)}){hint}")
+        elif isinstance(value, dict):  # a whole section (a check across its fields): its value says little
+            lines.append(f"  {key}: {problem['msg']} ({_origin_of(key, source)})")
+        else:
+            lines.append(f"  {key}: {problem['msg']} (got {_shown(value)}, {_origin_of(key, source)})")
+    return "\n".join(lines)
 
 
 def load_config(
@@ -220,6 +272,8 @@ def load_config(
 
 SETTING_FLAGS = {"http.port": "--port", "http.host": "--host", "ingest.socket_path": "--socket"}
 SETTING_ENV = {"http.port": ENV_PORT, "ingest.socket_path": ENV_SOCKET}
+ERROR_FLAGS = {"http.port": "--port or --web.listen-address", "http.host": "--host or --web.listen-address",
+               "ingest.socket_path": "--socket"}
 
 
 def _lookup(data: Any, key: str) -> tuple[bool, Any]:

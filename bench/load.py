@@ -12,6 +12,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -161,6 +162,7 @@ def run(ranks: int, seconds: float, scrapes_per_second: float, interval: float =
             sidecar.wait(20)
         except subprocess.TimeoutExpired:
             sidecar.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

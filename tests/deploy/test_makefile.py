@@ -11,13 +11,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 MAKE = shutil.which("make")
+# Under `make test` the environment says this is a sub-make (MAKELEVEL, MAKEFLAGS), which would
+# make the make run here print "Entering directory" lines and number its own messages.
+PLAIN_ENV = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
 
 
 def make(*args: str, path: str) -> tuple[subprocess.CompletedProcess[str], float]:
     assert MAKE, "make is required"
     started = time.monotonic()
     result = subprocess.run([MAKE, "-s", *args], cwd=REPO, capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "PATH": path})
+                            env={**PLAIN_ENV, "PATH": path})
     return result, time.monotonic() - started
 
 
@@ -53,14 +56,14 @@ def test_make_test_installs_the_debian_package_as_root(tmp_path: Path) -> None:
 
 
 def test_make_test_checks_the_tools_first_and_ci_calls_it() -> None:
-    dry = subprocess.run([MAKE or "make", "-n", "test"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    dry = subprocess.run([MAKE or "make", "-n", "test"], cwd=REPO, capture_output=True, text=True, timeout=30, env=PLAIN_ENV)
     assert dry.stdout.splitlines()[0].endswith(".ci/prometheus-tools")
     assert "make test" in (REPO / ".ci" / "run").read_text()
 
 
 def test_make_demo_installs_only_the_cache_extra(tmp_path: Path) -> None:
     dry = subprocess.run([MAKE or "make", "-n", "demo", f"VENV={tmp_path / 'venv'}"], cwd=REPO,
-                         capture_output=True, text=True, timeout=30)
+                         capture_output=True, text=True, timeout=30, env=PLAIN_ENV)
     assert dry.returncode == 0, dry.stderr
     installs = [line for line in dry.stdout.splitlines() if "pip install" in line and " -e " in line]
     assert installs == [f"{tmp_path / 'venv'}/bin/python -m pip install --quiet -e '.[cache]'"]

@@ -70,6 +70,12 @@ RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     && pip uninstall --yes setuptools wheel \
     && hicache-exporter version
 
+# build_info's revision label (the image holds no git checkout to read it from):
+#   docker build --build-arg REVISION="$(git rev-parse HEAD)" -t hicache-exporter:0.1.0 .
+ARG REVISION=unknown
+LABEL org.opencontainers.image.revision="${REVISION}"
+ENV HICACHE_EXPORTER_REVISION="${REVISION}"
+
 # A numeric uid:gid (no passwd entry needed) lets Kubernetes verify
 # runAsNonRoot; 65532 is the conventional "nonroot" id of distroless images and
 # matches runAsUser/runAsGroup/fsGroup in config/k8s/deployment.yaml.

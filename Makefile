@@ -34,6 +34,17 @@ demo: $(DEMO_STAMP)
 prometheus-tools:
 	@$(SHELL) .ci/prometheus-tools
 
+# `make test` checks them when the Makefile is read (not under -n), so that a missing tool stops
+# it at once with one line, before any install or lint.
+ifneq ($(filter test,$(MAKECMDGOALS)),)
+ifeq ($(findstring n,$(firstword -$(MAKEFLAGS))),)
+PROMETHEUS_TOOLS_MISSING := $(shell $(SHELL) .ci/prometheus-tools --make)
+ifneq ($(PROMETHEUS_TOOLS_MISSING),)
+$(error $(PROMETHEUS_TOOLS_MISSING))
+endif
+endif
+endif
+
 serve: $(STAMP)
 	$(VENV)/bin/hicache-exporter serve
 

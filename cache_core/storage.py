@@ -40,7 +40,8 @@ class FileStorage:
 
     With `capacity_pages`, a put past that many pages evicts the least recently used ones (put,
     found by a query, or read), as a storage backend does: the store never holds more than
-    `capacity_pages * page_bytes` bytes of pages. The capacity is in pages, so that replicas with
+    `capacity_pages * page_bytes` bytes of pages (room is made before a page is renamed into place;
+    the page being written is a `.tmp-` file until then). The capacity is in pages, so that replicas with
     shards of different sizes keep the same pages and make the same decisions. Pages already under
     `root` are counted, oldest first.
     """
@@ -76,10 +77,11 @@ class FileStorage:
                 if name in self._pages:
                     self._pages.move_to_end(name)
 
-    def _evict(self) -> None:
-        """Called with the lock held: remove the least recently used pages past the capacity."""
+    def _evict(self, keep: int | None = None) -> None:
+        """Called with the lock held: remove the least recently used pages past `keep` (the capacity)."""
         assert self.capacity_pages is not None
-        while len(self._pages) > self.capacity_pages:
+        keep = self.capacity_pages if keep is None else keep
+        while len(self._pages) > keep:
             name, _ = self._pages.popitem(last=False)
             try:
                 (self.root / name[:2] / name).unlink()
@@ -112,6 +114,13 @@ class FileStorage:
         if len(data) != self.page_bytes:
             raise StorageError(f"page of {len(data)} bytes, expected {self.page_bytes}")
         target = self.path(key)
+        if self.capacity_pages is not None:
+            with self._lock:  # make room first, so that the store never holds more than its capacity
+                name = key.hex()
+                if name not in self._pages:
+                    self._evict(self.capacity_pages - 1)
+                self._pages[name] = None
+                self._pages.move_to_end(name)
         target.parent.mkdir(exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
         try:
@@ -123,12 +132,10 @@ class FileStorage:
                 os.unlink(tmp)
             except OSError:
                 pass
+            if self.capacity_pages is not None and not target.exists():
+                with self._lock:
+                    self._pages.pop(key.hex(), None)
             raise StorageError(f"cannot write {target}: {err}") from err
-        if self.capacity_pages is not None:
-            with self._lock:
-                self._pages[key.hex()] = None
-                self._pages.move_to_end(key.hex())
-                self._evict()
 
     def get(self, key: bytes) -> bytes:
         """Read one page; a missing or truncated file is a StorageError."""

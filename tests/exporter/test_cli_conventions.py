@@ -172,3 +172,8 @@ def test_the_env_revision_wins() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
                          env={**os.environ, "HICACHE_EXPORTER_REVISION": "abc123"}).stdout.strip()
     assert out == "abc123"
+
+
+def test_the_image_takes_its_revision_as_a_build_argument() -> None:
+    dockerfile = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
+    assert "ARG REVISION=unknown" in dockerfile and 'ENV HICACHE_EXPORTER_REVISION="${REVISION}"' in dockerfile

@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
                                        "which beats the config file, which beats the defaults.")
     serve.add_argument("--config", type=Path, help=f"YAML config file (env {ENV_CONFIG})")
     _add_listen_flags(serve)
+    serve.add_argument("--upstream", action="append", metavar="URL", default=[],
+                       help="proxy an engine's own /metrics at URL (repeatable); settings per upstream in the config")
+    serve.add_argument("--upstream-multiprocess-dir", action="append", metavar="DIR", default=[],
+                       help="proxy a prometheus_client multiprocess directory (the engine's PROMETHEUS_MULTIPROC_DIR, "
+                            "shared as a volume; repeatable), each process's files read apart")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="override log_level")
 
     demo = sub.add_parser("demo", help="run the sidecar plus simulated ranks on a synthetic workload",
@@ -73,7 +78,8 @@ def _serve(args: argparse.Namespace) -> int:
     from exporter.sidecar.process import raise_fd_limit, tune_gc
     from exporter.sidecar.runner import Sidecar
 
-    config = load_config(args.config, port=args.port, host=args.host, socket_path=args.socket)
+    config = load_config(args.config, port=args.port, host=args.host, socket_path=args.socket,
+                         upstreams=args.upstream, upstream_dirs=args.upstream_multiprocess_dir)
     _setup_logging(args.log_level or config.log_level)
     raise_fd_limit()
     tune_gc()

@@ -19,7 +19,8 @@ from exporter.sidecar.listener import IngestServer
 from exporter.sidecar.render import TextRenderer
 from exporter.sidecar.security import server_ssl_context
 from exporter.sidecar.state import SidecarState
-from exporter.sidecar.stats import SidecarStats
+from exporter.sidecar.stats import SidecarStats, UpstreamHealth
+from exporter.sidecar.upstream import UpstreamFeed, UpstreamScraper
 
 log = logging.getLogger("hicache_exporter")
 HTTP_SHUTDOWN_SECONDS = 5.0  # open HTTP requests get this long at shutdown (aiohttp's default is 60 s)
@@ -69,7 +70,14 @@ class Sidecar:
         self.catalog = catalog or load_catalog(config.metrics.catalog)
         self.stats = SidecarStats()
         self.state = SidecarState(self.catalog, config.ranks, config.rollup.window_seconds, clock=clock)
-        self.renderer = TextRenderer(SidecarCollector(self.state, self.stats, config.metrics.namespace))
+        collector = SidecarCollector(self.state, self.stats, config.metrics.namespace, config.metrics.per_rank_series)
+        self.upstreams: list[UpstreamScraper] = []
+        for upstream in config.upstreams:
+            health = self.stats.upstreams[upstream.label] = UpstreamHealth(
+                upstream.label, upstream.url or str(upstream.multiprocess_dir))
+            feed = UpstreamFeed(upstream, self.state, health, collector.exposed_names())
+            self.upstreams.append(UpstreamScraper(upstream, feed))
+        self.renderer = TextRenderer(collector, pass_through=[u.pass_through_text for u in self.upstreams])
         self.ingest = IngestServer(config.ingest, self.state, self.stats)
         self._runner: web.AppRunner | None = None
         self.http_port: int | None = None
@@ -78,13 +86,17 @@ class Sidecar:
         """Start the ingest listener and housekeeping (the app's cleanup context), then HTTP."""
         tls = self.config.http.tls_server_config
         ssl_context = server_ssl_context(tls) if tls is not None else None  # fail before binding anything
-        app = build_app(self.config, self.state, self.stats, self.renderer, self.ingest)
+        app = build_app(self.config, self.state, self.stats, self.renderer, self.ingest, self.upstreams)
         http = self.config.http
         # aiohttp's keep-alive timer runs from accept until a request is whole, so it is also the
         # header deadline that keeps idle or dribbling connections from holding descriptors.
         self._runner = CappedRunner(app, http.max_connections, access_log=None, handle_signals=False,
                                     shutdown_timeout=HTTP_SHUTDOWN_SECONDS, keepalive_timeout=http.idle_timeout_seconds)
-        await self._runner.setup()
+        try:
+            await self._runner.setup()  # starts the listener, housekeeping and the upstreams' first reads
+        except BaseException:
+            await self._runner.cleanup()
+            raise
         site = web.TCPSite(self._runner, self.config.http.host, self.config.http.port, ssl_context=ssl_context)
         try:
             await site.start()

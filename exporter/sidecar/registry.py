@@ -126,16 +126,22 @@ class RankState:
 CarriedT = TypeVar("CarriedT")
 
 
-def _carried(positions: dict[SeriesKey, CarriedT], reported: dict[SeriesKey, Value], limit: int) -> dict[SeriesKey, CarriedT]:
+OLDER_POSITIONS_KEPT = 16  # at least this many series of older epochs carry on, or as many as the ended epoch reported
+
+
+def _carried(positions: dict[SeriesKey, CarriedT], reported: dict[SeriesKey, Value]) -> dict[SeriesKey, CarriedT]:
     """The positions a new epoch carries on: every series the ended epoch reported, then series of
-    older epochs up to `limit` in all. A replica that skipped a series for one epoch (a lazily made
-    reason) keeps its place in that series' watermark, and epochs that each make new series still
-    leave a bounded memory."""
+    older epochs, at most max(OLDER_POSITIONS_KEPT, series reported) of them. A replica that skipped
+    a series for one epoch (a lazily made reason) keeps its place in that series' watermark, and
+    epochs that each make new series leave at most about twice an epoch's series."""
     kept = {key: value for key, value in positions.items() if key in reported}
+    room = max(OLDER_POSITIONS_KEPT, len(reported))
     for key, value in positions.items():
-        if len(kept) >= limit:
+        if room <= 0:
             break
-        kept.setdefault(key, value)
+        if key not in kept:
+            kept[key] = value
+            room -= 1
     return kept
 
 
@@ -224,8 +230,8 @@ class RankRegistry:
         rank.epoch = epoch
         self.budget.per_rank -= len(rank.values)
         if rank.values:  # positions carry on for what the ended epoch reported, then older series' while there is room
-            rank.positions = _carried(rank.positions, rank.values, self.config.max_series_per_rank)
-            rank.bucket_positions = _carried(rank.bucket_positions, rank.values, self.config.max_series_per_rank)
+            rank.positions = _carried(rank.positions, rank.values)
+            rank.bucket_positions = _carried(rank.bucket_positions, rank.values)
         rank.values.clear()
         rank.gauge_keys.clear()
         rank.layout_conflicts.clear()

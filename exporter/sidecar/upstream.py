@@ -63,6 +63,9 @@ _OM_METADATA = re.compile(r"(?m)^(# (?:HELP|TYPE|UNIT) )(\S+)")
 _DB_FILE = re.compile(r"^(?P<kind>[a-z]+)(?:_[a-z]+)?_(?P<pid>[^_]+)\.db$")
 
 Reading = list[tuple[str | None, float, list[Metric]]]  # (pid or None, its files' mtime, families), oldest first
+# In a directory's reading, the entry of every process's files merged as the engine's /metrics
+# merges them: the families passed through come from it (one series per label set, summed).
+MERGED = "*"
 
 
 # --- reading an upstream: prometheus_client's parsers and multiprocess reader ---
@@ -95,6 +98,8 @@ def read_multiprocess_dir(directory: Path) -> Reading:
             continue
         processes.append((pid, mtime, list(MultiProcessCollector.merge(sorted(files), accumulate=True))))
     processes.sort(key=lambda process: (process[1], process[0]))
+    every = sorted(path for _, files in by_pid.items() for path in files if os.path.exists(path))
+    processes.append((MERGED, 0.0, list(MultiProcessCollector.merge(every, accumulate=True))))
     return processes
 
 
@@ -165,15 +170,17 @@ class UpstreamFeed:
         cp_size_above_one = False
         lacking_cp: dict[str, bool] = {}  # catalog family -> whether none of its series carries attn_cp_rank
         help_texts: dict[str, str] = {}
+        merged = any(pid == MERGED for pid, _, _ in reading)
         for pid, _, families in reading:
             by_rank: dict[RankIdentity, tuple[RankId, dict[str, str], list[Sample]]] = {}
             for family in families:
-                result.samples += len(family.samples)
                 spec = self.spec_of(family.name)
-                if spec is None:
-                    if self.config.pass_through:
+                if pid == MERGED or spec is None:
+                    if spec is None and self.config.pass_through and (pid == MERGED or not merged):
+                        result.samples += len(family.samples)
                         self._pass(family, pass_through, result)
                     continue
+                result.samples += len(family.samples)
                 if family.documentation and family.documentation != MULTIPROCESS_HELP:
                     help_texts[spec.name] = family.documentation
                 for labels, sample in _series(spec, family):
@@ -225,11 +232,7 @@ class UpstreamFeed:
                            "upstream %s: family %s is also a family the sidecar makes; it is not passed through",
                            self.health.name, family.name)
             return
-        held = out.get(family.name)
-        if held is None:
-            out[family.name] = family
-        elif held.type == family.type:  # the same family from several processes of a directory
-            held.samples.extend(family.samples)
+        out.setdefault(family.name, family)
 
     def _flag(self, result: FeedResult) -> None:
         for name in sorted(result.unranked - self.health.unranked):
@@ -322,6 +325,10 @@ def _series(spec: FamilySpec, family: Metric) -> Iterable[tuple[dict[str, str], 
                 entry = grouped.setdefault(tuple(sorted(s.labels.items())), {"buckets": []})
                 entry[s.name.rsplit("_", 1)[1]] = s.value
         for key, parts in grouped.items():
+            if not any(le == "+Inf" for le, _ in parts["buckets"]):  # type: ignore[attr-defined]
+                # A process creating the child right now: prometheus_client writes its buckets
+                # in ascending order, +Inf last, so the layout is not whole yet. Next read.
+                continue
             labels = dict(key)
             buckets = sorted(
                 ((float(le), int(v)) for le, v in parts["buckets"]),  # type: ignore[attr-defined]

@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, help=f"YAML config file (env {ENV_CONFIG})")
     _add_listen_flags(serve)
     _add_exporter_flags(serve)
+    serve.add_argument("--upstream", action="append", metavar="URL", default=[],
+                       help="proxy an engine's own /metrics at URL (repeatable); settings per upstream in the config")
+    serve.add_argument("--upstream-multiprocess-dir", action="append", metavar="DIR", default=[],
+                       help="proxy a prometheus_client multiprocess directory (the engine's PROMETHEUS_MULTIPROC_DIR, "
+                            "shared as a volume; repeatable), each process's files read apart")
 
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="override log_level")
 
@@ -187,7 +192,8 @@ def _serve(args: argparse.Namespace) -> int:
     from exporter.sidecar.runner import Sidecar
 
     host, port, flags = _listen_settings(args)
-    config = load_config(args.config, port=port, host=host, socket_path=args.socket)
+    config = load_config(args.config, port=port, host=host, socket_path=args.socket,
+                         upstreams=args.upstream, upstream_dirs=args.upstream_multiprocess_dir)
     if args.web_config_file is not None:
         config = apply_web_config(config, args.web_config_file)
     _setup_logging(args.log_level or config.log_level, args.log_format)

@@ -119,6 +119,9 @@ class MetricsConfig(_Strict):
 
     namespace: str = "sglang_"
     catalog: Path | None = None
+    # False: only rollups (and derived gauges) of the catalog families on /metrics, no per-rank
+    # series; the JSON view and the status page still list every rank.
+    per_rank_series: bool = True
 
     @field_validator("namespace")
     @classmethod
@@ -134,6 +137,71 @@ class RollupConfig(_Strict):
     window_seconds: float = Field(60.0, gt=0)
 
 
+class UpstreamBasicAuth(_Strict):
+    """HTTP basic authentication towards an upstream; the password inline or read from a file."""
+
+    username: str = Field(min_length=1)
+    password: str | None = None
+    password_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _one_password(self) -> UpstreamBasicAuth:
+        if (self.password is None) == (self.password_file is None):
+            raise ValueError("give exactly one of password and password_file")
+        return self
+
+
+class UpstreamTLS(_Strict):
+    """TLS towards an https upstream."""
+
+    ca_file: Path | None = None  # None: the system's trust store
+    cert_file: Path | None = None  # a client certificate, with key_file
+    key_file: Path | None = None
+    insecure_skip_verify: bool = False
+
+    @model_validator(mode="after")
+    def _cert_with_key(self) -> UpstreamTLS:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together")
+        return self
+
+
+class UpstreamConfig(_Strict):
+    """One engine the sidecar reads as a proxy: its /metrics URL, or its prometheus_client multiprocess directory."""
+
+    name: str | None = Field(None, min_length=1, max_length=128)  # the `upstream` label; default: the URL or directory
+    url: str | None = None
+    multiprocess_dir: Path | None = None
+    interval_seconds: float = Field(5.0, gt=0)
+    timeout_seconds: float = Field(3.0, gt=0)
+    format: Literal["text", "openmetrics"] = "text"  # which exposition to ask a URL upstream for
+    prefix: str = "sglang:"  # stripped from the upstream's names to find catalog families
+    headers: dict[str, str] = Field(default_factory=dict)
+    basic_auth: UpstreamBasicAuth | None = None
+    tls: UpstreamTLS | None = None
+    labels: dict[str, str] = Field(default_factory=dict)  # static labels added to every rank of this upstream
+    pass_through: bool = True  # families outside the catalog are re-exposed unchanged
+
+    @model_validator(mode="after")
+    def _one_source(self) -> UpstreamConfig:
+        if (self.url is None) == (self.multiprocess_dir is None):
+            raise ValueError("give exactly one of url and multiprocess_dir")
+        if self.url is not None and not re.match(r"^https?://[^/\s]+", self.url):
+            raise ValueError(f"url {self.url!r} must be an http:// or https:// URL")
+        if self.multiprocess_dir is not None and (self.basic_auth or self.tls or self.headers):
+            raise ValueError("headers, basic_auth and tls apply to a url upstream only")
+        if self.timeout_seconds > self.interval_seconds:
+            raise ValueError("timeout_seconds must not exceed interval_seconds")
+        if not NAMESPACE_RE.match(self.prefix):
+            raise ValueError(f"prefix {self.prefix!r} is not a valid metric name prefix")
+        return self
+
+    @property
+    def label(self) -> str:
+        """The value of the `upstream` label: the configured name, else the URL or directory."""
+        return self.name or self.url or str(self.multiprocess_dir)
+
+
 class SidecarConfig(_Strict):
     """The whole sidecar config."""
 
@@ -142,7 +210,18 @@ class SidecarConfig(_Strict):
     ranks: RanksConfig = RanksConfig()
     metrics: MetricsConfig = MetricsConfig()
     rollup: RollupConfig = RollupConfig()
+    upstreams: tuple[UpstreamConfig, ...] = ()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("upstreams")
+    @classmethod
+    def _names_are_unique(cls, upstreams: tuple[UpstreamConfig, ...]) -> tuple[UpstreamConfig, ...]:
+        seen: set[str] = set()
+        for upstream in upstreams:
+            if upstream.label in seen:
+                raise ValueError(f"two upstreams are named {upstream.label!r}; give each a distinct name")
+            seen.add(upstream.label)
+        return upstreams
 
 
 def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -230,6 +309,8 @@ def load_config(
     port: int | None = None,
     host: str | None = None,
     socket_path: Path | str | None = None,
+    upstreams: list[str] | None = None,
+    upstream_dirs: list[str] | None = None,
 ) -> SidecarConfig:
     """Build the config: flags beat environment, which beats the file, which beats defaults.
 
@@ -259,6 +340,14 @@ def load_config(
         flag_layer.setdefault("http", {})["host"] = host
     if socket_path is not None:
         flag_layer.setdefault("ingest", {})["socket_path"] = str(socket_path)
+    # --upstream and --upstream-multiprocess-dir add upstreams with default settings; one the file
+    # already names (same URL or directory) keeps the file's settings.
+    given = [dict(u) for u in data.get("upstreams") or []] if isinstance(data.get("upstreams"), list) else None
+    added = [{"url": url} for url in upstreams or ()] + [{"multiprocess_dir": str(d)} for d in upstream_dirs or ()]
+    if added:
+        known = {(u.get("url"), str(u["multiprocess_dir"]) if u.get("multiprocess_dir") else None) for u in given or ()}
+        fresh = [u for u in added if (u.get("url"), u.get("multiprocess_dir")) not in known]
+        flag_layer["upstreams"] = [*(given or []), *fresh]
     layers.append(("command-line flags", flag_layer))
     config = config_from_data(data, str(path) if path is not None else "built-in defaults")
     for source, layer in layers:

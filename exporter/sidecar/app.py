@@ -28,6 +28,7 @@ from exporter.sidecar.render import TextRenderer
 from exporter.sidecar.security import BasicAuth, auth_middleware
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import SidecarStats
+from exporter.sidecar.upstream import UPSTREAMS, UpstreamScraper, run_upstreams
 
 HOUSEKEEPING_SECONDS = 1.0
 CONFIG: web.AppKey[SidecarConfig] = web.AppKey("config", SidecarConfig)
@@ -57,6 +58,7 @@ _BAD_REQUESTS = BadRequestLogFilter()
 
 def build_app(
     config: SidecarConfig, state: SidecarState, stats: SidecarStats, renderer: TextRenderer, ingest: IngestServer,
+    upstreams: list[UpstreamScraper] | None = None,
 ) -> web.Application:
     """The application over in-memory state; its cleanup context runs the ingest listener and housekeeping."""
     middlewares: list[Middleware] = []
@@ -76,6 +78,8 @@ def build_app(
     app[INGEST] = ingest
     app.cleanup_ctx.append(_ingest_listener)
     app.cleanup_ctx.append(_housekeeping)
+    app[UPSTREAMS] = upstreams or []
+    app.cleanup_ctx.append(run_upstreams)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/-/healthy", _healthy)
     app.router.add_get("/-/ready", _ready)
@@ -182,10 +186,24 @@ def rank_rows(state: SidecarState) -> list[dict[str, Any]]:
     ]
 
 
+def upstream_rows(stats: SidecarStats) -> list[dict[str, Any]]:
+    """One JSON-friendly row per configured upstream."""
+    return [
+        {
+            "name": h.name, "source": h.source, "up": h.up, "last_scrape_time": h.last_scrape_wall,
+            "last_scrape_duration_seconds": h.last_duration, "samples": h.samples, "scrapes": h.scrapes,
+            "ranks": h.ranks, "pass_through_families": h.pass_through, "errors": dict(h.errors),
+            "last_error": h.last_error, "unranked_families": sorted(h.unranked),
+            "cp_colliding_families": sorted(h.cp_colliding),
+        }
+        for h in stats.upstreams.values()
+    ]
+
+
 async def _ranks(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.tick()
-    return web.json_response({"ranks": rank_rows(state)})
+    return web.json_response({"ranks": rank_rows(state), "upstreams": upstream_rows(request.app[STATS])})
 
 
 async def _status_page(request: web.Request) -> web.Response:
@@ -200,6 +218,16 @@ async def _status_page(request: web.Request) -> web.Response:
         ) + "</tr>"
         for r in rows
     )
+    upstream_cells = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
+            u["name"], "up" if u["up"] else "down", u["ranks"], u["samples"], u["last_error"] or ""))
+        + "</tr>"
+        for u in upstream_rows(request.app[STATS])
+    )
+    upstream_table = (
+        "<h2>Upstreams</h2><table><tr><th>upstream</th><th>status</th><th>ranks</th><th>samples</th>"
+        f"<th>last error</th></tr>{upstream_cells}</table>" if upstream_cells else ""
+    )
     socket_path = request.app[CONFIG].ingest.socket_path
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>hicache-exporter</title>
@@ -211,5 +239,6 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}}</style></head>
 <a href="/-/healthy">/-/healthy</a> &middot; <a href="/-/ready">/-/ready</a></p>
 <table><tr><th>tp</th><th>pp</th><th>dp</th><th>labels</th><th>status</th>
 <th>restarts</th><th>series</th><th>seconds since push</th></tr>{cells}</table>
+{upstream_table}
 </body></html>"""
     return web.Response(text=page, content_type="text/html")

@@ -89,9 +89,13 @@ def _by_family(*sources: Iterable[tuple[KeyT, ValueT]]) -> dict[str, list[tuple[
 class SidecarCollector(Collector):
     """Yields per-rank series, rollups, bandwidth and spread gauges, and the sidecar's self-metrics."""
 
-    def __init__(self, state: SidecarState, stats: SidecarStats, namespace: str, extra: Sequence[Collector] = ()) -> None:
+    def __init__(
+        self, state: SidecarState, stats: SidecarStats, namespace: str, per_rank_series: bool = True,
+        extra: Sequence[Collector] = (),
+    ) -> None:
         self.state = state
         self.stats = stats
+        self.per_rank_series = per_rank_series
         self.extra = tuple(extra)  # other collectors rendered last, such as prometheus_client's process collector
         self.revision = build_revision()
         self.families = ExposedFamilies(state.catalog, namespace)
@@ -116,7 +120,16 @@ class SidecarCollector(Collector):
         for collector in self.extra:
             yield from collector.collect()
 
+    def exposed_names(self) -> set[str]:
+        """Every family name this collector can expose (counters without `_total`)."""
+        names = {f.name for f in self.families.per_rank.values()} | {f.name for f in self.families.rollup.values()}
+        names |= {f.name for pair in self.families.bandwidth.values() for f in pair}
+        names |= {f.name for f in self.families.spread.values()} | set(SELF_FAMILIES)
+        return names
+
     def _per_rank(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
+        if not self.per_rank_series:
+            return
         reported = self.state.help
         metrics = {name: new_metric(family, reported.get(name)) for name, family in self.families.per_rank.items()}
         for rank in ranks:
@@ -195,9 +208,31 @@ class SidecarCollector(Collector):
             metric["rejections"].add_sample(SELF + "rejections_total", {"reason": reason}, float(count))
         for family, count in sorted(state.ledger.layout_conflicts.items()):
             metric["rollup_layout_conflicts"].add_sample(SELF + "rollup_layout_conflicts_total", {"family": family}, float(count))
+        for health in stats.upstreams.values():
+            labels = {"upstream": health.name}
+            metric["upstream_up"].add_sample(SELF + "upstream_up", labels, 1.0 if health.up else 0.0)
+            if health.last_scrape_wall is not None:
+                metric["upstream_last_scrape_timestamp_seconds"].add_sample(
+                    SELF + "upstream_last_scrape_timestamp_seconds", labels, health.last_scrape_wall)
+            if health.last_duration is not None:
+                metric["upstream_scrape_duration_seconds"].add_sample(
+                    SELF + "upstream_scrape_duration_seconds", labels, health.last_duration)
+            metric["upstream_samples"].add_sample(SELF + "upstream_samples", labels, float(health.samples))
+            for kind, count in sorted(health.errors.items()):
+                metric["upstream_scrape_errors"].add_sample(
+                    SELF + "upstream_scrape_errors_total", {**labels, "kind": kind}, float(count))
+            for family in sorted(health.unranked):
+                metric["upstream_unranked_families"].add_sample(
+                    SELF + "upstream_unranked_families", {**labels, "family": family}, 1.0)
+            for family in sorted(health.cp_colliding):
+                metric["upstream_cp_colliding_families"].add_sample(
+                    SELF + "upstream_cp_colliding_families", {**labels, "family": family}, 1.0)
         _durations(metric["scrape_duration_seconds"], stats.scrape_duration)
         _durations(metric["ingest_duration_seconds"], stats.ingest_duration)
-        yield from metric.values()
+        if stats.upstreams:
+            yield from metric.values()
+        else:  # a sidecar without upstreams shows no empty proxy families
+            yield from (m for name, m in metric.items() if not name.startswith("upstream_"))
 
 
 def _durations(metric: Metric, histogram: DurationHistogram) -> None:

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from exporter.catalog import Catalog
 from exporter.config import RanksConfig
@@ -123,6 +123,28 @@ class RankState:
         return f"tp={self.tp_rank} pp={self.pp_rank} dp={self.dp_rank}{cp}" + (f" {static}" if static else "")
 
 
+CarriedT = TypeVar("CarriedT")
+
+
+OLDER_POSITIONS_KEPT = 16  # at least this many series of older epochs carry on, or as many as the ended epoch reported
+
+
+def _carried(positions: dict[SeriesKey, CarriedT], reported: dict[SeriesKey, Value]) -> dict[SeriesKey, CarriedT]:
+    """The positions a new epoch carries on: every series the ended epoch reported, then series of
+    older epochs, at most max(OLDER_POSITIONS_KEPT, series reported) of them. A replica that skipped
+    a series for one epoch (a lazily made reason) keeps its place in that series' watermark, and
+    epochs that each make new series leave at most about twice an epoch's series."""
+    kept = {key: value for key, value in positions.items() if key in reported}
+    room = max(OLDER_POSITIONS_KEPT, len(reported))
+    for key, value in positions.items():
+        if room <= 0:
+            break
+        if key not in kept:
+            kept[key] = value
+            room -= 1
+    return kept
+
+
 def exposition_order(rank: RankState) -> tuple[StaticKey, int, int, int, int]:
     """How ranks sort wherever they are listed: by static labels, then dp, pp, cp and tp rank."""
     return (rank.static, rank.dp_rank, rank.pp_rank, rank.attn_cp_rank or 0, rank.tp_rank)
@@ -207,9 +229,9 @@ class RankRegistry:
         rank.replaced_epochs.append(rank.epoch)
         rank.epoch = epoch
         self.budget.per_rank -= len(rank.values)
-        if rank.values:  # positions carry on for what the ended epoch reported; older series' go
-            rank.positions = {key: value for key, value in rank.positions.items() if key in rank.values}
-            rank.bucket_positions = {key: value for key, value in rank.bucket_positions.items() if key in rank.values}
+        if rank.values:  # positions carry on for what the ended epoch reported, then older series' while there is room
+            rank.positions = _carried(rank.positions, rank.values)
+            rank.bucket_positions = _carried(rank.bucket_positions, rank.values)
         rank.values.clear()
         rank.gauge_keys.clear()
         rank.layout_conflicts.clear()

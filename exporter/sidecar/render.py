@@ -135,8 +135,11 @@ class _RankLayout:
 class TextRenderer:
     """Renders /metrics bodies, caching per-rank lines between that rank's snapshots."""
 
-    def __init__(self, collector: SidecarCollector) -> None:
+    def __init__(
+        self, collector: SidecarCollector, pass_through: list[Callable[[bool], str]] | None = None,
+    ) -> None:
         self.collector = collector
+        self.pass_through = pass_through or []  # upstream families outside the catalog, as text
         self.state = collector.state
         self.specs = {spec.name: spec for spec in self.state.catalog}
         self.families = collector.families.per_rank
@@ -164,10 +167,10 @@ class TextRenderer:
         live = {rank.identity for rank in ranks}
         for identity in [i for i in self._ranks if i not in live]:
             del self._ranks[identity]  # expired or forgotten: drop its cached lines
-        per_rank = [self._rank_lines(rank) for rank in ranks]
+        per_rank = [self._rank_lines(rank) for rank in ranks] if self.collector.per_rank_series else []
         reported = state.help  # the engine's HELP texts, where ranks sent them
         parts: list[str] = []
-        for spec in state.catalog:
+        for spec in state.catalog if self.collector.per_rank_series else ():
             family = self.families[spec.name]
             parts.append(header(family.name, family.type, reported.get(spec.name, family.help), openmetrics))
             name = spec.name
@@ -179,6 +182,7 @@ class TextRenderer:
         rank_labels = {id(r): r.label_dict() for r in ranks}
         texts = self._label_texts
         parts.extend(format_metric(metric, openmetrics, texts) for metric in self.collector.derived(ranks, rank_labels))
+        parts.extend(text(openmetrics) for text in self.pass_through)
         if openmetrics:
             parts.append("# EOF\n")
         return "".join(parts).encode()

@@ -23,7 +23,8 @@ from exporter.sidecar.listener import IngestServer
 from exporter.sidecar.render import TextRenderer
 from exporter.sidecar.security import server_ssl_context
 from exporter.sidecar.state import SidecarState
-from exporter.sidecar.stats import SidecarStats
+from exporter.sidecar.stats import SidecarStats, UpstreamHealth
+from exporter.sidecar.upstream import UpstreamFeed, UpstreamScraper
 
 log = logging.getLogger("hicache_exporter")
 HTTP_SHUTDOWN_SECONDS = 5.0  # open HTTP requests get this long at shutdown (aiohttp's default is 60 s)
@@ -120,7 +121,15 @@ class Sidecar:
         self.state = SidecarState(self.catalog, config.ranks, config.rollup.window_seconds, clock=clock)
         # prometheus_client's own process_* families (memory, CPU, file descriptors) follow the sidecar's.
         process = ProcessCollector(registry=None)
-        self.renderer = TextRenderer(SidecarCollector(self.state, self.stats, config.metrics.namespace, extra=(process,)))
+        collector = SidecarCollector(self.state, self.stats, config.metrics.namespace, config.metrics.per_rank_series,
+                                     extra=(process,))
+        self.upstreams: list[UpstreamScraper] = []
+        for upstream in config.upstreams:
+            health = self.stats.upstreams[upstream.label] = UpstreamHealth(
+                upstream.label, upstream.url or str(upstream.multiprocess_dir))
+            feed = UpstreamFeed(upstream, self.state, health, collector.exposed_names())
+            self.upstreams.append(UpstreamScraper(upstream, feed))
+        self.renderer = TextRenderer(collector, pass_through=[u.pass_through_text for u in self.upstreams])
         self.ingest = IngestServer(config.ingest, self.state, self.stats)
         self._runner: web.AppRunner | None = None
         self.http_port: int | None = None
@@ -129,7 +138,7 @@ class Sidecar:
         """Start the ingest listener and housekeeping (the app's cleanup context), then HTTP."""
         tls = self.config.http.tls_server_config
         ssl_context = server_ssl_context(tls) if tls is not None else None  # fail before binding anything
-        app = build_app(self.config, self.state, self.stats, self.renderer, self.ingest)
+        app = build_app(self.config, self.state, self.stats, self.renderer, self.ingest, self.upstreams)
         http = self.config.http
         # aiohttp's keep-alive timer runs from accept until a request is whole, so it is also the
         # header deadline that keeps idle or dribbling connections from holding descriptors.
@@ -137,10 +146,11 @@ class Sidecar:
                                     shutdown_timeout=HTTP_SHUTDOWN_SECONDS, keepalive_timeout=http.idle_timeout_seconds)
         sockets = bind_http(http.host, http.port)  # before the ingest socket: a taken port fails first
         try:
-            await self._runner.setup()
+            await self._runner.setup()  # starts the listener, housekeeping and the upstreams' first reads
         except BaseException:
             for sock in sockets:
                 sock.close()
+            await self._runner.cleanup()  # whatever of the cleanup context did start stops again
             raise
         try:
             for sock in sockets:

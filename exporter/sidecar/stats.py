@@ -31,6 +31,29 @@ class DurationHistogram:
         return out
 
 
+class UpstreamHealth:
+    """One upstream's scrape health, as the proxy last saw it."""
+
+    def __init__(self, name: str, source: str) -> None:
+        self.name = name  # the `upstream` label
+        self.source = source  # its URL or directory
+        self.up = False
+        self.last_scrape_wall: float | None = None  # wall-clock time of the last successful read
+        self.last_duration: float | None = None  # seconds the last read took, success or not
+        self.samples = 0  # samples in the last successful read
+        self.scrapes = 0
+        self.errors: dict[str, int] = {}  # by kind
+        self.last_error: str | None = None
+        self.ranks = 0  # rank identities this upstream feeds
+        self.unranked: set[str] = set()  # catalog families whose series carry no rank axes
+        self.cp_colliding: set[str] = set()  # catalog families whose context-parallel peers share labels
+        self.pass_through = 0  # families passed through in the last read
+
+    def error(self, kind: str, message: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+        self.last_error = f"{kind}: {message}"
+
+
 class SidecarStats:
     """Plain in-memory counters, written by the event loop and read by the collector."""
 
@@ -45,6 +68,7 @@ class SidecarStats:
         self.scrape_duration = DurationHistogram()
         self.ingest_duration = DurationHistogram()
         self.ingest_listening = False
+        self.upstreams: dict[str, UpstreamHealth] = {}  # by name, in config order
 
     def reject(self, code: ErrorCode, count: int = 1) -> None:
         self.rejections[code.value] = self.rejections.get(code.value, 0) + count

@@ -313,3 +313,35 @@ def test_bad_value_in_a_file_names_the_file_and_field(tmp_path):
         load_config(path, env={})
     assert str(path) in str(info.value)
     assert "ranks.bogus" in str(info.value)
+
+
+# --- upstreams (the proxy) ---
+
+
+def test_upstreams_come_from_the_file_and_the_flags_add_to_them(tmp_path: Path) -> None:
+    path = write(tmp_path, "upstreams:\n  - {name: engine, url: 'http://e:30000/metrics', interval_seconds: 4}\n")
+    config = load_config(path, env={}, upstreams=["http://e:30000/metrics", "http://other:30000/metrics"],
+                         upstream_dirs=["/prometheus-multiproc"])
+    assert [(u.label, u.interval_seconds) for u in config.upstreams] == [
+        ("engine", 4.0), ("http://other:30000/metrics", 5.0), ("/prometheus-multiproc", 5.0)]
+    assert config.upstreams[2].multiprocess_dir == Path("/prometheus-multiproc")
+
+
+@pytest.mark.parametrize("entry, says", [
+    ({}, "exactly one of url and multiprocess_dir"),
+    ({"url": "http://e/metrics", "multiprocess_dir": "/d"}, "exactly one of url and multiprocess_dir"),
+    ({"url": "ftp://e/metrics"}, "http:// or https://"),
+    ({"url": "http://e/metrics", "timeout_seconds": 9}, "timeout_seconds must not exceed interval_seconds"),
+    ({"multiprocess_dir": "/d", "headers": {"a": "b"}}, "url upstream only"),
+    ({"url": "http://e/metrics", "basic_auth": {"username": "u"}}, "exactly one of password and password_file"),
+    ({"url": "http://e/metrics", "colour": "red"}, "colour"),
+])
+def test_a_bad_upstream_stops_start_up_naming_the_field(entry: dict, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        config_from_data({"upstreams": [entry]}, "test")
+
+
+def test_two_upstreams_with_one_name_are_refused() -> None:
+    with pytest.raises(ConfigError, match="two upstreams are named 'e'"):
+        config_from_data({"upstreams": [{"name": "e", "url": "http://a/metrics"},
+                                        {"name": "e", "url": "http://b/metrics"}]}, "test")

@@ -165,3 +165,20 @@ def run_scheduler(loggers: Mapping[str, type], labels: dict[str, Any], results: 
     collector.increment_effective_prefill_tokens(input_tokens=100, device_hit_tokens=40, host_hit_tokens=25,
                                                  storage_hit_tokens=10)
     results.send(generate_latest(REGISTRY).decode())
+
+
+def first_events(rank: Rank, count: int) -> list[Event]:
+    """The first `count` events of `rank`: a restarted engine that has done less work so far."""
+    return events(rank)[:count]
+
+
+def partial_total(rank: Rank, count: int, method: str, *extra: Any) -> float:
+    """`total` over the first `count` events only."""
+    return sum(args[0] for _, name, args in first_events(rank, count) if name == method and tuple(args[1:]) == extra)
+
+
+def run_released_rank_partly(rank: Rank, count: int) -> None:
+    """The released collectors (in multiprocess mode when PROMETHEUS_MULTIPROC_DIR is set), the first `count` events."""
+    collectors = collectors_for(None, rank)
+    for which, method, args in first_events(rank, count):
+        getattr(collectors[which], method)(*args)

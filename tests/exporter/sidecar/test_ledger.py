@@ -287,6 +287,21 @@ def test_restart_continues_from_the_last_value_and_rollup_never_decreases(h: Har
     assert h.counter(TOKENS, "kv") == 750.0
 
 
+def test_a_series_an_epoch_skipped_keeps_its_position_across_the_next_restart(h: Harness) -> None:
+    """Epoch one counts a token, epoch two reports only bytes (its token series not made yet, as a
+    lazily made reason), epoch three counts a token again: the replica's position is 2, not 1."""
+    conn, rank = h.hello(epoch="one")
+    h.push(rank, bytes_(10.0), tokens(1.0))
+    h.state.disconnect(conn, rank)
+    conn, _ = h.hello(epoch="two")
+    h.push(rank, bytes_(5.0))
+    h.state.disconnect(conn, rank)
+    h.hello(epoch="three")
+    h.push(rank, bytes_(1.0), tokens(1.0))
+    assert rank.positions[(TOKENS, ("kv",))] == 2.0
+    assert h.counter(TOKENS, "kv") == 2.0 and h.counter(BYTES) == 16.0
+
+
 def test_restarted_replica_continues_its_own_position(h: Harness) -> None:
     """tp 0 restarts while tp 1 runs on: tp 0's new epoch continues from its own 100."""
     conn_low, low = h.hello(tp=0, epoch="low-1")

@@ -8,6 +8,7 @@ import pytest
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode
 from exporter.protocol.messages import BucketBound, HistogramSample, Sample, ScalarSample
+from exporter.sidecar.registry import OLDER_POSITIONS_KEPT
 from exporter.sidecar.series import HistValue
 from tests.exporter.sidecar.harness import (
     BYTES,
@@ -292,7 +293,8 @@ def test_epoch_churn_with_new_label_values_stays_within_the_total() -> None:
         refused += codes(result).count(ErrorCode.SERIES_LIMIT)
         budget = h.state.registry.budget
         assert budget.per_rank + budget.rollup <= limit
-        assert len(rank.positions) <= 20  # the ended epoch's series carry positions on, older ones' go
+        # this epoch's series, the ended epoch's (carried on) and at most OLDER_POSITIONS_KEPT older ones
+        assert len(rank.positions) <= 10 + 10 + OLDER_POSITIONS_KEPT
         h.state.disconnect(conn, rank)
         conn, rank = h.hello(tp=0, epoch=f"e{epoch}")
     assert refused > 0  # counted as rejections, not silently held

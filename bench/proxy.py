@@ -1,0 +1,88 @@
+"""The proxy's CPU time per upstream read against prometheus_client's text parser on the same text.
+
+    python -m bench.proxy [--ranks 16,64,256] [--repeats N]
+
+An upstream exposition of N ranks (radix and storage families of the default catalog, as the
+released engine labels them) is written by prometheus_client; per read, the sidecar parses it
+with prometheus_client's parser and feeds every rank's snapshot to the state. Both are timed in
+the same run with `time.process_time`. Not yet part of `make bench` (bench.run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.catalog import MetricType, default_catalog
+from exporter.config import UpstreamConfig
+from exporter.sidecar.families import exported_name
+from exporter.sidecar.state import SidecarState
+from exporter.sidecar.stats import UpstreamHealth
+from exporter.sidecar.upstream import UpstreamFeed, parse_exposition
+
+RADIX = ("cache_type", "tp_rank", "pp_rank", "dp_rank")
+STORAGE = ("storage_backend", "tp_rank", "dp_rank", "pp_rank", "pp_size", "attn_cp_rank", "attn_cp_size")
+
+
+def exposition(ranks: int) -> str:
+    """One engine's /metrics with `ranks` ranks (tp 8 per dp group), every counter and histogram advanced."""
+    registry = CollectorRegistry()
+    for spec in default_catalog():
+        if spec.type is MetricType.GAUGE or spec.beyond_upstream:
+            continue
+        axes = STORAGE if spec.collector and spec.collector.value == "storage" else RADIX
+        name = "sglang:" + exported_name(spec, "")
+        labels = [*axes, *spec.labels]
+        metric = (Counter(name, spec.help, labels, registry=registry) if spec.type is MetricType.COUNTER
+                  else Histogram(name, spec.help, labels, buckets=spec.buckets or (1.0,), registry=registry))
+        for r in range(ranks):
+            values = {"cache_type": "UnifiedRadixCache", "tp_rank": str(r % 8), "pp_rank": "0",
+                      "dp_rank": str(r // 8), "storage_backend": "file", "pp_size": "1", "attn_cp_rank": "0",
+                      "attn_cp_size": "1"}
+            own = {label: (spec.preset.get(label) or ("kv",))[0] for label in spec.labels}
+            child = metric.labels(**{k: values[k] for k in axes}, **own)
+            if isinstance(child, Counter):
+                child.inc(r + 1)
+            else:
+                child.observe(0.004 * (r + 1))
+    return generate_latest(registry).decode()
+
+
+def measure(ranks: int, repeats: int) -> dict[str, float]:
+    text = exposition(ranks)
+    samples = sum(len(f.samples) for f in text_string_to_metric_families(text))
+    state = SidecarState(default_catalog())
+    config = UpstreamConfig(url="http://engine:30000/metrics")
+    feed = UpstreamFeed(config, state, UpstreamHealth(config.label, "bench"))
+    feed.apply([(None, 0.0, parse_exposition(text, False))])  # the first read makes the ranks
+    started = time.process_time()
+    for _ in range(repeats):
+        list(text_string_to_metric_families(text))
+    parser = (time.process_time() - started) / repeats
+    started = time.process_time()
+    for _ in range(repeats):
+        feed.apply([(None, 0.0, parse_exposition(text, False))])
+    sidecar = (time.process_time() - started) / repeats
+    return {"ranks": ranks, "samples": samples, "parser_ms": parser * 1e3, "sidecar_ms": sidecar * 1e3,
+            "ratio": sidecar / parser, "sidecar_us_per_sample": sidecar * 1e6 / samples}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", default="16,64,256")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args(argv)
+    print(f"{'ranks':>6} {'samples':>8} {'parser ms':>10} {'sidecar ms':>11} {'ratio':>6} {'us/sample':>10}")
+    for ranks in (int(n) for n in args.ranks.split(",")):
+        m = measure(ranks, args.repeats)
+        print(f"{m['ranks']:>6} {m['samples']:>8} {m['parser_ms']:>10.1f} {m['sidecar_ms']:>11.1f} "
+              f"{m['ratio']:>6.2f} {m['sidecar_us_per_sample']:>10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -170,9 +170,17 @@ def test_demo_with_context_parallelism_counts_tokens_once() -> None:
     assert scheduler == {"0", "4"}  # tp_rank = (dp * cp + 0) * attn_tp + 0
 
 
-def _l3_bytes(l3: Path) -> int:
-    """Bytes of stored pages (a page being written is a `.tmp-` file until it is renamed)."""
-    return sum(f.stat().st_size for f in l3.glob("*/??/*") if f.is_file() and not f.name.startswith(".tmp-"))
+def _l3_bytes(l3: Path) -> tuple[int, int]:
+    """Bytes of stored pages (a page being written is a `.tmp-` file until it is renamed), and the
+    largest page seen."""
+    sizes = []
+    for f in l3.glob("*/??/*"):
+        if not f.name.startswith(".tmp-"):
+            try:
+                sizes.append(f.stat().st_size)
+            except FileNotFoundError:  # evicted while the listing ran
+                pass
+    return sum(sizes), max(sizes, default=0)
 
 
 def test_demo_l3_stays_under_its_capacity_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
@@ -191,15 +199,17 @@ def test_demo_l3_stays_under_its_capacity_and_ctrl_c_leaves_nothing(tmp_path: Pa
         wait_until(lambda: any(" L3 in " in line for line in lines), timeout=120, interval=0.2)
         l3 = Path(next(line for line in lines if " L3 in " in line).split(" L3 in ")[1].split(" (")[0])
         assert l3.parent.parent == tmp and "at most 2 MiB" in "".join(lines)
-        peak, full_for = 0, 0
+        peak, page, full_for = 0, 0, 0
         deadline = time.monotonic() + 90
         while full_for < 15 and time.monotonic() < deadline:  # 3 s with the store at its capacity
-            size = _l3_bytes(l3)
-            peak = max(peak, size)
+            size, largest = _l3_bytes(l3)
+            peak, page = max(peak, size), max(page, largest)
             full_for = full_for + 1 if size > capacity * 0.9 else 0
             time.sleep(0.2)
         assert full_for >= 15, f"the store never filled: peak {peak} bytes"
-        assert peak <= capacity
+        # A directory listing is not atomic: a page evicted and replaced while it runs can be counted
+        # with its replacement, at most once per writing rank (2 here).
+        assert peak <= capacity + 2 * page, (peak, page)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)

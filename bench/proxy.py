@@ -5,13 +5,16 @@
 An upstream exposition of N ranks (radix and storage families of the default catalog, as the
 released engine labels them) is written by prometheus_client; per read, the sidecar parses it
 with prometheus_client's parser and feeds every rank's snapshot to the state. Both are timed in
-the same run with `time.process_time`. Not yet part of `make bench` (bench.run).
+the same run with `time.process_time`. Part of `make bench` (bench.run): the goal is at most
+0.2x the parser's time at 64 ranks, and a time per sample that stays flat from the smallest to
+the largest rank count (linear in the samples).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import generate_latest
@@ -23,6 +26,12 @@ from exporter.sidecar.families import exported_name
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import UpstreamHealth
 from exporter.sidecar.upstream import UpstreamFeed, parse_exposition
+
+from bench.common import progress_printer
+from bench.report import row
+
+GOAL_RATIO = 0.2
+GOAL_FLATNESS = 1.5  # time per sample at the largest rank count over that at the smallest
 
 RADIX = ("cache_type", "tp_rank", "pp_rank", "dp_rank")
 STORAGE = ("storage_backend", "tp_rank", "dp_rank", "pp_rank", "pp_size", "attn_cp_rank", "attn_cp_size")
@@ -69,6 +78,32 @@ def measure(ranks: int, repeats: int) -> dict[str, float]:
     sidecar = (time.process_time() - started) / repeats
     return {"ranks": ranks, "samples": samples, "parser_ms": parser * 1e3, "sidecar_ms": sidecar * 1e3,
             "ratio": sidecar / parser, "sidecar_us_per_sample": sidecar * 1e6 / samples}
+
+
+def run(ranks: tuple[int, ...] = (16, 64, 256), repeats: int = 10, goal_ranks: int = 64,
+        progress: bool = True) -> list[dict[str, Any]]:
+    """Rows for bench.run: per rank count the CPU time per read against the parser, then flatness."""
+    say = progress_printer(progress, "proxy")
+    measured = []
+    for count in ranks:
+        say(f"{count} ranks, {repeats} reads of each contender ...")
+        measured.append(measure(count, repeats))
+    rows = []
+    for m in measured:
+        goal = m["ranks"] == goal_ranks
+        rows.append(row(
+            f"proxy: CPU per upstream read, {m['ranks']} ranks ({m['samples']:.0f} samples)", m["sidecar_ms"], "CPU ms",
+            "prometheus_client text parser, same text", m["parser_ms"], m["ratio"],
+            f"ratio <= {GOAL_RATIO:g}" if goal else None, (m["ratio"] <= GOAL_RATIO) if goal else None,
+            ratio_means="value / anchor"))
+    if len(measured) > 1:
+        low, high = measured[0], measured[-1]
+        flatness = high["sidecar_us_per_sample"] / low["sidecar_us_per_sample"]
+        rows.append(row(
+            f"proxy: CPU per sample, {high['ranks']} ranks", high["sidecar_us_per_sample"], "CPU us/sample",
+            f"the same at {low['ranks']} ranks", low["sidecar_us_per_sample"], flatness,
+            f"ratio <= {GOAL_FLATNESS:g}", flatness <= GOAL_FLATNESS, ratio_means="value / anchor"))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ from bench.common import REPO_ROOT
 from bench.report import markdown_table, print_table, row
 
 RESULTS = REPO_ROOT / "bench" / "results"
-ORDER = ("hotpath", "scrape", "ingest", "memory", "freshness", "transfer")
+ORDER = ("hotpath", "scrape", "ingest", "proxy", "memory", "freshness", "transfer")
 
 # Parameters per profile: the full run fits in about 4 minutes on 2 cores; quick is a sanity pass;
 # smoke is what the test suite runs (tiny, seconds).
@@ -44,6 +44,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "hotpath": {"number": 100_000, "repeat": 5, "rounds": 2},
         "scrape": {"ranks": (16, 64, 128, 256), "repeats": 100, "budget_s": 6.0},
         "ingest": {"ranks": (64, 256), "snapshots": 3000},
+        "proxy": {"ranks": (16, 64, 256), "repeats": 10, "goal_ranks": 64},
         "memory": {"ranks": 256, "rounds": 62, "period": 0.25, "scrapes": 2},
         "freshness": {"samples": 30, "interval": 1.0, "background_ranks": 7, "pipeline_samples": 10},
         "transfer": {"pages": 64, "repeats": 20},
@@ -52,6 +53,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "hotpath": {"number": 20_000, "repeat": 3, "rounds": 1},
         "scrape": {"ranks": (16, 64), "repeats": 10, "budget_s": 1.5},
         "ingest": {"ranks": (64,), "snapshots": 500},
+        "proxy": {"ranks": (16, 64), "repeats": 3, "goal_ranks": 64},
         "memory": {"ranks": 256, "rounds": 8, "period": 0.1, "scrapes": 1},
         "freshness": {"samples": 8, "interval": 1.0, "background_ranks": 0, "pipeline_samples": 3},
         "transfer": {"pages": 16, "repeats": 5},
@@ -60,6 +62,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "hotpath": {"number": 2_000, "repeat": 1, "rounds": 1},
         "scrape": {"ranks": (2, 4), "repeats": 3, "budget_s": 0.1, "goal_ranks": (4,)},
         "ingest": {"ranks": (4,), "snapshots": 16},
+        "proxy": {"ranks": (2, 4), "repeats": 2, "goal_ranks": 4},
         "memory": {"ranks": 4, "rounds": 3, "period": 0.05, "scrapes": 1},
         "freshness": {"samples": 2, "interval": 0.2, "background_ranks": 1, "pipeline_samples": 2},
         "transfer": {"pages": 4, "repeats": 2},
@@ -93,9 +96,9 @@ def transfer_run(pages: int = 64, repeats: int = 20, progress: bool = True) -> l
 
 
 def _runners() -> dict[str, Callable[..., list[dict[str, Any]]]]:
-    from bench import freshness, hotpath, ingest, memory, scrape
+    from bench import freshness, hotpath, ingest, memory, proxy, scrape
 
-    return {"hotpath": hotpath.run, "scrape": scrape.run, "ingest": ingest.run, "memory": memory.run,
+    return {"hotpath": hotpath.run, "scrape": scrape.run, "ingest": ingest.run, "proxy": proxy.run, "memory": memory.run,
             "freshness": freshness.run, "transfer": transfer_run}
 
 

@@ -268,9 +268,7 @@ class SampleReader:
                 ErrorCode.SERIES_LIMIT,
                 f"rank {rank.describe()} already has {self.config.max_series_per_rank} series (max_series_per_rank)",
             )
-        budget = self.registry.budget
-        # Room for this series and the rollup series it may make (and those this snapshot's may).
-        if budget.per_rank + budget.rollup + self._new_series + 2 > budget.limit:
+        if not self.registry.budget.has_room(self._new_series):
             raise SampleRejected(
                 ErrorCode.SERIES_LIMIT,
                 f"the sidecar already holds {self.config.max_series_total} series, rank and rollup "

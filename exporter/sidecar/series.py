@@ -69,9 +69,10 @@ class SeriesBudget:
     per_rank: int = 0
     rollup: int = 0
 
-    @property
-    def full(self) -> bool:
-        return self.per_rank + self.rollup >= self.limit
+    def has_room(self, pending_rollups: int = 0) -> bool:
+        """Room for one more rank series and the rollup series it may make, on top of
+        `pending_rollups` that accepted series may still make (the ledger makes them later)."""
+        return self.per_rank + self.rollup + pending_rollups + 2 <= self.limit
 
 
 def static_key(labels: dict[str, str]) -> StaticKey:

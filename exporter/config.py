@@ -42,13 +42,41 @@ def _parse_mode(value: Any) -> int:
 BCRYPT_RE = re.compile(r"^\$2[aby]\$\d{2}\$[./A-Za-z0-9]{53}$")
 
 
+ClientAuthType = Literal["NoClientCert", "RequestClientCert", "RequireAnyClientCert", "RequireClientCert",
+                         "VerifyClientCertIfGiven", "RequireAndVerifyClientCert"]
+UNVERIFIED_CLIENT_AUTH = ("RequestClientCert", "RequireAnyClientCert", "RequireClientCert")
+
+
 class TLSServerConfig(_Strict):
     """TLS for the HTTP side, named as in the Prometheus exporter-toolkit web config."""
 
     cert_file: Path
     key_file: Path
-    client_ca_file: Path | None = None  # when set, clients must present a certificate it signed
+    client_ca_file: Path | None = None  # the CA that signs client certificates (mutual TLS)
+    # exporter-toolkit's policy names; unset with a client CA: RequireAndVerifyClientCert
+    client_auth_type: ClientAuthType | None = None
     min_version: Literal["TLS12", "TLS13"] = "TLS12"
+
+    @model_validator(mode="after")
+    def _client_auth(self) -> TLSServerConfig:
+        policy = self.client_auth_type
+        if policy in UNVERIFIED_CLIENT_AUTH:
+            raise ValueError(f"client_auth_type {policy} asks for a client certificate without verifying it, which "
+                             "Python's TLS cannot do; use VerifyClientCertIfGiven or RequireAndVerifyClientCert "
+                             "with client_ca_file")
+        if policy in ("VerifyClientCertIfGiven", "RequireAndVerifyClientCert") and self.client_ca_file is None:
+            raise ValueError(f"client_auth_type {policy} needs client_ca_file, the CA that signs client certificates")
+        if policy == "NoClientCert" and self.client_ca_file is not None:
+            raise ValueError("client_ca_file is set but client_auth_type is NoClientCert; "
+                             "set client_auth_type to RequireAndVerifyClientCert or drop client_ca_file")
+        return self
+
+    @property
+    def verifies_clients(self) -> Literal["required", "optional", "no"]:
+        """Whether a client certificate is required, verified when given, or not asked for."""
+        if self.client_ca_file is None:
+            return "no"
+        return "optional" if self.client_auth_type == "VerifyClientCertIfGiven" else "required"
 
 
 class HttpConfig(_Strict):
@@ -413,8 +441,8 @@ def web_config_layer(path: Path | str) -> dict[str, Any]:
     layer: dict[str, Any] = {key: data[key] for key in ("tls_server_config", "basic_auth_users")
                              if key in data and data[key] != {}}
     tls = layer.get("tls_server_config")
-    if isinstance(tls, dict):  # exporter-toolkit's client auth: a client CA means RequireAndVerifyClientCert
-        tls = {k: v for k, v in tls.items() if k != "client_auth_type"}
+    if isinstance(tls, dict):
+        tls = dict(tls)
         base = Path(path).parent  # relative file names are relative to the web config file, as in the toolkit
         for name in ("cert_file", "key_file", "client_ca_file"):
             if isinstance(tls.get(name), str) and not Path(tls[name]).is_absolute():

@@ -123,5 +123,5 @@ def server_ssl_context(tls: TLSServerConfig) -> ssl.SSLContext:
             context.load_verify_locations(str(tls.client_ca_file))
         except (OSError, ssl.SSLError) as err:
             raise ConfigError(f"http.tls_server_config.client_ca_file: cannot load {tls.client_ca_file}: {err}") from None
-        context.verify_mode = ssl.CERT_REQUIRED
+        context.verify_mode = ssl.CERT_OPTIONAL if tls.verifies_clients == "optional" else ssl.CERT_REQUIRED
     return context

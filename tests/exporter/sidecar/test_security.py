@@ -18,7 +18,7 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from exporter.config import config_from_data
+from exporter.config import apply_web_config, config_from_data, web_config_layer
 from exporter.errors import ConfigError, ErrorCode
 from exporter.protocol.messages import ErrorMessage, Welcome
 from tests.helpers import RawClient, SidecarThread, counter, hello, http_get, sidecar_config, snapshot, wait_until
@@ -247,3 +247,81 @@ def test_connection_dying_mid_frame_is_counted(sidecar: SidecarThread) -> None:
     client.sock.shutdown(socket.SHUT_RDWR)
     client.close()
     wait_until(lambda: sidecar.scrape().value("hicache_exporter_rejections_total", reason="malformed_frame") == 1)
+
+
+def _openssl(*args: str) -> None:
+    openssl = shutil.which("openssl")
+    assert openssl, "openssl is needed to make test certificates"
+    subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60)
+
+
+def _client_cert(tmp_path: Path, name: str) -> tuple[Path, Path, Path]:
+    """A CA of its own and a client certificate it signed: (ca, cert, key)."""
+    ca, ca_key = tmp_path / f"{name}-ca.pem", tmp_path / f"{name}-ca.key"
+    cert, key, csr = tmp_path / f"{name}.pem", tmp_path / f"{name}.key", tmp_path / f"{name}.csr"
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca), "-days", "1",
+             "-subj", f"/CN={name} CA")
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+             "-out", str(cert), "-days", "1")
+    return ca, cert, key
+
+
+def _fetch(url: str, server_cert: Path, client: tuple[Path, Path] | None) -> int:
+    context = ssl.create_default_context(cafile=str(server_cert))
+    if client is not None:
+        context.load_cert_chain(str(client[0]), str(client[1]))
+    with urllib.request.urlopen(url, context=context, timeout=10) as resp:
+        return resp.status
+
+
+@pytest.mark.parametrize("policy, without_cert_ok", [(None, False), ("RequireAndVerifyClientCert", False),
+                                                     ("VerifyClientCertIfGiven", True)])
+def test_client_certificates_follow_client_auth_type(
+    socket_dir: Path, tmp_path: Path, tls_files: tuple[Path, Path], policy: str | None, without_cert_ok: bool,
+) -> None:
+    cert, key = tls_files
+    ca, client_cert, client_key = _client_cert(tmp_path, "prom")
+    _, stranger_cert, stranger_key = _client_cert(tmp_path, "stranger")
+    tls = {"cert_file": str(cert), "key_file": str(key), "client_ca_file": str(ca)}
+    if policy is not None:
+        tls["client_auth_type"] = policy
+    running = SidecarThread(sidecar_config(socket_dir / "m.sock", http={"tls_server_config": tls})).start()
+    try:
+        assert running.sidecar is not None
+        url = f"https://127.0.0.1:{running.sidecar.http_port}/-/healthy"
+        assert _fetch(url, cert, (client_cert, client_key)) == 200
+        with pytest.raises((OSError, http.client.HTTPException)):  # signed by a CA the sidecar does not trust
+            _fetch(url, cert, (stranger_cert, stranger_key))
+        if without_cert_ok:
+            assert _fetch(url, cert, None) == 200
+        else:
+            with pytest.raises((OSError, http.client.HTTPException)):
+                _fetch(url, cert, None)
+    finally:
+        running.stop()
+
+
+@pytest.mark.parametrize("policy, ca, said", [
+    ("RequestClientCert", True, "without verifying it"),
+    ("RequireAnyClientCert", True, "without verifying it"),
+    ("VerifyClientCertIfGiven", False, "needs client_ca_file"),
+    ("NoClientCert", True, "client_ca_file is set but client_auth_type is NoClientCert"),
+    ("Sometimes", True, "client_auth_type"),
+])
+def test_client_auth_types_that_cannot_hold_are_refused(tmp_path: Path, policy: str, ca: bool, said: str) -> None:
+    tls = {"cert_file": "c.pem", "key_file": "k.pem", "client_auth_type": policy, **({"client_ca_file": "ca.pem"} if ca else {})}
+    with pytest.raises(ConfigError, match=said):
+        config_from_data({"http": {"tls_server_config": tls}}, "test")
+
+
+def test_web_config_file_keeps_client_auth_type(tmp_path: Path) -> None:
+    web = tmp_path / "web.yml"
+    web.write_text("tls_server_config:\n  cert_file: c.pem\n  key_file: k.pem\n  client_ca_file: ca.pem\n"
+                   "  client_auth_type: VerifyClientCertIfGiven\n")
+    layer = web_config_layer(web)
+    assert layer["tls_server_config"]["client_auth_type"] == "VerifyClientCertIfGiven"
+    assert layer["tls_server_config"]["client_ca_file"] == str(tmp_path / "ca.pem")
+    web.write_text("tls_server_config:\n  cert_file: c.pem\n  key_file: k.pem\n  client_auth_type: RequireClientCert\n")
+    with pytest.raises(ConfigError, match="without verifying it"):
+        apply_web_config(config_from_data({}, "test"), web)

@@ -89,3 +89,19 @@ def test_yaml_writer_keeps_comments_and_refuses_what_does_not_load_back() -> Non
     assert yaml.safe_load(text)["a"]["d"] == "some prose " * 20 + "end"
     with pytest.raises(ValueError, match="single spaces"):
         dump_documents([{"d": Folded("two  spaces")}])
+
+
+def test_a_family_added_to_the_catalog_gets_its_rules(tmp_path: Path) -> None:
+    """The rule set follows the catalog (`--catalog`, the sidecar's metrics.catalog), not a list in the generator."""
+    catalog = yaml.safe_load((ROOT / "exporter" / "defaults" / "catalog.yaml").read_text(encoding="utf-8"))
+    catalog["families"].append({"name": "custom_refill_tokens_total", "type": "counter", "semantics": "replicated",
+                                "collector": "radix", "help": "Tokens refilled by a custom path."})
+    path = tmp_path / "catalog.yaml"
+    path.write_text(yaml.safe_dump(catalog), encoding="utf-8")
+    assert generate("--catalog", str(path)).returncode == 2, "never over the committed set"
+    out = tmp_path / "out"
+    assert generate("--catalog", str(path), "--output-dir", str(out)).returncode == 0
+    rules = (out / "prometheus" / "recording_rules.yml").read_text(encoding="utf-8")
+    assert "record: dp_group:sglang_custom_refill_tokens:rate5m" in rules
+    assert "record: cluster:sglang_custom_refill_tokens:rate5m" in rules
+    assert "custom_refill" not in outputs()["prometheus/recording_rules.yml"]

@@ -19,9 +19,10 @@
 # and the ingest socket path the same way.
 #
 # No HEALTHCHECK on purpose: the image runs as a Kubernetes sidecar, where the
-# kubelet's startup/liveness probes (GET /-/healthy) and readiness probe
-# (GET /-/ready) do this job (see config/k8s/deployment.yaml). Kubernetes ignores
-# a Dockerfile HEALTHCHECK, and the slim base has no curl/wget to run one with.
+# kubelet's startup and liveness probes (GET /-/healthy) do this job (see
+# config/k8s/*.yaml and docs/kubernetes.md; GET /-/ready says the ingest socket
+# listens). Kubernetes ignores a Dockerfile HEALTHCHECK, and the slim base has no
+# curl/wget to run one with.
 #
 # The base image is pinned to a Python minor version and Debian release. For
 # reproducible production builds pin its digest too (python:3.11-slim-bookworm@sha256:...).
@@ -78,7 +79,7 @@ ENV HICACHE_EXPORTER_REVISION="${REVISION}"
 
 # A numeric uid:gid (no passwd entry needed) lets Kubernetes verify
 # runAsNonRoot; 65532 is the conventional "nonroot" id of distroless images and
-# matches runAsUser/runAsGroup/fsGroup in config/k8s/deployment.yaml.
+# matches the sidecar's runAsUser/runAsGroup and the pods' fsGroup in config/k8s/.
 USER 65532:65532
 
 # /metrics, /-/healthy, /-/ready. 9400 is also dcgm-exporter's default port:

@@ -73,5 +73,11 @@ upstream-wheel: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.run $(BENCH_ARGS)
 
+# The rules, PrometheusRule, dashboard and Kubernetes examples for the default namespace, and README's
+# proxy pod, from config/generator/ (`config/generate.py --check` is what the tests run).
+.PHONY: generate
+generate: $(STAMP)
+	$(PY) config/generate.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache

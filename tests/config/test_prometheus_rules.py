@@ -1,10 +1,12 @@
-"""Prometheus rules in config/prometheus/ (DESIGN §2, §6): promtool accepts them and their unit
-tests pass, the recording rules follow the `level:metric:operations` naming contract, refer
-only to catalog families, and cover every family the catalog says needs a cluster rollup.
+"""Prometheus rules in config/prometheus/: promtool accepts them and their unit tests pass, the
+recording rules follow the `level:metric:operations` naming contract, refer only to catalog
+families, and cover every family the catalog says needs a cluster rollup.
 
-The expected rule set is derived from the catalog, so adding a family without its rule fails
-here. A generated promtool test then checks every family's rollup semantics, not only the
-representative families of the hand-written tests."""
+The rules are generated per metric namespace (config/generate.py): the committed files are the
+default namespace's, and every check here also runs on the set generated for `sglang:`. The
+expected rule set is derived from the catalog independently of the generator, so a family
+without its rule fails here. A generated promtool test then checks every family's rollup
+semantics, not only the representative families of the hand-written tests."""
 
 from __future__ import annotations
 
@@ -17,19 +19,38 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from config.generator import DEFAULT_NAMESPACE, outputs
 from exporter.catalog import Catalog, FamilySpec, MetricType, Semantics, default_catalog
-from tests.helpers import RawClient, SidecarThread, counter, hello, snapshot, wait_until
+from tests.helpers import RawClient, SidecarThread, counter, hello, sidecar_config, snapshot, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 RULES_DIR = REPO / "config" / "prometheus"
 RECORDING = RULES_DIR / "recording_rules.yml"
 ALERTING = RULES_DIR / "alerting_rules.yml"
-RULE_FILES = [RECORDING, ALERTING]
 TEST_FILES = [RULES_DIR / "tests" / "recording_rules_test.yml", RULES_DIR / "tests" / "alerting_rules_test.yml"]
 
-NAMESPACE = "sglang_"
+NAMESPACES = [DEFAULT_NAMESPACE, "sglang:"]
 SELF_PREFIX = "hicache_exporter_"
-RECORD_NAME_RE = re.compile(r"^[a-z_]+:[a-zA-Z0-9_]+:[a-z0-9_]+$")
+
+
+def record_name_re(ns: str) -> re.Pattern[str]:
+    """`level:<ns>metric:operations`; the namespace may itself hold a colon (`sglang:`)."""
+    return re.compile(rf"^(cluster|dp_group):{re.escape(ns)}[a-z0-9_]+:(rate5m|ratio_rate5m)$")
+
+
+@pytest.fixture(scope="module")
+def rule_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """(recording, alerting) for each namespace: the committed files, and the `sglang:` set generated."""
+    files = {DEFAULT_NAMESPACE: (RECORDING, ALERTING)}
+    for ns in NAMESPACES[1:]:
+        directory = tmp_path_factory.mktemp("rules")
+        paths = []
+        for name in ("recording_rules.yml", "alerting_rules.yml"):
+            path = directory / name
+            path.write_text(outputs(ns)[f"prometheus/{name}"], encoding="utf-8")
+            paths.append(path)
+        files[ns] = (paths[0], paths[1])
+    return files
 
 
 def promtool() -> str:
@@ -55,8 +76,8 @@ def load_rules(path: Path) -> list[dict]:
     return [rule for group in data["groups"] for rule in group["rules"]]
 
 
-def recorded_names() -> list[str]:
-    return [rule["record"] for rule in load_rules(RECORDING) if "record" in rule]
+def recorded_names(path: Path = RECORDING) -> list[str]:
+    return [rule["record"] for rule in load_rules(path) if "record" in rule]
 
 
 # ---- what the catalog says must exist ----------------------------------------------------
@@ -66,27 +87,28 @@ def counters(catalog: Catalog, semantics: Semantics) -> list[FamilySpec]:
     return [f for f in catalog if f.type is MetricType.COUNTER and f.semantics is semantics]
 
 
-def expected_records(catalog: Catalog) -> set[str]:
+def expected_records(catalog: Catalog, ns: str = DEFAULT_NAMESPACE) -> set[str]:
     """Every recording rule name the contract promises (header of config/prometheus/recording_rules.yml)."""
     names: set[str] = set()
     for fam in counters(catalog, Semantics.PER_SHARD):
-        names.add(f"cluster:{NAMESPACE}{fam.base_name}:rate5m")
+        names.add(f"cluster:{ns}{fam.base_name}:rate5m")
     for fam in counters(catalog, Semantics.REPLICATED):
-        names.add(f"dp_group:{NAMESPACE}{fam.base_name}:rate5m")
-        names.add(f"cluster:{NAMESPACE}{fam.base_name}:rate5m")
+        names.add(f"dp_group:{ns}{fam.base_name}:rate5m")
+        names.add(f"cluster:{ns}{fam.base_name}:rate5m")
     for bytes_fam, hist in catalog.bandwidth_pairs():
-        names.add(f"cluster:{NAMESPACE}{hist.name}_sum:rate5m")
-        names.add(f"cluster:{NAMESPACE}{bytes_fam.bandwidth_name}:ratio_rate5m")
+        names.add(f"cluster:{ns}{hist.name}_sum:rate5m")
+        names.add(f"cluster:{ns}{bytes_fam.bandwidth_name}:ratio_rate5m")
     return names
 
 
 # ---- promtool ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", RULE_FILES, ids=lambda p: p.name)
-def test_promtool_check_rules(path: Path) -> None:
-    result = run_promtool("check", "rules", str(path))
-    assert "SUCCESS" in result.stdout
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_promtool_check_rules(ns: str, rule_files: dict[str, tuple[Path, Path]]) -> None:
+    for path in rule_files[ns]:
+        result = run_promtool("check", "rules", str(path))
+        assert "SUCCESS" in result.stdout
 
 
 @pytest.mark.parametrize("path", TEST_FILES, ids=lambda p: p.name)
@@ -98,19 +120,22 @@ def test_promtool_unit_tests(path: Path) -> None:
 # ---- naming, references, coverage ----------------------------------------------------------
 
 
-def test_recording_rule_names_follow_level_metric_operations() -> None:
-    names = recorded_names()
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_recording_rule_names_follow_level_metric_operations(ns: str, rule_files: dict[str, tuple[Path, Path]]) -> None:
+    names = recorded_names(rule_files[ns][0])
     assert names, "no recording rules found"
-    bad = [n for n in names if not RECORD_NAME_RE.match(n)]
+    assert not record_name_re(ns).match(f"cluster:{ns}load_back_bytes:rate1m"), "the check can fail"
+    bad = [n for n in names if not record_name_re(ns).match(n)]
     assert not bad, f"recording rule names not of the form level:metric:operations: {bad}"
     repeated = sorted({n for n in names if names.count(n) > 1})
     assert not repeated, f"recording rules defined twice: {repeated}"
 
 
-def test_recording_rules_cover_the_catalog_exactly() -> None:
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_recording_rules_cover_the_catalog_exactly(ns: str, rule_files: dict[str, tuple[Path, Path]]) -> None:
     catalog = default_catalog()
-    expected = expected_records(catalog)
-    actual = set(recorded_names())
+    expected = expected_records(catalog, ns)
+    actual = set(recorded_names(rule_files[ns][0]))
     missing = sorted(expected - actual)
     extra = sorted(actual - expected)
     assert not missing, f"catalog families without their recording rule: {missing}"
@@ -118,10 +143,10 @@ def test_recording_rules_cover_the_catalog_exactly() -> None:
     # The contract as the dashboard and the brief state it, pinned so a catalog change that
     # silently dropped one of these shows up here too.
     for x in ("load_back", "hicache_backup", "storage_prefetch", "storage_backup"):
-        assert f"cluster:sglang_{x}_active_bandwidth_bytes_per_second:ratio_rate5m" in actual
-        assert f"cluster:sglang_{x}_bytes:rate5m" in actual
+        assert f"cluster:{ns}{x}_active_bandwidth_bytes_per_second:ratio_rate5m" in actual
+        assert f"cluster:{ns}{x}_bytes:rate5m" in actual
     for base in ("storage_prefetch_unfulfilled_tokens", "storage_prefetch_deferred_tokens", "hicache_dropped_tokens"):
-        assert f"dp_group:sglang_{base}:rate5m" in actual and f"cluster:sglang_{base}:rate5m" in actual
+        assert f"dp_group:{ns}{base}:rate5m" in actual and f"cluster:{ns}{base}:rate5m" in actual
 
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
@@ -129,19 +154,19 @@ _IDENT = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _NAME_REGEX = re.compile(r"__name__\s*=~\s*\"((?:[^\"\\]|\\.)*)\"")
 
 
-def exported_names(catalog: Catalog) -> dict[str, str]:
+def exported_names(catalog: Catalog, ns: str = DEFAULT_NAMESPACE) -> dict[str, str]:
     """Every series name the sidecar exports per rank, mapped to its catalog family."""
     names: dict[str, str] = {}
     for fam in catalog:
         if fam.type is MetricType.HISTOGRAM:
             for suffix in ("_bucket", "_sum", "_count"):
-                names[NAMESPACE + fam.name + suffix] = fam.name
+                names[ns + fam.name + suffix] = fam.name
         else:
-            names[NAMESPACE + fam.name] = fam.name
+            names[ns + fam.name] = fam.name
         if fam.type is MetricType.COUNTER and fam.semantics is Semantics.REPLICATED:
-            names[NAMESPACE + fam.base_name + "_replica_spread_ratio"] = fam.name
+            names[ns + fam.base_name + "_replica_spread_ratio"] = fam.name
         if fam.duration_histogram:
-            names[NAMESPACE + fam.bandwidth_name] = fam.name
+            names[ns + fam.bandwidth_name] = fam.name
     return names
 
 
@@ -152,28 +177,32 @@ def references(expr: str) -> tuple[set[str], list[str]]:
     return set(_IDENT.findall(bare)), regexes
 
 
-def test_rules_reference_only_catalog_families_and_self_metrics() -> None:
+RECORD_LEVELS = ("cluster:", "dp_group:")
+
+
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_rules_reference_only_catalog_families_and_self_metrics(ns: str, rule_files: dict[str, tuple[Path, Path]]) -> None:
     catalog = default_catalog()
-    exported = exported_names(catalog)
-    records = set(recorded_names())
+    exported = exported_names(catalog, ns)
+    records = set(recorded_names(rule_files[ns][0]))
     family_names = {f.name for f in catalog}
     problems: list[str] = []
     seen_families: set[str] = set()
-    for path in RULE_FILES:
+    for path in rule_files[ns]:
         for rule in load_rules(path):
             what = f"{path.name}: {rule.get('record') or rule.get('alert')}"
             idents, regexes = references(rule["expr"])
             for ident in idents:
-                if ":" in ident:
+                if ident.startswith(RECORD_LEVELS):
                     if ident not in records:
                         problems.append(f"{what}: refers to {ident}, which no recording rule records")
-                elif ident.startswith(NAMESPACE):
+                elif ident.startswith(ns):
                     if ident in exported:
                         seen_families.add(exported[ident])
                     else:
                         problems.append(f"{what}: {ident} is not a series of any catalog family")
-                elif ident in family_names:
-                    problems.append(f"{what}: {ident} lacks the {NAMESPACE!r} namespace")
+                elif ident in family_names or any(ident.startswith(other) for other in NAMESPACES):
+                    problems.append(f"{what}: {ident} lacks the {ns!r} namespace")
             for regex in regexes:
                 matched = [n for n in exported if re.fullmatch(regex, n)]
                 if not matched:
@@ -186,17 +215,23 @@ def test_rules_reference_only_catalog_families_and_self_metrics() -> None:
     assert needed <= seen_families, f"families no rule reads: {sorted(needed - seen_families)}"
 
 
-def test_rules_select_names_and_labels_a_real_sidecar_serves(sidecar: SidecarThread) -> None:
-    """The series and label values the rules select are what /metrics really exposes."""
-    client = RawClient(sidecar.socket_path)
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_rules_select_names_and_labels_a_real_sidecar_serves(ns: str, socket_dir: Path,
+                                                             rule_files: dict[str, tuple[Path, Path]]) -> None:
+    """The series and label values the rules select are what /metrics really exposes, in each namespace."""
+    sidecar = SidecarThread(sidecar_config(socket_dir / "metrics.sock", metrics={"namespace": ns})).start()
     try:
-        client.send(hello(tp=0, cache_type="HiRadixCache"))
-        assert client.recv() is not None
-        client.send(snapshot(1, counter("load_back_bytes_total", 4096)))
-        wait_until(lambda: bool(sidecar.scrape().find("hicache_exporter_rank_up", tp_rank="0")))
-        scrape = sidecar.scrape()
+        client = RawClient(sidecar.socket_path)
+        try:
+            client.send(hello(tp=0, cache_type="HiRadixCache"))
+            assert client.recv() is not None
+            client.send(snapshot(1, counter("load_back_bytes_total", 4096)))
+            wait_until(lambda: bool(sidecar.scrape().find("hicache_exporter_rank_up", tp_rank="0")))
+            scrape = sidecar.scrape()
+        finally:
+            client.close()
     finally:
-        client.close()
+        sidecar.stop()
     served: set[str] = set()
     for family in text_string_to_metric_families(scrape.text):
         served.add(family.name)
@@ -204,32 +239,34 @@ def test_rules_select_names_and_labels_a_real_sidecar_serves(sidecar: SidecarThr
                        "histogram": [family.name + s for s in ("_sum", "_count", "_bucket")]}.get(family.type, []))
         served.update(sample.name for sample in family.samples)
     missing = []
-    for path in RULE_FILES:
+    for path in rule_files[ns]:
         for rule in load_rules(path):
             idents, regexes = references(rule["expr"])
             for ident in idents:
-                if ident.startswith((NAMESPACE, SELF_PREFIX)) and ":" not in ident and ident not in served:
+                if ident.startswith((ns, SELF_PREFIX)) and not ident.startswith(RECORD_LEVELS) and ident not in served:
                     missing.append(f"{path.name}: {rule.get('record') or rule.get('alert')}: {ident}")
             for regex in regexes:
                 if not any(re.fullmatch(regex, name) for name in served):
                     missing.append(f"{path.name}: {rule.get('alert')}: nothing served matches {regex!r}")
     assert not missing, "rules select series the sidecar does not serve:\n" + "\n".join(missing)
     # Labels the rules aggregate away or filter on are on the served series.
-    per_rank = scrape.find("sglang_load_back_bytes_total")
+    per_rank = scrape.find(f"{ns}load_back_bytes_total")
     assert per_rank and {"tp_rank", "pp_rank", "dp_rank", "cache_type"} <= set(per_rank[0].labels)
     assert scrape.find("hicache_exporter_rejections_total", reason="old_seq"), "old_seq is not a rejection reason"
     assert {"tp_rank", "pp_rank", "dp_rank"} <= set(scrape.find("hicache_exporter_rank_up")[0].labels)
 
 
-def test_replica_spread_alert_selects_exactly_the_spread_gauges() -> None:
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_replica_spread_alert_selects_exactly_the_spread_gauges(ns: str, rule_files: dict[str, tuple[Path, Path]]) -> None:
     catalog = default_catalog()
-    exported = exported_names(catalog)
-    rule = next(r for r in load_rules(ALERTING) if r.get("alert") == "HiCacheReplicaSpreadHigh")
+    exported = {**exported_names(catalog, ns), **{n: "" for other in NAMESPACES if other != ns
+                                                  for n in exported_names(catalog, other)}}
+    rule = next(r for r in load_rules(rule_files[ns][1]) if r.get("alert") == "HiCacheReplicaSpreadHigh")
     _, regexes = references(rule["expr"])
     assert len(regexes) == 1
     matched = {n for n in exported if re.fullmatch(regexes[0], n)}
-    spread = {NAMESPACE + f.base_name + "_replica_spread_ratio" for f in counters(catalog, Semantics.REPLICATED)}
-    assert matched == spread
+    spread = {ns + f.base_name + "_replica_spread_ratio" for f in counters(catalog, Semantics.REPLICATED)}
+    assert matched == spread, "the spread gauges of this namespace, and no other's"
 
 
 def test_alerts_have_for_severity_and_annotations() -> None:
@@ -267,7 +304,7 @@ def _own_labels(fam: FamilySpec) -> dict[str, str]:
     return {label: (fam.preset.get(label) or ("x",))[0] for label in fam.labels}
 
 
-def generated_tests(catalog: Catalog) -> dict:
+def generated_tests(catalog: Catalog, ns: str = DEFAULT_NAMESPACE, recording: Path = RECORDING) -> dict:
     """Series for every rolled-up family over LAYOUT, with the exact rollups they must give.
 
     rate(...[5m]) at 10m of a counter rising 60*k per minute is exactly k.
@@ -288,10 +325,10 @@ def generated_tests(catalog: Catalog) -> dict:
         own = _own_labels(fam)
         for pod, instance, tp, dp in LAYOUT:
             labels = {**KEPT, **own, "pod": pod, "instance": instance, "tp_rank": str(tp), "pp_rank": "0", "dp_rank": str(dp)}
-            inputs.append({"series": _series(NAMESPACE + fam.name, labels), "values": f"0+{60 * (dp + 1)}x10"})
-        dp_group = f"dp_group:{NAMESPACE}{fam.base_name}:rate5m"
+            inputs.append({"series": _series(ns + fam.name, labels), "values": f"0+{60 * (dp + 1)}x10"})
+        dp_group = f"dp_group:{ns}{fam.base_name}:rate5m"
         check(dp_group, [sample(dp_group, 1, **own, dp_rank="0"), sample(dp_group, 2, **own, dp_rank="1")])
-        cluster = f"cluster:{NAMESPACE}{fam.base_name}:rate5m"
+        cluster = f"cluster:{ns}{fam.base_name}:rate5m"
         check(cluster, [sample(cluster, 3, **own)])
 
     per_shard = counters(catalog, Semantics.PER_SHARD)
@@ -300,33 +337,34 @@ def generated_tests(catalog: Catalog) -> dict:
         own = _own_labels(fam)
         for i, (pod, instance, tp, dp) in enumerate(LAYOUT):
             labels = {**KEPT, **own, "pod": pod, "instance": instance, "tp_rank": str(tp), "pp_rank": "0", "dp_rank": str(dp)}
-            inputs.append({"series": _series(NAMESPACE + fam.name, labels), "values": f"0+{60 * (i + 1)}x10"})
-        record = f"cluster:{NAMESPACE}{fam.base_name}:rate5m"
+            inputs.append({"series": _series(ns + fam.name, labels), "values": f"0+{60 * (i + 1)}x10"})
+        record = f"cluster:{ns}{fam.base_name}:rate5m"
         check(record, [sample(record, 36, **own)])
     for hist in durations:
         own = _own_labels(hist)
         for pod, instance, tp, dp in LAYOUT:
             labels = {**KEPT, **own, "pod": pod, "instance": instance, "tp_rank": str(tp), "pp_rank": "0", "dp_rank": str(dp)}
-            inputs.append({"series": _series(f"{NAMESPACE}{hist.name}_sum", labels), "values": "0+15x10"})
-        record = f"cluster:{NAMESPACE}{hist.name}_sum:rate5m"
+            inputs.append({"series": _series(f"{ns}{hist.name}_sum", labels), "values": "0+15x10"})
+        record = f"cluster:{ns}{hist.name}_sum:rate5m"
         check(record, [sample(record, 2, **own)])
     for bytes_fam, _ in catalog.bandwidth_pairs():
-        record = f"cluster:{NAMESPACE}{bytes_fam.bandwidth_name}:ratio_rate5m"
+        record = f"cluster:{ns}{bytes_fam.bandwidth_name}:ratio_rate5m"
         check(record, [sample(record, 18, **_own_labels(bytes_fam))])
 
     return {
-        "rule_files": [str(RECORDING)],
+        "rule_files": [str(recording)],
         "evaluation_interval": "1m",
         "tests": [{"name": "every catalog family, generated", "interval": "1m",
                    "input_series": inputs, "promql_expr_test": checks}],
     }
 
 
-def test_every_family_rolls_up_by_its_semantics(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_every_family_rolls_up_by_its_semantics(ns: str, tmp_path: Path, rule_files: dict[str, tuple[Path, Path]]) -> None:
     catalog = default_catalog()
-    spec = generated_tests(catalog)
+    spec = generated_tests(catalog, ns, rule_files[ns][0])
     checked = {c["expr"] for c in spec["tests"][0]["promql_expr_test"]}
-    assert checked == expected_records(catalog)
+    assert checked == expected_records(catalog, ns)
     path = tmp_path / "generated_test.yml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
     run_promtool("test", "rules", str(path), cwd=tmp_path)

@@ -1,9 +1,13 @@
-"""The Grafana dashboard: current schema, $datasource everywhere, and only metrics that exist.
+"""The Grafana dashboard: current schema, $datasource everywhere, only metrics that exist, and the one rule.
 
-Every metric name a PromQL target names must be one the sidecar exports (derived from the
-packaged catalog and the real collector) or a recording rule of
-config/prometheus/recording_rules.yml. `dashboard_expressions()` gives the expressions with
-Grafana's variables replaced, for tests that run them through a real Prometheus.
+The rule (README, "Which series to read"): one pod, its sidecar's rollups; a fleet, or a TP group
+spanning pods, the `cluster:` recording rules. Fleet rows therefore read no sidecar rollup and no
+per-rank series; pod rows select every series by the single-valued `$instance`. Every check runs
+on the committed dashboard (namespace `sglang_`) and on the one generated for `sglang:`. Every
+metric name a PromQL target names must be one the sidecar exports under that namespace (derived
+from the packaged catalog and the real collector) or a recording rule generated for it.
+`dashboard_expressions()` gives the expressions with Grafana's variables replaced, for tests
+that run them through a real Prometheus.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from typing import Any
 import pytest
 import yaml
 
+from config.generator import DEFAULT_NAMESPACE, outputs
+
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "config" / "grafana" / "hicache-exporter.json"
-RECORDING_RULES = ROOT / "config" / "prometheus" / "recording_rules.yml"
+NAMESPACES = [DEFAULT_NAMESPACE, "sglang:"]
 
-NAMESPACE = "sglang_"
 DATASOURCE_UID = "${datasource}"
 ALLOWED_PANEL_TYPES = {"timeseries", "stat", "table", "row"}
 # Values that make a dashboard expression a plain PromQL query.
@@ -30,16 +35,12 @@ VARIABLE_VALUES = {
     "__rate_interval": "5m",
     "__interval": "1m",
     "__range": "1h",
-    "instance": ".*",
+    "instance": "127.0.0.1:9400",
     "dp_rank": ".*",
 }
-# The recording-rule naming contract, for when recording_rules.yml does not exist.
-RULE_NAME_PATTERNS = [
-    re.compile(r"^cluster:sglang_[a-z0-9_]+:rate5m$"),
-    re.compile(r"^dp_group:sglang_[a-z0-9_]+_tokens:rate5m$"),
-    re.compile(r"^cluster:sglang_(load_back|hicache_backup|storage_prefetch|storage_backup)"
-               r"_active_bandwidth_bytes_per_second:ratio_rate5m$"),
-]
+RECORD_LEVELS = ("cluster:", "dp_group:")
+# Series Prometheus itself writes for every target.
+PROMETHEUS_SERIES = {"up"}
 
 PROMQL_FUNCTIONS = {
     # aggregation operators
@@ -65,21 +66,35 @@ PROMQL_KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on
 # --- the dashboard -----------------------------------------------------------------------------
 
 @cache
-def dashboard() -> dict[str, Any]:
-    return json.loads(DASHBOARD.read_text(encoding="utf-8"))
+def dashboard(ns: str = DEFAULT_NAMESPACE) -> dict[str, Any]:
+    if ns == DEFAULT_NAMESPACE:
+        return json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    return json.loads(outputs(ns)["grafana/hicache-exporter.json"])
 
 
-def all_panels(panels: list[dict[str, Any]] | None = None) -> Iterator[dict[str, Any]]:
+def all_panels(ns: str = DEFAULT_NAMESPACE, panels: list[dict[str, Any]] | None = None) -> Iterator[dict[str, Any]]:
     """Every panel, including those nested in (collapsed) rows."""
-    for panel in dashboard()["panels"] if panels is None else panels:
+    for panel in dashboard(ns)["panels"] if panels is None else panels:
         yield panel
-        yield from all_panels(panel.get("panels") or [])
+        yield from all_panels(ns, panel.get("panels") or [])
 
 
-def raw_expressions() -> list[tuple[str, str]]:
+def sections(ns: str = DEFAULT_NAMESPACE) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(the title of the row a panel sits under, the panel) for every non-row panel, in layout order."""
+    row = ""
+    for panel in dashboard(ns)["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+            for nested in panel.get("panels") or []:
+                yield row, nested
+        else:
+            yield row, panel
+
+
+def raw_expressions(ns: str = DEFAULT_NAMESPACE) -> list[tuple[str, str]]:
     """(panel title / refId, expr) for every PromQL target, variables left in."""
     out = []
-    for panel in all_panels():
+    for panel in all_panels(ns):
         for target in panel.get("targets", []):
             out.append((f"{panel.get('title')} / {target.get('refId')}", target["expr"]))
     return out
@@ -97,10 +112,10 @@ def substitute(expr: str) -> str:
     return re.sub(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)", value, expr)
 
 
-def dashboard_expressions() -> list[str]:
+def dashboard_expressions(ns: str = DEFAULT_NAMESPACE) -> list[str]:
     """Every PromQL expression of the dashboard, with its variables substituted
-    (`$__rate_interval` -> 5m, `$instance` and `$dp_rank` -> .*), ready for a real Prometheus."""
-    return [substitute(expr) for _, expr in raw_expressions()]
+    (`$__rate_interval` -> 5m, `$instance` -> a target, `$dp_rank` -> .*), ready for a real Prometheus."""
+    return [substitute(expr) for _, expr in raw_expressions(ns)]
 
 
 # --- metric names --------------------------------------------------------------------------------
@@ -131,14 +146,15 @@ def test_name_extraction() -> None:
     metrics, functions = referenced_names(
         'histogram_quantile(0.99, sum by (le) (rate(a_bucket{instance=~"$instance", x="y{z}"}[$__rate_interval])))'
         ' / on (job) group_left (pod) b:c:rate5m offset 5m > bool 1e3 and max without (tp_rank) (c)'
+        ' + sglang:d_total'
     )
-    assert metrics == {"a_bucket", "b:c:rate5m", "c"}
+    assert metrics == {"a_bucket", "b:c:rate5m", "c", "sglang:d_total"}
     assert functions == {"histogram_quantile", "sum", "rate", "max"}
 
 
 @cache
-def exported_names() -> frozenset[str]:
-    """Every sample name the sidecar can expose, derived from the catalog as DESIGN section 6 says."""
+def exported_names(ns: str = DEFAULT_NAMESPACE) -> frozenset[str]:
+    """Every sample name the sidecar can expose under `ns`, derived from the catalog."""
     from exporter.catalog import MetricType, Semantics, default_catalog
 
     names: set[str] = set()
@@ -151,29 +167,34 @@ def exported_names() -> frozenset[str]:
 
     catalog = default_catalog()
     for spec in catalog:
-        add(NAMESPACE + spec.name, spec.type)
-        add(NAMESPACE + "rollup_" + spec.name, spec.type)
+        add(ns + spec.name, spec.type)
+        add(ns + "rollup_" + spec.name, spec.type)
         if spec.type is MetricType.COUNTER and spec.semantics is Semantics.REPLICATED:
-            names.add(NAMESPACE + spec.base_name + "_replica_spread_ratio")
+            names.add(ns + spec.base_name + "_replica_spread_ratio")
     for bytes_spec, _ in catalog.bandwidth_pairs():
-        names.add(NAMESPACE + bytes_spec.bandwidth_name)
-        names.add(NAMESPACE + "rollup_" + bytes_spec.bandwidth_name)
-    return frozenset(names | collector_names(prefix="hicache_exporter_"))
+        names.add(ns + bytes_spec.bandwidth_name)
+        names.add(ns + "rollup_" + bytes_spec.bandwidth_name)
+    return frozenset(names | collector_names(ns, prefix="hicache_exporter_"))
 
 
 @cache
-def collector_names(prefix: str = "") -> frozenset[str]:
-    """Sample names the real collector (exporter/sidecar/exposition.py) declares, on an empty sidecar."""
+def collector_names(ns: str = DEFAULT_NAMESPACE, prefix: str = "") -> frozenset[str]:
+    """Sample names the real collector (exporter/sidecar/exposition.py) declares, on a sidecar with one upstream."""
     from exporter.catalog import default_catalog
     from exporter.config import SidecarConfig
     from exporter.sidecar.exposition import SidecarCollector
     from exporter.sidecar.state import SidecarState
-    from exporter.sidecar.stats import SidecarStats
+    from exporter.sidecar.stats import SidecarStats, UpstreamHealth
 
     config = SidecarConfig()
     state = SidecarState(default_catalog(), config.ranks, config.rollup.window_seconds)
+    stats = SidecarStats()
+    # An upstream that has been read and has failed once, so its every health family is declared.
+    upstream = UpstreamHealth("engine", "http://127.0.0.1:30000/metrics")
+    upstream.last_scrape_wall, upstream.last_duration, upstream.errors = 1.0, 0.1, {"connect": 1}
+    stats.upstreams["engine"] = upstream
     names: set[str] = set()
-    for metric in SidecarCollector(state, SidecarStats(), NAMESPACE).collect():
+    for metric in SidecarCollector(state, stats, ns).collect():
         if not metric.name.startswith(prefix):
             continue
         if metric.type == "counter":
@@ -185,58 +206,61 @@ def collector_names(prefix: str = "") -> frozenset[str]:
     return frozenset(names)
 
 
-def test_catalog_derivation_matches_the_collector() -> None:
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_catalog_derivation_matches_the_collector(ns: str) -> None:
     """The allowed set above is exactly what the collector declares (guards this test itself)."""
-    assert exported_names() == collector_names()
-    assert "hicache_exporter_rank_up" in exported_names()
-    assert "hicache_exporter_rejections_total" in exported_names()
-    assert "hicache_exporter_scrape_duration_seconds_bucket" in exported_names()
+    assert exported_names(ns) == collector_names(ns)
+    for name in ("hicache_exporter_rank_up", "hicache_exporter_rejections_total",
+                 "hicache_exporter_scrape_duration_seconds_bucket", "hicache_exporter_upstream_up",
+                 "hicache_exporter_upstream_scrape_errors_total", f"{ns}rollup_load_back_tokens_total"):
+        assert name in exported_names(ns)
 
 
-def recording_rule_names() -> set[str] | None:
-    if not RECORDING_RULES.is_file():
-        return None
-    data = yaml.safe_load(RECORDING_RULES.read_text(encoding="utf-8"))
-    return {r["record"] for g in data["groups"] for r in g["rules"] if "record" in r}
+@cache
+def recording_rule_names(ns: str = DEFAULT_NAMESPACE) -> frozenset[str]:
+    data = yaml.safe_load(outputs(ns)["prometheus/recording_rules.yml"])
+    return frozenset(r["record"] for g in data["groups"] for r in g["rules"] if "record" in r)
 
 
-def unknown_names(names: set[str]) -> set[str]:
-    rules = recording_rule_names()
-    unknown = set()
-    for name in names:
-        if name in exported_names():
-            continue
-        if rules is not None and name in rules:
-            continue
-        if rules is None and any(p.match(name) for p in RULE_NAME_PATTERNS):
-            continue
-        unknown.add(name)
-    return unknown
+def unknown_names(names: set[str], ns: str = DEFAULT_NAMESPACE) -> set[str]:
+    return {name for name in names
+            if name not in exported_names(ns) and name not in recording_rule_names(ns) and name not in PROMETHEUS_SERIES}
+
+
+def is_rollup(name: str, ns: str) -> bool:
+    return name.startswith(ns + "rollup_")
+
+
+def is_cache_series(name: str, ns: str) -> bool:
+    """A per-rank or rollup series of a catalog family (or derived from one), not a recording rule."""
+    return name.startswith(ns) and not name.startswith(RECORD_LEVELS)
 
 
 # --- tests ---------------------------------------------------------------------------------------
 
-def test_valid_json_with_current_schema() -> None:
-    board = dashboard()
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_valid_json_with_current_schema(ns: str) -> None:
+    board = dashboard(ns)
     assert isinstance(board["schemaVersion"], int) and board["schemaVersion"] >= 39
-    assert board["uid"] == "hicache-exporter" and len(board["uid"]) <= 40
-    assert board["title"]
-    ids = [p["id"] for p in all_panels()]
+    assert board["uid"] == ("hicache-exporter" if ns == DEFAULT_NAMESPACE else "hicache-exporter-sglang-colon")
+    assert len(board["uid"]) <= 40 and board["title"]
+    ids = [p["id"] for p in all_panels(ns)]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
 
 
-def test_panel_types_and_layout() -> None:
-    for panel in all_panels():
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_panel_types_and_layout(ns: str) -> None:
+    for panel in all_panels(ns):
         assert panel["type"] in ALLOWED_PANEL_TYPES, f"{panel.get('title')}: type {panel['type']!r}"
         pos = panel["gridPos"]
         assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24 and pos["h"] > 0
         if panel["type"] == "row":
             assert not panel.get("targets"), "rows hold no queries"
-    graphs = [p for p in all_panels() if p["type"] == "timeseries"]
+    graphs = [p for p in all_panels(ns) if p["type"] == "timeseries"]
     assert len(graphs) >= 10
     # No two panels overlap on the grid (top-level, expanded rows).
     cells: dict[tuple[int, int], str] = {}
-    for panel in dashboard()["panels"]:
+    for panel in dashboard(ns)["panels"]:
         pos = panel["gridPos"]
         for x in range(pos["x"], pos["x"] + pos["w"]):
             for y in range(pos["y"], pos["y"] + pos["h"]):
@@ -244,8 +268,9 @@ def test_panel_types_and_layout() -> None:
                 cells[(x, y)] = panel["title"]
 
 
-def test_every_panel_uses_the_datasource_variable() -> None:
-    for panel in all_panels():
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_every_panel_uses_the_datasource_variable(ns: str) -> None:
+    for panel in all_panels(ns):
         if panel["type"] == "row":
             continue
         assert panel["datasource"] == {"type": "prometheus", "uid": DATASOURCE_UID}, panel["title"]
@@ -258,77 +283,98 @@ def test_every_panel_uses_the_datasource_variable() -> None:
             assert target["expr"].strip()
 
 
-def test_templating_variables() -> None:
-    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_templating_variables(ns: str) -> None:
+    variables = {v["name"]: v for v in dashboard(ns)["templating"]["list"]}
     assert {"datasource", "instance", "dp_rank"} <= set(variables)
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    # One pod at a time: a multi-valued instance would let a pod panel add up several sidecars.
+    assert variables["instance"]["multi"] is False and variables["instance"]["includeAll"] is False
+    assert variables["dp_rank"]["includeAll"] and variables["dp_rank"]["multi"] and variables["dp_rank"]["allValue"] == ".*"
     for name in ("instance", "dp_rank"):
         var = variables[name]
-        assert var["type"] == "query"
-        assert var["datasource"]["uid"] == DATASOURCE_UID
-        assert var["includeAll"] and var["multi"] and var["allValue"] == ".*"
+        assert var["type"] == "query" and var["datasource"]["uid"] == DATASOURCE_UID
         query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
         match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", query)
         assert match and match.group(2) == name, query
         metrics, _ = referenced_names(match.group(1))
-        assert metrics and not unknown_names(metrics), query
+        assert metrics and not unknown_names(metrics, ns), query
 
 
-def test_every_metric_name_exists() -> None:
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_every_metric_name_exists(ns: str) -> None:
     problems = []
-    for where, expr in raw_expressions():
+    for where, expr in raw_expressions(ns):
         metrics, functions = referenced_names(expr)
         assert metrics, f"{where}: no metric in {expr}"
         bad_functions = functions - PROMQL_FUNCTIONS
         if bad_functions:
             problems.append(f"{where}: unknown functions {sorted(bad_functions)}")
-        missing = unknown_names(metrics)
+        missing = unknown_names(metrics, ns)
         if missing:
             problems.append(f"{where}: {sorted(missing)} are neither exported nor recording rules")
+        other = next(o for o in NAMESPACES if o != ns)
+        if any(m.startswith(other) and not m.startswith(ns) for m in metrics):
+            problems.append(f"{where}: names of namespace {other!r}")
     assert not problems, "\n".join(problems)
 
 
 def test_metric_check_catches_a_typo() -> None:
     assert unknown_names({"sglang_load_back_token_total"}) == {"sglang_load_back_token_total"}
     assert unknown_names({"cluster:sglang_load_back_tokens:rate1m"})
+    assert unknown_names({"sglang_rollup_load_back_tokens_total"}, "sglang:")
     assert not unknown_names({"sglang_rollup_load_back_duration_seconds_bucket"})
+    assert not unknown_names({"cluster:sglang:load_back_tokens:rate5m"}, "sglang:")
 
 
-def test_selectors_use_the_variables() -> None:
-    """Exporter series are filtered by $instance; per-rank series also by $dp_rank."""
-    rank_labelled = {n for n in exported_names() if n.startswith(NAMESPACE) and "rollup_" not in n}
-    rank_labelled |= {"hicache_exporter_rank_up", "hicache_exporter_rank_leader",
-                      "hicache_exporter_rank_restarts_total", "hicache_exporter_rank_last_push_timestamp_seconds"}
-    for where, expr in raw_expressions():
-        for match in re.finditer(r"(?<![\w:])([A-Za-z_][\w:]*)\s*(\{[^}]*\})?", expr):
-            name, matchers = match.group(1), match.group(2) or ""
-            if name not in exported_names():
-                continue
-            assert 'instance=~"$instance"' in matchers, f"{where}: {name} without instance=~\"$instance\""
-            if name in rank_labelled:
-                assert 'dp_rank=~"$dp_rank"' in matchers, f"{where}: {name} without dp_rank=~\"$dp_rank\""
+# --- the one rule ------------------------------------------------------------------------------
+
+def fleet_violations(expr: str, ns: str) -> set[str]:
+    """What a fleet panel may not read: a sidecar rollup or a per-rank cache series (only recording rules)."""
+    metrics, _ = referenced_names(expr)
+    return {m for m in metrics if is_cache_series(m, ns)}
 
 
-def test_required_views_are_present() -> None:
-    exprs = " ".join(e for _, e in raw_expressions())
-    for needed in (
-        "sglang_load_back_tokens_total", "sglang_rollup_load_back_tokens_total", "cluster:sglang_load_back_tokens:rate5m",
-        "sglang_load_back_bytes_total", "sglang_rollup_load_back_bytes_total",
-        "sglang_storage_prefetch_unfulfilled_tokens_total", "sglang_storage_prefetch_deferred_tokens_total",
-        "hicache_exporter_rank_up", "hicache_exporter_rejections_total", "hicache_exporter_scrape_duration_seconds",
-        "hicache_exporter_connections",
-    ):
-        assert needed in exprs, needed
-    for tier in ("load_back", "hicache_backup", "storage_prefetch", "storage_backup"):
-        assert f"sglang_{tier}_active_bandwidth_bytes_per_second" in exprs
-        assert f"sglang_rollup_{tier}_active_bandwidth_bytes_per_second" in exprs
-        assert f"cluster:sglang_{tier}_active_bandwidth_bytes_per_second:ratio_rate5m" in exprs
-    assert "_replica_spread_ratio" in exprs
-    by_reason = [p for p in all_panels() if p["type"] == "timeseries"
-                 and any("by (reason)" in t["expr"] and "prefetch_" in t["expr"] for t in p["targets"])]
-    assert len(by_reason) >= 2
-    for panel in by_reason:
-        assert panel["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal", panel["title"]
+def pod_violations(expr: str, ns: str) -> set[str]:
+    """Series of a pod panel not pinned to the one pod `instance="$instance"` (recording rules are fleet-wide)."""
+    bad = set()
+    for match in re.finditer(r"(?<![\w:])([A-Za-z_][\w:]*)\s*(\{[^}]*\})?", expr):
+        name, matchers = match.group(1), match.group(2) or ""
+        if name.startswith(RECORD_LEVELS):
+            bad.add(name)
+        elif name in exported_names(ns) and 'instance="$instance"' not in matchers:
+            bad.add(name)
+    return bad
+
+
+def test_the_rule_checks_can_fail() -> None:
+    ns = DEFAULT_NAMESPACE
+    assert fleet_violations("sum(rate(sglang_rollup_load_back_tokens_total[5m]))", ns)
+    assert fleet_violations("sum(rate(sglang_load_back_bytes_total[5m]))", ns)
+    assert not fleet_violations("sum(cluster:sglang_load_back_tokens:rate5m)", ns)
+    assert pod_violations('rate(sglang_rollup_load_back_bytes_total{instance=~"$instance"}[5m])', ns)
+    assert pod_violations("sum(cluster:sglang_load_back_bytes:rate5m)", ns)
+    assert not pod_violations('rate(sglang_rollup_load_back_bytes_total{instance="$instance"}[5m])', ns)
+
+
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_fleet_rows_read_recording_rules_and_pod_rows_one_pod(ns: str) -> None:
+    """The one rule, everywhere: each panel is a fleet panel or a pod panel, and reads accordingly."""
+    problems = []
+    seen = {"fleet": 0, "pod": 0}
+    for row, panel in sections(ns):
+        kind = "fleet" if row.startswith("Fleet") else "pod" if row.startswith("Pod") else None
+        assert kind, f"{panel['title']!r} sits under {row!r}, neither a fleet nor a pod row"
+        seen[kind] += 1
+        for target in panel["targets"]:
+            check = fleet_violations if kind == "fleet" else pod_violations
+            wrong = check(target["expr"], ns)
+            if wrong:
+                problems.append(f"{kind} panel {panel['title']!r}: {sorted(wrong)} in {target['expr']}")
+    assert not problems, "\n".join(problems)
+    assert seen["fleet"] >= 5 and seen["pod"] >= 5
+    rows = [p["title"] for p in dashboard(ns)["panels"] if p["type"] == "row"]
+    assert rows[0].startswith("Fleet"), "the fleet view comes first"
 
 
 def summed_over_replicas(expr: str, names: set[str]) -> set[str]:
@@ -347,26 +393,51 @@ def summed_over_replicas(expr: str, names: set[str]) -> set[str]:
     return found
 
 
-def test_replicated_tokens_are_never_summed_over_replicas() -> None:
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_replicated_tokens_are_never_summed_over_replicas(ns: str) -> None:
     """A per-rank token series is drawn per rank, or reduced to one replica per dp group before a sum."""
     from exporter.catalog import MetricType, Semantics, default_catalog
 
-    replicated = {NAMESPACE + s.name for s in default_catalog()
+    replicated = {ns + s.name for s in default_catalog()
                   if s.semantics is Semantics.REPLICATED and s.type is MetricType.COUNTER}
-    assert summed_over_replicas("sum(rate(sglang_load_back_tokens_total[5m]))", replicated)
-    assert summed_over_replicas("sum without (tp_rank) (rate(sglang_load_back_tokens_total[5m]))", replicated)
-    assert not summed_over_replicas("sum without (pool) (rate(sglang_load_back_tokens_total[5m]))", replicated)
-    assert not summed_over_replicas("sum(rate(sglang_load_back_bytes_total[5m]))", replicated)
-    for where, expr in raw_expressions():
+    assert summed_over_replicas(f"sum(rate({ns}load_back_tokens_total[5m]))", replicated)
+    assert summed_over_replicas(f"sum without (tp_rank) (rate({ns}load_back_tokens_total[5m]))", replicated)
+    assert not summed_over_replicas(f"sum without (pool) (rate({ns}load_back_tokens_total[5m]))", replicated)
+    assert not summed_over_replicas(f"sum(rate({ns}load_back_bytes_total[5m]))", replicated)
+    for where, expr in raw_expressions(ns):
         wrong = summed_over_replicas(expr, replicated)
         assert not wrong, f"{where}: sums {sorted(wrong)} over replicas; take one replica per dp group first"
 
 
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_required_views_are_present(ns: str) -> None:
+    exprs = " ".join(e for _, e in raw_expressions(ns))
+    for needed in (
+        f"{ns}load_back_tokens_total", f"{ns}rollup_load_back_tokens_total", f"cluster:{ns}load_back_tokens:rate5m",
+        f"{ns}load_back_bytes_total", f"{ns}rollup_load_back_bytes_total", f"cluster:{ns}load_back_bytes:rate5m",
+        f"cluster:{ns}storage_prefetch_unfulfilled_tokens:rate5m", f"cluster:{ns}storage_prefetch_deferred_tokens:rate5m",
+        f"cluster:{ns}prefill_effective_tokens:rate5m",
+        "hicache_exporter_rank_up", "hicache_exporter_rejections_total", "hicache_exporter_scrape_duration_seconds",
+        "hicache_exporter_connections", "hicache_exporter_upstream_up",
+    ):
+        assert needed in exprs, needed
+    for tier in ("load_back", "hicache_backup", "storage_prefetch", "storage_backup"):
+        assert f"{ns}{tier}_active_bandwidth_bytes_per_second" in exprs
+        assert f"{ns}rollup_{tier}_active_bandwidth_bytes_per_second" in exprs
+        assert f"cluster:{ns}{tier}_active_bandwidth_bytes_per_second:ratio_rate5m" in exprs
+    assert "_replica_spread_ratio" in exprs
+    by_reason = [p for p in all_panels(ns) if p["type"] == "timeseries"
+                 and any("by (reason)" in t["expr"] and "prefetch_" in t["expr"] for t in p["targets"])]
+    assert len(by_reason) >= 2
+    for panel in by_reason:
+        assert panel["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal", panel["title"]
+
+
 def test_dashboard_expressions_are_plain_promql() -> None:
-    exprs = dashboard_expressions()
-    assert len(exprs) == len(raw_expressions()) > 0
-    for expr in exprs:
-        assert "$" not in expr, expr
-        assert "[5m]" in expr or "[" not in expr
+    for ns in NAMESPACES:
+        exprs = dashboard_expressions(ns)
+        assert len(exprs) == len(raw_expressions(ns)) > 0
+        for expr in exprs:
+            assert "$" not in expr.replace("$1", ""), expr
     with pytest.raises(KeyError):
         substitute("rate(x[$unknown])")

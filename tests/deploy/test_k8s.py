@@ -1,30 +1,43 @@
-"""Kubernetes manifests in config/k8s: schema-valid, and saying what the sidecar needs.
+"""The Kubernetes examples in config/k8s: schema-valid, and what an SGLang pod with the sidecar needs.
 
-Core kinds are validated by `kubernetes-validate` (strict: unknown fields fail) against the
-newest Kubernetes it knows. The Prometheus Operator kinds (PodMonitor, PrometheusRule) are
-CRDs it has no schema for, so their structure is checked here.
+Schemas: core kinds by `kubernetes-validate` (strict: unknown fields fail) against the newest
+Kubernetes it knows; PodMonitor and PrometheusRule by the Prometheus Operator's CRD models of
+`cloudcoil-models-prometheus-operator` (pydantic, generated from the operator's CRDs: patterns,
+enums and types), loaded and dumped back so that a field the model does not know shows up as a
+difference; the LeaderWorkerSet's spec by an excerpt of its CRD's schema vendored in
+tests/deploy/schemas/ and its pod templates as Pods by kubernetes-validate. The two patch files
+are applied to their bases with strategic-merge rules and the result is validated like the rest.
 """
 
 from __future__ import annotations
 
+import ast
 import copy
-import importlib.util
+import json
 import re
+import subprocess
+import sys
+import zipfile
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path, PurePosixPath
-from types import ModuleType
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 
+from config.generator import DEFAULT_NAMESPACE, manifests, outputs
+
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "config" / "k8s"
-PROMETHEUS = ROOT / "config" / "prometheus"
-GENERATOR = K8S / "generate_prometheusrule.py"
+LWS_SCHEMA = Path(__file__).resolve().parent / "schemas" / "leaderworkerset-v1.json"
 EXPORTER = "hicache-exporter"
 MONITORING = "monitoring.coreos.com/v1"
 UID = 65532
+PATCHES = {"annotations-scrape.yaml": "deployment.yaml", "proxy-multiprocess-dir.yaml": "proxy.yaml"}
+# The environment LeaderWorkerSet's pod webhook sets in every container (lws pkg/utils/pod AddLWSVariables).
+LWS_ENV = {"LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"}
 
 
 # --- loading ---------------------------------------------------------------------------------
@@ -39,18 +52,71 @@ def documents(path: Path) -> list[dict[str, Any]]:
     return docs
 
 
-def all_documents() -> Iterator[tuple[str, dict[str, Any]]]:
-    for path in manifest_files():
-        for doc in documents(path):
-            yield path.name, doc
+@cache
+def generated(namespace: str) -> dict[str, list[dict[str, Any]]]:
+    """The k8s documents the generator makes for `namespace`, by file name."""
+    return {rel.removeprefix("k8s/"): [d for d in yaml.safe_load_all(text) if d is not None]
+            for rel, text in outputs(namespace).items() if rel.startswith("k8s/")}
 
 
-def deployments() -> list[tuple[str, dict[str, Any]]]:
-    return [(name, d) for name, d in all_documents() if d.get("kind") == "Deployment"]
+NAMESPACES = [DEFAULT_NAMESPACE, "sglang:"]
 
 
-def pod_spec(deployment: dict[str, Any]) -> dict[str, Any]:
-    return deployment["spec"]["template"]["spec"]
+def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = [d for d in docs if d["kind"] == kind]
+    return found
+
+
+# Strategic merge: lists of these fields merge item by item on the key, as the API server merges them.
+MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
+              "volumeMounts": "mountPath", "ports": "containerPort"}
+
+
+def strategic_merge(base: Any, patch: Any, field: str = "") -> Any:
+    """`patch` applied to `base` by strategic-merge rules (maps merged, keyed lists merged, other lists replaced)."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = dict(base)
+        for key, value in patch.items():
+            merged[key] = strategic_merge(base[key], value, key) if key in base else copy.deepcopy(value)
+        return merged
+    if isinstance(base, list) and isinstance(patch, list) and field in MERGE_KEYS:
+        key = MERGE_KEYS[field]
+        merged_list = [copy.deepcopy(item) for item in base]
+        for item in patch:
+            index = next((i for i, old in enumerate(merged_list) if old[key] == item[key]), None)
+            if index is None:
+                merged_list.append(copy.deepcopy(item))
+            else:
+                merged_list[index] = strategic_merge(merged_list[index], item)
+        return merged_list
+    return copy.deepcopy(patch)
+
+
+def patched(name: str, namespace: str = DEFAULT_NAMESPACE) -> list[dict[str, Any]]:
+    """The base file's documents with the patch `name` applied to the object it names."""
+    (patch,) = generated(namespace)[name]
+    out = []
+    for doc in generated(namespace)[PATCHES[name]]:
+        if doc["kind"] == patch["kind"] and doc["metadata"]["name"] == patch["metadata"]["name"]:
+            doc = strategic_merge(doc, patch)
+        out.append(doc)
+    return out
+
+
+def pod_templates(namespace: str = DEFAULT_NAMESPACE) -> Iterator[tuple[str, dict[str, Any], list[dict[str, Any]]]]:
+    """(where, pod template, the file's documents) for every example pod, patched variants included."""
+    files = {name: docs for name, docs in generated(namespace).items() if name not in PATCHES}
+    files.update({f"{name} on {PATCHES[name]}": patched(name, namespace) for name in PATCHES})
+    for name, docs in files.items():
+        for doc in docs:
+            if doc["kind"] == "Deployment":
+                yield name, doc["spec"]["template"], docs
+            elif doc["kind"] == "LeaderWorkerSet":
+                for role in ("leaderTemplate", "workerTemplate"):
+                    yield f"{name} {role}", doc["spec"]["leaderWorkerTemplate"][role], docs
+
+
+POD_IDS = [where for where, _, _ in pod_templates()]
 
 
 def exporter_container(spec: dict[str, Any]) -> dict[str, Any]:
@@ -60,406 +126,468 @@ def exporter_container(spec: dict[str, Any]) -> dict[str, Any]:
     return found[0]
 
 
-def rank_containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    return [c for c in spec["containers"] if any(e.get("name") == "HICACHE_EXPORTER_SOCKET" for e in c.get("env", []))]
+def engine_container(spec: dict[str, Any]) -> dict[str, Any]:
+    (engine,) = [c for c in spec["containers"] if c["name"] == "sglang"]
+    return engine
 
 
-def load_generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("generate_prometheusrule", GENERATOR)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
 
 
-def test_expected_files_exist() -> None:
-    names = {p.name for p in manifest_files()}
-    assert {"deployment.yaml", "podmonitor.yaml", "annotations-scrape.yaml"} <= names
-    assert GENERATOR.is_file()
+def as_pod(template: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "example", **template.get("metadata", {})},
+            "spec": template["spec"]}
+
+
+def validate_core(doc: dict[str, Any]) -> None:
+    import kubernetes_validate
+
+    kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+def validate_operator_kind(doc: dict[str, Any]) -> None:
+    """Validated by the operator's CRD model; a field it does not know fails too (it would be dropped)."""
+    from cloudcoil.models.prometheus_operator import v1
+
+    assert doc["apiVersion"] == MONITORING
+    model = getattr(v1, doc["kind"]).model_validate(doc)
+    back = model.model_dump(by_alias=True, exclude_unset=True, mode="json")
+    if back != doc:
+        raise ValueError(f"{doc['kind']}: fields the Prometheus Operator's schema does not know:\n"
+                         f"{json.dumps(doc, sort_keys=True)}\n!=\n{json.dumps(back, sort_keys=True)}")
+
+
+def validate_lws(doc: dict[str, Any]) -> None:
+    jsonschema.validate(doc, json.loads(LWS_SCHEMA.read_text(encoding="utf-8")))
+    for role in ("leaderTemplate", "workerTemplate"):
+        validate_core(as_pod(doc["spec"]["leaderWorkerTemplate"][role]))
+
+
+def validate(doc: dict[str, Any]) -> None:
+    if doc["apiVersion"] == MONITORING:
+        validate_operator_kind(doc)
+    elif doc["kind"] == "LeaderWorkerSet":
+        validate_lws(doc)
+    else:
+        validate_core(doc)
+
+
+# --- what is there ---------------------------------------------------------------------------
+
+def test_the_files_are_exactly_the_generated_examples() -> None:
+    """No hand-written manifest beside the generated ones (the staleness test compares their bytes)."""
+    assert {p.name for p in manifest_files()} == set(generated(DEFAULT_NAMESPACE))
+    assert {"deployment.yaml", "proxy.yaml", "lws.yaml", "podmonitor.yaml", "prometheusrule.yaml",
+            "annotations-scrape.yaml", "proxy-multiprocess-dir.yaml", "model-cache.yaml"} == set(generated(DEFAULT_NAMESPACE))
+    for path in manifest_files():
+        assert documents(path) == generated(DEFAULT_NAMESPACE)[path.name]
+        assert path.read_text(encoding="utf-8").startswith("# GENERATED by python config/generate.py")
 
 
 # --- schema validation -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path", manifest_files(), ids=lambda p: p.name)
-def test_core_kinds_validate_against_kubernetes_schema(path: Path) -> None:
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_every_object_validates_against_its_schema(namespace: str) -> None:
     import kubernetes_validate
 
     version = kubernetes_validate.latest_version()
     assert tuple(int(x) for x in version.split(".")[:2]) >= (1, 33), \
         f"kubernetes-validate knows only up to {version}; native sidecars are GA in 1.33"
     problems = []
-    for doc in documents(path):
-        assert isinstance(doc.get("apiVersion"), str) and isinstance(doc.get("kind"), str), path.name
-        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
-            continue  # CRDs: checked below
-        try:
-            kubernetes_validate.validate(doc, version, strict=True)
-        except kubernetes_validate.ValidationError as err:
-            problems.append(f"{path.name}: {doc['kind']}/{doc['metadata'].get('name')}: "
-                            f"{'.'.join(str(p) for p in err.path)}: {err.message}")
+    kinds = set()
+    files = {n: d for n, d in generated(namespace).items() if n not in PATCHES}
+    files.update({f"{n} on {PATCHES[n]}": patched(n, namespace) for n in PATCHES})
+    for name, docs in files.items():
+        for doc in docs:
+            kinds.add(doc["kind"])
+            try:
+                validate(doc)
+            except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as err:
+                problems.append(f"{name}: {doc['kind']}/{doc['metadata'].get('name')}: "
+                                f"{'.'.join(str(p) for p in err.path)}: {err.message}")
+            except ValueError as err:  # pydantic's ValidationError, and the round trip's difference
+                problems.append(f"{name}: {err}")
     if problems:
         pytest.fail("\n".join(problems), pytrace=False)
+    assert kinds == {"ConfigMap", "Deployment", "PersistentVolumeClaim", "LeaderWorkerSet", "PodMonitor", "PrometheusRule"}
 
 
-def test_kubernetes_validate_rejects_unknown_fields() -> None:
-    """Strict validation is really on: a misspelt field fails."""
+def test_each_validator_rejects_a_wrong_field() -> None:
+    """Every schema check above can fail: a misspelt or ill-typed field of each kind is refused."""
     import kubernetes_validate
+    from pydantic import ValidationError
 
-    _, deployment = deployments()[0]
-    broken = copy.deepcopy(deployment)
-    exporter_container(pod_spec(broken))["readinesProbe"] = {}
+    docs = generated(DEFAULT_NAMESPACE)
+    broken = copy.deepcopy(by_kind(docs["proxy.yaml"], "Deployment"))
+    exporter_container(broken["spec"]["template"]["spec"])["readinesProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(broken, kubernetes_validate.latest_version(), strict=True)
+        validate(broken)
+
+    monitor = copy.deepcopy(docs["podmonitor.yaml"][0])
+    monitor["spec"]["podMetricsEndpoints"][0]["intervall"] = "15s"
+    with pytest.raises(ValueError, match="does not know"):
+        validate(monitor)
+    monitor = copy.deepcopy(docs["podmonitor.yaml"][0])
+    monitor["spec"]["podMetricsEndpoints"][0]["interval"] = "15 seconds"
+    with pytest.raises(ValidationError):
+        validate(monitor)
+
+    rule = copy.deepcopy(docs["prometheusrule.yaml"][0])
+    rule["spec"]["groups"][-1]["rules"][0]["for"] = "5 minutes"
+    with pytest.raises(ValidationError):
+        validate(rule)
+    rule = copy.deepcopy(docs["prometheusrule.yaml"][0])
+    rule["spec"]["groups"][0]["rules"][0]["recordd"] = rule["spec"]["groups"][0]["rules"][0].pop("record")
+    with pytest.raises(ValueError):
+        validate(rule)
+
+    lws = copy.deepcopy(by_kind(docs["lws.yaml"], "LeaderWorkerSet"))
+    lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] = "RecreateGroupOnContainerRestart"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(lws)
+    lws = copy.deepcopy(by_kind(docs["lws.yaml"], "LeaderWorkerSet"))
+    lws["spec"]["leaderWorkerTemplate"]["sizee"] = 2
+    with pytest.raises(jsonschema.ValidationError):
+        validate(lws)
+    lws = copy.deepcopy(by_kind(docs["lws.yaml"], "LeaderWorkerSet"))
+    lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["imagee"] = "x"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(lws)
 
 
-# PodMonitor / PrometheusRule fields (prometheus-operator v1 CRDs), to catch misspellings.
-POD_MONITOR_SPEC_KEYS = {
-    "selector", "podMetricsEndpoints", "namespaceSelector", "jobLabel", "podTargetLabels", "sampleLimit",
-    "targetLimit", "labelLimit", "labelNameLengthLimit", "labelValueLengthLimit", "keepDroppedTargets",
-    "attachMetadata", "scrapeProtocols", "fallbackScrapeProtocol", "scrapeClass", "selectorMechanism",
-    "bodySizeLimit", "nativeHistogramBucketLimit", "nativeHistogramMinBucketFactor",
-    "scrapeClassicHistograms", "convertClassicHistogramsToNHCB",
-}
-POD_METRICS_ENDPOINT_KEYS = {
-    "port", "portNumber", "targetPort", "path", "scheme", "params", "interval", "scrapeTimeout",
-    "honorLabels", "honorTimestamps", "trackTimestampsStaleness", "metricRelabelings", "relabelings",
-    "proxyUrl", "noProxy", "proxyFromEnvironment", "proxyConnectHeader", "basicAuth", "bearerTokenSecret",
-    "authorization", "oauth2", "tlsConfig", "followRedirects", "enableHttp2", "filterRunning",
-}
-RULE_GROUP_KEYS = {"name", "interval", "rules", "limit", "query_offset", "partial_response_strategy", "labels"}
-RULE_KEYS = {"record", "alert", "expr", "for", "keep_firing_for", "labels", "annotations"}
-DURATION = r"^(\d+(ms|s|m|h|d|w|y))+$"
+def test_the_vendored_lws_schema_is_the_crd_excerpt_it_says() -> None:
+    schema = json.loads(LWS_SCHEMA.read_text(encoding="utf-8"))
+    assert "kubernetes-sigs/lws" in schema["$comment"]
+    assert schema["properties"]["apiVersion"] == {"const": "leaderworkerset.x-k8s.io/v1"}
+    template = schema["properties"]["spec"]["properties"]["leaderWorkerTemplate"]
+    assert template["required"] == ["workerTemplate"] and template["additionalProperties"] is False
+    assert set(template["properties"]["restartPolicy"]["enum"]) >= {"RecreateGroupOnPodRestart", "None"}
 
 
-def check_metadata(doc: dict[str, Any], where: str) -> None:
-    meta = doc.get("metadata")
-    assert isinstance(meta, dict) and isinstance(meta.get("name"), str) and meta["name"], f"{where}: metadata.name"
-    for key in ("labels", "annotations"):
-        assert all(isinstance(v, str) for v in (meta.get(key) or {}).values()), f"{where}: {key} values are strings"
+# --- every pod -------------------------------------------------------------------------------
 
-
-def check_pod_monitor(doc: dict[str, Any]) -> None:
-    assert doc["apiVersion"] == MONITORING and doc["kind"] == "PodMonitor"
-    check_metadata(doc, "PodMonitor")
-    spec = doc["spec"]
-    assert set(spec) <= POD_MONITOR_SPEC_KEYS, f"unknown PodMonitor spec keys {set(spec) - POD_MONITOR_SPEC_KEYS}"
-    assert isinstance(spec["selector"].get("matchLabels"), dict) and spec["selector"]["matchLabels"]
-    endpoints = spec["podMetricsEndpoints"]
-    assert isinstance(endpoints, list) and endpoints
-    for ep in endpoints:
-        assert set(ep) <= POD_METRICS_ENDPOINT_KEYS, f"unknown podMetricsEndpoints keys {set(ep) - POD_METRICS_ENDPOINT_KEYS}"
-        for key in ("interval", "scrapeTimeout"):
-            if key in ep:
-                assert re.match(DURATION, ep[key]), f"{key}: {ep[key]!r} is not a Prometheus duration"
-
-
-def check_prometheus_rule(doc: dict[str, Any]) -> None:
-    assert doc["apiVersion"] == MONITORING and doc["kind"] == "PrometheusRule"
-    check_metadata(doc, "PrometheusRule")
-    assert set(doc["spec"]) == {"groups"}
-    groups = doc["spec"]["groups"]
-    assert isinstance(groups, list) and groups
-    names = [g["name"] for g in groups]
-    assert len(names) == len(set(names)), "group names must be unique"
-    for group in groups:
-        assert set(group) <= RULE_GROUP_KEYS and isinstance(group["name"], str)
-        assert isinstance(group["rules"], list) and group["rules"]
-        for rule in group["rules"]:
-            assert set(rule) <= RULE_KEYS, f"{group['name']}: unknown rule keys {set(rule) - RULE_KEYS}"
-            assert ("record" in rule) != ("alert" in rule), f"{group['name']}: record xor alert"
-            assert isinstance(rule["expr"], str) and rule["expr"].strip()
-
-
-def test_crds_are_well_formed() -> None:
-    kinds = []
-    for _name, doc in all_documents():
-        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
-            kinds.append(doc["kind"])
-            {"PodMonitor": check_pod_monitor, "PrometheusRule": check_prometheus_rule}[doc["kind"]](doc)
-    assert "PodMonitor" in kinds
-
-
-# --- the pod ---------------------------------------------------------------------------------
-
-def test_every_deployment_carries_the_exporter() -> None:
-    found = deployments()
-    assert {name for name, _ in found} == {"deployment.yaml", "annotations-scrape.yaml"}
-
-
-@pytest.mark.parametrize("name,deployment", deployments(), ids=[n for n, _ in deployments()])
+@pytest.mark.parametrize("where,template,docs", list(pod_templates()), ids=POD_IDS)
 class TestPod:
-    def test_exporter_is_a_native_sidecar(self, name: str, deployment: dict[str, Any]) -> None:
-        spec = pod_spec(deployment)
-        container = exporter_container(spec)
-        assert container.get("restartPolicy") == "Always", "a native sidecar: initContainers + restartPolicy Always"
-        assert spec.get("restartPolicy", "Always") == "Always"
-
-    def test_probes_use_health_routes_never_metrics(self, name: str, deployment: dict[str, Any]) -> None:
-        container = exporter_container(pod_spec(deployment))
-        port_names = {p.get("name") for p in container["ports"]} | {p["containerPort"] for p in container["ports"]}
-        expected = {"startupProbe": "/-/healthy", "livenessProbe": "/-/healthy", "readinessProbe": "/-/ready"}
-        for probe, path in expected.items():
-            assert probe in container, f"{probe} is missing"
-            http = container[probe].get("httpGet")
-            assert http, f"{probe} must be an httpGet probe"
-            assert http["path"] == path, f"{probe} must GET {path}, not {http['path']}"
-            assert http["port"] in port_names
-        for spec in (pod_spec(deployment).get("initContainers", []) + pod_spec(deployment)["containers"]):
+    def test_exporter_is_a_native_sidecar_with_health_probes(self, where: str, template: dict[str, Any],
+                                                              docs: list[dict[str, Any]]) -> None:
+        spec = template["spec"]
+        sidecar = exporter_container(spec)
+        assert sidecar.get("restartPolicy") == "Always", "a native sidecar: initContainers + restartPolicy Always"
+        assert sidecar["startupProbe"]["httpGet"] == {"path": "/-/healthy", "port": "metrics"}
+        # Its readiness would count toward the pod's: the engine must not leave its Service over metrics.
+        assert "readinessProbe" not in sidecar
+        if "LeaderWorkerSet" in {d["kind"] for d in docs}:
+            # LWS recreates the whole group when any container restarts.
+            assert "livenessProbe" not in sidecar, "a liveness restart of the sidecar would recreate the LWS group"
+        else:
+            assert sidecar["livenessProbe"]["httpGet"] == {"path": "/-/healthy", "port": "metrics"}
+        for container in spec.get("initContainers", []) + spec["containers"]:
             for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-                path = ((spec.get(probe) or {}).get("httpGet") or {}).get("path", "")
-                assert not path.startswith("/metrics"), f"{spec['name']}.{probe} must never hit /metrics"
+                path = ((container.get(probe) or {}).get("httpGet") or {}).get("path", "")
+                assert not path.startswith("/metrics"), f"{container['name']}.{probe} must never hit /metrics"
+        ports = {p["name"]: p for p in sidecar["ports"]}
+        assert ports["metrics"]["containerPort"] == 9400 and ports["metrics"]["protocol"] == "TCP"
 
-    def test_metrics_port(self, name: str, deployment: dict[str, Any]) -> None:
-        container = exporter_container(pod_spec(deployment))
-        ports = {p.get("name"): p for p in container["ports"]}
-        assert ports["metrics"]["containerPort"] == 9400
-        assert ports["metrics"].get("protocol", "TCP") == "TCP"
-
-    def test_restricted_security_context(self, name: str, deployment: dict[str, Any]) -> None:
-        spec = pod_spec(deployment)
+    def test_security_contexts(self, where: str, template: dict[str, Any], docs: list[dict[str, Any]]) -> None:
+        spec = template["spec"]
         pod = spec["securityContext"]
-        assert pod["runAsNonRoot"] is True
-        assert pod["runAsUser"] == UID and pod["runAsGroup"] == UID, "numeric uid/gid 65532, as the image's USER"
-        assert pod["fsGroup"] == UID, "fsGroup makes the shared socket group-accessible"
+        # The pod level binds the root engine too: no uid there.
+        assert not {"runAsUser", "runAsNonRoot", "runAsGroup"} & set(pod)
+        assert pod["fsGroup"] == UID, "fsGroup makes the 0660 socket connectable by the root engine"
+        assert pod["fsGroupChangePolicy"] == "OnRootMismatch"
         assert pod["seccompProfile"]["type"] == "RuntimeDefault"
-        sc = exporter_container(spec)["securityContext"]
-        assert sc["runAsNonRoot"] is True
-        assert isinstance(sc["runAsUser"], int) and sc["runAsUser"] == UID
-        assert isinstance(sc["runAsGroup"], int) and sc["runAsGroup"] == UID
-        assert sc["readOnlyRootFilesystem"] is True
-        assert sc["allowPrivilegeEscalation"] is False
-        assert sc["capabilities"]["drop"] == ["ALL"] and not sc["capabilities"].get("add")
-        assert sc["seccompProfile"]["type"] == "RuntimeDefault"
-        assert "privileged" not in sc or sc["privileged"] is False
-        # Pod Security "restricted" applies to every container.
-        for container in spec["containers"] + spec.get("initContainers", []):
-            csc = container.get("securityContext", {})
-            assert csc.get("allowPrivilegeEscalation") is False, f"{container['name']}: allowPrivilegeEscalation"
-            assert csc.get("capabilities", {}).get("drop") == ["ALL"], f"{container['name']}: drop ALL"
-            assert csc.get("runAsNonRoot", pod["runAsNonRoot"]) is True
-            assert csc.get("runAsUser", pod["runAsUser"]) != 0
+        for container in spec.get("initContainers", []):  # the exporter's image: restricted
+            sc = container["securityContext"]
+            assert sc["runAsNonRoot"] is True and sc["runAsUser"] == UID and sc["runAsGroup"] == UID
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+            assert sc["seccompProfile"]["type"] == "RuntimeDefault"
+        engine = engine_container(spec)["securityContext"]
+        assert engine["runAsUser"] == 0 and engine["runAsNonRoot"] is False, "the engine's own: the image runs as root"
+        assert engine["allowPrivilegeEscalation"] is False and engine["capabilities"] == {"drop": ["ALL"]}
+        assert not engine.get("privileged")
         for key in ("hostNetwork", "hostPID", "hostIPC"):
             assert not spec.get(key)
+        assert spec["automountServiceAccountToken"] is False
 
-    def test_resources_are_small_and_bounded(self, name: str, deployment: dict[str, Any]) -> None:
-        resources = exporter_container(pod_spec(deployment))["resources"]
-
-        def mebibytes(quantity: str) -> float:
-            number, unit = re.fullmatch(r"(\d+)(Ki|Mi|Gi)", quantity).groups()  # type: ignore[union-attr]
-            return int(number) * {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024}[unit]
-
+    def test_sidecar_resources_follow_the_memory_budget(self, where: str, template: dict[str, Any],
+                                                        docs: list[dict[str, Any]]) -> None:
+        resources = exporter_container(template["spec"])["resources"]
+        budget = reliability_worst_case_bytes()
+        limit = quantity_bytes(resources["limits"]["memory"])
+        assert budget <= limit <= 1.15 * budget, "docs/reliability.md budgets the limit: its worst case just under it"
+        assert "cpu" not in resources["limits"], "no CPU limit: scrapes must not be throttled"
         cpu = resources["requests"]["cpu"]
-        assert re.fullmatch(r"\d+m", cpu) and int(cpu[:-1]) <= 100, f"cpu request {cpu}: keep the sidecar small"
-        assert mebibytes(resources["requests"]["memory"]) <= 128
-        limit = mebibytes(resources["limits"]["memory"])
-        assert mebibytes(resources["requests"]["memory"]) <= limit <= 512, "a bounded memory limit"
+        assert re.fullmatch(r"\d+m", cpu) and int(cpu[:-1]) <= 100
+        assert quantity_bytes(resources["requests"]["memory"]) <= limit
 
-    def test_socket_is_shared_through_a_memory_emptydir(self, name: str, deployment: dict[str, Any]) -> None:
-        spec = pod_spec(deployment)
-        exporter = exporter_container(spec)
-        ranks = rank_containers(spec)
-        assert ranks, "a rank container sets HICACHE_EXPORTER_SOCKET"
+    def test_engine_is_the_released_sglang_with_its_volumes(self, where: str, template: dict[str, Any],
+                                                           docs: list[dict[str, Any]]) -> None:
+        spec = template["spec"]
+        engine = engine_container(spec)
+        assert engine["image"] == "lmsysorg/sglang:v0.5.23"
         volumes = {v["name"]: v for v in spec["volumes"]}
-        for rank in ranks:
-            socket = next(e["value"] for e in rank["env"] if e["name"] == "HICACHE_EXPORTER_SOCKET")
-            assert socket == "/run/hicache/metrics.sock"
-            socket_dir = str(PurePosixPath(socket).parent)
-            mounts_r = {m["mountPath"]: m["name"] for m in rank["volumeMounts"]}
-            mounts_e = {m["mountPath"]: m["name"] for m in exporter["volumeMounts"]}
-            assert socket_dir in mounts_r and socket_dir in mounts_e, "both containers mount the socket directory"
-            assert mounts_r[socket_dir] == mounts_e[socket_dir], "the same volume in both containers"
-            volume = volumes[mounts_e[socket_dir]]
-            assert set(volume) == {"name", "emptyDir"}, "the socket volume is an emptyDir"
-            assert volume["emptyDir"]["medium"] == "Memory"
-            limit = volume["emptyDir"]["sizeLimit"]
-            assert limit.endswith(("Ki", "Mi")) and int(limit[:-2]) <= (64 if limit.endswith("Mi") else 65536)
-            for m in exporter["volumeMounts"] + rank["volumeMounts"]:
-                if m["mountPath"] == socket_dir:
-                    assert not m.get("readOnly"), "the socket directory must be writable"
-            # The sidecar's config puts its socket at the same path.
-            assert sidecar_config(deployment, name).ingest.socket_path == PurePosixPath(socket)
+        mounts = {m["mountPath"]: m["name"] for m in engine["volumeMounts"]}
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+        hf_home = env(engine)["HF_HOME"]
+        assert hf_home == "/root/.cache/huggingface", "the image's home is root's"
+        claim = volumes[mounts[hf_home]]["persistentVolumeClaim"]["claimName"]
+        assert claim == by_kind(generated(DEFAULT_NAMESPACE)["model-cache.yaml"], "PersistentVolumeClaim")["metadata"]["name"]
+        argv = engine["args"]
+        assert "--enable-metrics" in argv and argv[argv.index("--port") + 1] == "30000"
+        assert {p["name"]: p["containerPort"] for p in engine["ports"]}["http"] == 30000
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert engine[probe]["httpGet"] == {"path": "/health", "port": "http"}
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] >= 1
+        unknown = [flag for flag in argv if flag.startswith("--") and flag[2:].replace("-", "_") not in sglang_fields()]
+        assert not unknown, f"not flags of SGLang 0.5.23: {unknown}"
 
-    def test_config_map_is_mounted_read_only_and_passed_with_flag(self, name: str, deployment: dict[str, Any]) -> None:
-        spec = pod_spec(deployment)
-        exporter = exporter_container(spec)
-        args = exporter.get("args", [])
-        assert "command" not in exporter, "keep the image's ENTRYPOINT; pass arguments only"
-        assert args[0] == "serve" and "--config" in args
-        config_path = PurePosixPath(args[args.index("--config") + 1])
-        mount = next(m for m in exporter["volumeMounts"] if config_path.is_relative_to(m["mountPath"]))
-        assert mount.get("readOnly") is True
-        volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
-        cm_name = volume["configMap"]["name"]
-        config_maps = {d["metadata"]["name"]: d for _, d in all_documents_in(name) if d["kind"] == "ConfigMap"}
-        assert cm_name in config_maps, f"{name} defines the ConfigMap {cm_name}"
-        key = str(config_path.relative_to(mount["mountPath"]))
-        assert key in config_maps[cm_name]["data"]
+    def test_sidecar_config_and_args(self, where: str, template: dict[str, Any], docs: list[dict[str, Any]]) -> None:
+        from exporter.cli import build_parser
 
-    def test_config_is_valid_for_the_sidecar(self, name: str, deployment: dict[str, Any]) -> None:
-        config = sidecar_config(deployment, name)
-        port = next(p["containerPort"] for p in exporter_container(pod_spec(deployment))["ports"] if p["name"] == "metrics")
-        assert config.http.port == port
-        assert config.ingest.socket_mode & 0o060 == 0o060, "group (fsGroup) must be able to connect"
-        assert config.ingest.socket_mode & 0o007 == 0, "others must not"
-        assert config.ingest.allowed_uids in (None, (UID,))
+        spec = template["spec"]
+        sidecar = exporter_container(spec)
+        assert "command" not in sidecar, "keep the image's ENTRYPOINT; pass arguments only"
+        args = build_parser().parse_args(sidecar["args"])
+        assert args.command == "serve" and args.config is not None
+        config = sidecar_config(template, docs)
+        assert config.http.port == 9400
+        assert config.metrics.namespace == DEFAULT_NAMESPACE
+        assert config.ingest.socket_mode & 0o060 == 0o060 and config.ingest.socket_mode & 0o007 == 0
+        socket_dir = str(config.ingest.socket_path.parent)
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["mountPath"]: m for m in sidecar["volumeMounts"]}
+        assert volumes[mounts[socket_dir]["name"]]["emptyDir"]["medium"] == "Memory", "the socket off the read-only root"
+        assert not mounts[socket_dir].get("readOnly")
+        engine = engine_container(spec)
+        socket = env(engine).get("HICACHE_EXPORTER_SOCKET")
+        upstreams = [u for u in (args.upstream or [])]
+        if socket is not None:  # push: the engine mounts the same directory
+            assert PurePosixPath(socket) == PurePosixPath(str(config.ingest.socket_path))
+            engine_mounts = {m["mountPath"]: m["name"] for m in engine["volumeMounts"]}
+            assert engine_mounts[socket_dir] == mounts[socket_dir]["name"]
+        else:  # the proxy: the engine's own /metrics, or its multiprocess directory
+            assert upstreams or args.upstream_multiprocess_dir, f"{where}: neither push nor proxy"
+        for url in upstreams:
+            assert url == "http://127.0.0.1:30000/metrics"
 
-    def test_no_token_and_labels_match_selector(self, name: str, deployment: dict[str, Any]) -> None:
-        spec = pod_spec(deployment)
-        assert spec.get("automountServiceAccountToken") is False
-        labels = deployment["spec"]["template"]["metadata"]["labels"]
-        assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    def test_labels_match_the_selectors(self, where: str, template: dict[str, Any], docs: list[dict[str, Any]]) -> None:
+        labels = template["metadata"]["labels"]
+        monitor = by_kind(generated(DEFAULT_NAMESPACE)["podmonitor.yaml"], "PodMonitor")
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items(), "the PodMonitor scrapes it"
+        for doc in docs:
+            if doc["kind"] == "Deployment":
+                assert doc["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
-def all_documents_in(file_name: str) -> list[tuple[str, dict[str, Any]]]:
-    return [(file_name, d) for d in documents(K8S / file_name)]
+@cache
+def reliability_worst_case_bytes() -> int:
+    """docs/reliability.md's worst case for the default limits ("about ... = 243 MB")."""
+    text = (ROOT / "docs" / "reliability.md").read_text(encoding="utf-8")
+    match = re.search(r"worst case the default limits allow is about [\d +]+= (\d+) MB", text)
+    assert match, "docs/reliability.md states the worst case of the default limits"
+    return int(match.group(1)) * 10**6
 
 
-def sidecar_config(deployment: dict[str, Any], file_name: str):  # -> SidecarConfig
+def quantity_bytes(quantity: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)(Ki|Mi|Gi)", quantity).groups()  # type: ignore[union-attr]
+    return int(number) * {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}[unit]
+
+
+def sidecar_config(template: dict[str, Any], docs: list[dict[str, Any]]):  # -> SidecarConfig
     """The ConfigMap's sidecar config, validated by the sidecar's own strict loader."""
     from exporter.config import config_from_data
 
-    exporter = exporter_container(pod_spec(deployment))
-    args = exporter["args"]
+    sidecar = exporter_container(template["spec"])
+    args = sidecar["args"]
     config_path = PurePosixPath(args[args.index("--config") + 1])
-    mount = next(m for m in exporter["volumeMounts"] if config_path.is_relative_to(m["mountPath"]))
-    volume = next(v for v in pod_spec(deployment)["volumes"] if v["name"] == mount["name"])
-    cm = next(d for _, d in all_documents_in(file_name)
-              if d["kind"] == "ConfigMap" and d["metadata"]["name"] == volume["configMap"]["name"])
+    mount = next(m for m in sidecar["volumeMounts"] if config_path.is_relative_to(m["mountPath"]))
+    assert mount.get("readOnly") is True
+    volume = next(v for v in template["spec"]["volumes"] if v["name"] == mount["name"])
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == volume["configMap"]["name"])
     text = cm["data"][str(config_path.relative_to(mount["mountPath"]))]
-    return config_from_data(yaml.safe_load(text), f"{file_name}: ConfigMap {cm['metadata']['name']}")
+    return config_from_data(yaml.safe_load(text), f"ConfigMap {cm['metadata']['name']}")
 
 
-def test_the_exporter_image_runs_serve_with_the_cli_flags() -> None:
-    """The container's args parse with the real command line."""
+@cache
+def sglang_wheel_sources() -> dict[str, str]:
+    """The released SGLang 0.5.23's Python sources (the wheel the integration tests use)."""
+    from tests.upstream_sglang import WheelUnavailable, wheel_path
+
+    try:
+        path = wheel_path()
+    except WheelUnavailable as err:
+        pytest.fail(f"the released SGLang wheel is needed: {err}", pytrace=False)
+    with zipfile.ZipFile(path) as wheel:
+        return {name: wheel.read(name).decode("utf-8") for name in wheel.namelist()
+                if name.endswith(".py") and name.startswith("sglang/")}
+
+
+@cache
+def sglang_fields() -> frozenset[str]:
+    """ServerArgs' field names in SGLang 0.5.23 (its arg_groups/fields/*.py): the flags' underscored names."""
+    names: set[str] = set()
+    for name, source in sglang_wheel_sources().items():
+        if name.startswith("sglang/srt/arg_groups/fields/"):
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    names.add(node.target.id)
+    assert {"model_path", "tp_size", "enable_metrics", "stat_loggers"} <= names
+    return frozenset(names)
+
+
+def test_the_wheel_checks_catch_a_wrong_name() -> None:
+    assert "enable_metrics" in sglang_fields() and "enable_metric" not in sglang_fields()
+    sources = sglang_wheel_sources()
+    assert defines(sources, "sglang.srt.utils", "kill_process_tree")  # through `from .common import *`
+    assert not defines(sources, "sglang.srt.utils", "kill_process_trees")
+
+
+# --- the push example: SGLang through the stat-logger hook -----------------------------------------
+
+def hook_pod() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    docs = generated(DEFAULT_NAMESPACE)["deployment.yaml"]
+    return by_kind(docs, "Deployment")["spec"]["template"], docs
+
+
+def defines(sources: dict[str, str], module: str, name: str) -> bool:
+    """Whether the wheel's `module` defines or imports `name` (following `from x import *`, as Python does)."""
+    file = next((f for f in (module.replace(".", "/") + ".py", module.replace(".", "/") + "/__init__.py")
+                 if f in sources), None)
+    assert file, f"SGLang 0.5.23 has no module {module}"
+    tree = ast.parse(sources[file])
+    top = set()
+    starred = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            top.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*" and isinstance(node, ast.ImportFrom) and node.module:
+                    starred.append(node.module)
+                else:
+                    top.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.Assign):
+            top.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return name in top or any(defines(sources, other, name) for other in starred if not name.startswith("_"))
+
+
+def test_the_launcher_uses_names_the_released_engine_has() -> None:
+    template, docs = hook_pod()
+    engine = engine_container(template["spec"])
+    script_path = PurePosixPath(engine["command"][1])
+    mount = next(m for m in engine["volumeMounts"] if m["mountPath"] == str(script_path))
+    volume = next(v for v in template["spec"]["volumes"] if v["name"] == mount["name"])
+    source = by_kind(docs, "ConfigMap")["data"][mount["subPath"]]
+    assert volume["configMap"]["name"] == by_kind(docs, "ConfigMap")["metadata"]["name"]
+    tree = ast.parse(source)
+    sources = sglang_wheel_sources()
+    imported = [(node.module, alias.name) for node in tree.body if isinstance(node, ast.ImportFrom)
+                for alias in node.names]
+    assert ("exporter.integrations.sglang", "stat_loggers") in imported
+    for module, name in imported:
+        if module and module.startswith("sglang"):
+            assert defines(sources, module, name), f"SGLang 0.5.23's {module} has no {name}"
+    assert "server_args.stat_loggers = stat_loggers()" in source and 'if __name__ == "__main__":' in source
+    assert env(engine)["PYTHONPATH"] == manifests.CLIENT_DIR
+
+
+def test_the_client_copy_gives_the_engine_an_importable_exporter(tmp_path: Path) -> None:
+    """The init container's own command, run here: the copy imports from where the engine looks."""
+    template, _ = hook_pod()
+    (copy_step,) = [c for c in template["spec"]["initContainers"] if c.get("restartPolicy") != "Always"]
+    command = copy_step["command"]
+    assert command[:2] == ["python", "-c"]
+    target = tmp_path / "opt"
+    code = command[2].replace(manifests.CLIENT_DIR, str(target))
+    assert code != command[2], "the command writes into the emptyDir"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=60)
+    assert (target / "exporter" / "defaults" / "catalog.yaml").is_file(), "the packaged catalog comes along"
+    assert not list(target.rglob("__pycache__"))
+    probe = ("import exporter, exporter.client, exporter.catalog; "
+             f"assert exporter.__file__.startswith({str(target)!r}), exporter.__file__; "
+             "exporter.catalog.default_catalog(); print('ok')")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env={"PYTHONPATH": str(target)},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    mounts = {m["mountPath"]: m for m in engine_container(template["spec"])["volumeMounts"]}
+    assert mounts[manifests.CLIENT_DIR]["readOnly"] is True
+    assert {m["mountPath"] for m in copy_step["volumeMounts"]} == {manifests.CLIENT_DIR}
+
+
+# --- the patches ---------------------------------------------------------------------------------
+
+def test_annotations_patch_scrapes_the_sidecar_port() -> None:
+    deployment = by_kind(patched("annotations-scrape.yaml"), "Deployment")
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "9400", "prometheus.io/path": "/metrics"}
+    port = next(p["containerPort"] for p in exporter_container(deployment["spec"]["template"]["spec"])["ports"])
+    assert annotations["prometheus.io/port"] == str(port)
+    base = by_kind(generated(DEFAULT_NAMESPACE)["deployment.yaml"], "Deployment")
+    del deployment["spec"]["template"]["metadata"]["annotations"]
+    assert deployment == base, "the patch adds the annotations and nothing else"
+
+
+def test_multiprocess_dir_patch_shares_the_engines_directory() -> None:
     from exporter.cli import build_parser
 
-    for _, deployment in deployments():
-        args = build_parser().parse_args(exporter_container(pod_spec(deployment))["args"])
-        assert args.command == "serve" and args.config is not None
+    deployment = by_kind(patched("proxy-multiprocess-dir.yaml"), "Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    sidecar, engine = exporter_container(spec), engine_container(spec)
+    args = build_parser().parse_args(sidecar["args"])
+    directory = env(engine)["PROMETHEUS_MULTIPROC_DIR"]
+    assert [str(d) for d in args.upstream_multiprocess_dir] == [directory] and not args.upstream
+    sidecar_mount = next(m for m in sidecar["volumeMounts"] if m["mountPath"] == directory)
+    engine_mount = next(m for m in engine["volumeMounts"] if m["mountPath"] == directory)
+    assert sidecar_mount["readOnly"] is True and not engine_mount.get("readOnly")
+    assert sidecar_mount["name"] == engine_mount["name"]
+    volume = next(v for v in spec["volumes"] if v["name"] == engine_mount["name"])
+    assert "emptyDir" in volume
+    assert len(sidecar["volumeMounts"]) == 3, "merged into the sidecar's mounts, not replacing them"
 
 
-def test_annotations_variant_differs_only_by_the_annotations() -> None:
-    base = {d["kind"]: d for d in documents(K8S / "deployment.yaml")}
-    variant = {d["kind"]: d for d in documents(K8S / "annotations-scrape.yaml")}
-    assert set(base) == set(variant) == {"ConfigMap", "Deployment"}
-    assert yaml.safe_load(base["ConfigMap"]["data"]["sidecar.yaml"]) == \
-        yaml.safe_load(variant["ConfigMap"]["data"]["sidecar.yaml"])
-    annotations = variant["Deployment"]["spec"]["template"]["metadata"]["annotations"]
-    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "9400", "prometheus.io/path": "/metrics"}
-    stripped = copy.deepcopy(variant["Deployment"])
-    del stripped["spec"]["template"]["metadata"]["annotations"]
-    assert stripped == base["Deployment"], "annotations-scrape.yaml's Deployment drifted from deployment.yaml's"
-    # The annotated port is the sidecar's metrics port, not the inference server's.
-    port = next(p["containerPort"] for p in exporter_container(pod_spec(base["Deployment"]))["ports"])
-    assert annotations["prometheus.io/port"] == str(port)
+def test_strategic_merge_merges_keyed_lists_and_replaces_others() -> None:
+    base = {"containers": [{"name": "a", "args": ["x"], "env": [{"name": "E", "value": "1"}]}, {"name": "b"}]}
+    patch = {"containers": [{"name": "a", "args": ["y"], "env": [{"name": "F", "value": "2"}]}]}
+    assert strategic_merge(base, patch) == {"containers": [
+        {"name": "a", "args": ["y"], "env": [{"name": "E", "value": "1"}, {"name": "F", "value": "2"}]}, {"name": "b"}]}
 
 
-def test_pod_monitor_selects_the_pods_and_scrapes_the_sidecar() -> None:
-    (monitor,) = documents(K8S / "podmonitor.yaml")
-    check_pod_monitor(monitor)
-    (_, deployment) = next((n, d) for n, d in deployments() if n == "deployment.yaml")
-    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+# --- the multi-node example ------------------------------------------------------------------------
+
+def test_lws_runs_one_server_over_two_pods_with_a_sidecar_each() -> None:
+    lws = by_kind(generated(DEFAULT_NAMESPACE)["lws.yaml"], "LeaderWorkerSet")
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    gpus = 0
+    for role in ("leaderTemplate", "workerTemplate"):
+        spec = group[role]["spec"]
+        exporter_container(spec)  # exactly one sidecar per pod
+        engine = engine_container(spec)
+        argv = engine["args"]
+        used = set(re.findall(r"\$\((\w+)\)", " ".join(argv)))
+        assert used == LWS_ENV, "the multi-node flags come from the variables LWS sets"
+        assert argv[argv.index("--nnodes") + 1] == "$(LWS_GROUP_SIZE)"
+        assert argv[argv.index("--node-rank") + 1] == "$(LWS_WORKER_INDEX)"
+        tp = int(argv[argv.index("--tp-size") + 1])
+        gpus += engine["resources"]["limits"]["nvidia.com/gpu"]
+    assert tp == gpus == 16, "one TP group over both pods"
+
+
+def test_pod_monitor_names_the_server_for_the_cross_pod_rules() -> None:
+    monitor = by_kind(generated(DEFAULT_NAMESPACE)["podmonitor.yaml"], "PodMonitor")
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    port_names = {p["name"] for p in exporter_container(pod_spec(deployment))["ports"]}
-    assert endpoint["port"] == "metrics" and endpoint["port"] in port_names
-    assert endpoint["path"] == "/metrics"
-    assert endpoint["interval"] == "15s"
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
+    relabel = endpoint["relabelings"]
+    assert [r["targetLabel"] for r in relabel] == ["server", "server"]
 
+    def meta(label: str) -> str:  # Prometheus's name for a pod label in Kubernetes discovery
+        return "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", label)
 
-# --- PrometheusRule generation ---------------------------------------------------------------
+    assert relabel[0]["sourceLabels"] == ["__meta_kubernetes_pod_name"]
+    assert relabel[1]["sourceLabels"] == [meta(manifests.LWS_NAME_LABEL), meta(manifests.LWS_GROUP_LABEL)]
+    from config.generator.rules import REPLICA_AXES, TARGET_LABELS
 
-RECORDING = """\
-groups:
-  - name: g-record
-    interval: 30s
-    rules:
-      - record: cluster:sglang_load_back_bytes:rate5m
-        expr: sum without (instance, pod, tp_rank, pp_rank, attn_cp_rank, dp_rank) (rate(sglang_load_back_bytes_total[5m]))
-      - record: dp_group:sglang_load_back_tokens:rate5m
-        expr: |
-          max without (instance, pod, tp_rank, pp_rank, attn_cp_rank) (
-            rate(sglang_load_back_tokens_total[5m])
-          )
-"""
-ALERTING = """\
-groups:
-  - name: g-alert
-    rules:
-      - alert: HiCacheRankDown
-        expr: hicache_exporter_rank_up == 0
-        for: 5m
-        labels: {severity: warning}
-        annotations:
-          summary: "rank {{ $labels.tp_rank }} is down"
-          description: >-
-            folded text: with a colon
-            and a second line
-"""
-
-
-def write_rules(directory: Path, recording: str = RECORDING, alerting: str = ALERTING) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "recording_rules.yml").write_text(recording, encoding="utf-8")
-    (directory / "alerting_rules.yml").write_text(alerting, encoding="utf-8")
-    return directory
-
-
-def test_generator_copies_groups_in_order(tmp_path: Path) -> None:
-    gen = load_generator()
-    text = gen.generate(write_rules(tmp_path))
-    assert text.startswith("# GENERATED")
-    (doc,) = [d for d in yaml.safe_load_all(text) if d]
-    check_prometheus_rule(doc)
-    expected = yaml.safe_load(RECORDING)["groups"] + yaml.safe_load(ALERTING)["groups"]
-    assert doc["spec"]["groups"] == expected
-    assert "expr: |" in text, "multi-line PromQL stays a readable block"
-
-
-def test_generator_is_deterministic_and_checkable(tmp_path: Path) -> None:
-    gen = load_generator()
-    rules = write_rules(tmp_path / "rules")
-    out = tmp_path / "prometheusrule.yaml"
-    assert gen.main(["--prometheus-dir", str(rules), "--output", str(out)]) == 0
-    first = out.read_bytes()
-    assert gen.main(["--prometheus-dir", str(rules), "--output", str(out)]) == 0
-    assert out.read_bytes() == first
-    assert gen.main(["--prometheus-dir", str(rules), "--output", str(out), "--check"]) == 0
-    write_rules(rules, alerting=ALERTING.replace("for: 5m", "for: 10m"))
-    assert gen.main(["--prometheus-dir", str(rules), "--output", str(out), "--check"]) == 1
-
-
-@pytest.mark.parametrize("recording,alerting,message", [
-    (RECORDING, RECORDING, "unique"),
-    ("groups: [{name: a, rules: [{record: x, alert: y, expr: '1'}]}]", ALERTING, "exactly one"),
-    ("groups: [{name: a, rules: [{record: x}]}]", ALERTING, "expr"),
-    ("groups: [{name: a, rules: [{record: x, expr: '1', bogus: 1}]}]", ALERTING, "unknown keys"),
-    ("groups: [{name: a, rules: []}]", ALERTING, "non-empty"),
-    ("rules: []", ALERTING, "groups"),
-])
-def test_generator_refuses_malformed_rules(tmp_path: Path, recording: str, alerting: str, message: str) -> None:
-    gen = load_generator()
-    with pytest.raises(gen.GenerateError, match=message):
-        gen.generate(write_rules(tmp_path, recording, alerting))
-
-
-def test_generator_names_a_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    gen = load_generator()
-    (tmp_path / "recording_rules.yml").write_text(RECORDING, encoding="utf-8")
-    assert gen.main(["--prometheus-dir", str(tmp_path), "--output", str(tmp_path / "out.yaml")]) == 2
-    assert "alerting_rules.yml" in capsys.readouterr().err
-
-
-def test_prometheusrule_is_generated_from_the_current_rules() -> None:
-    assert (PROMETHEUS / "recording_rules.yml").is_file(), "the recording rules ship with the repository"
-    gen = load_generator()
-    expected = gen.generate(PROMETHEUS)
-    target = K8S / "prometheusrule.yaml"
-    assert target.is_file(), "run: python config/k8s/generate_prometheusrule.py"
-    assert target.read_text(encoding="utf-8") == expected, \
-        "config/k8s/prometheusrule.yaml is stale: run python config/k8s/generate_prometheusrule.py"
-    (doc,) = [d for d in yaml.safe_load_all(expected) if d]
-    check_prometheus_rule(doc)
-    sources = [yaml.safe_load((PROMETHEUS / f).read_text(encoding="utf-8")) for f in gen.RULE_FILES]
-    assert doc["spec"]["groups"] == [g for source in sources for g in source["groups"]], \
-        "the PrometheusRule holds exactly the rule files' groups, in order"
+    assert "server" not in TARGET_LABELS + REPLICA_AXES, "the recording rules keep `server`"

@@ -2,7 +2,10 @@
 shipped recording rules loaded; one rank is killed and restarted mid-run.
 
 Asserted through the Prometheus HTTP API: the sidecar's rollups and the recording rules agree
-with the per-rank series, rollups never reset, and tokens are read once per dp group.
+with the per-rank series, rollups never reset, and tokens are read once per dp group. A sidecar
+with the engine's namespace (`sglang:`) runs with the rules and dashboard generated for it, and
+the dashboard's fleet panels (recording rules) and pod panels (the sidecar's rollups) read the
+same numbers for a server that fits in one pod.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
+from config.generator import outputs
 from tests.helpers import free_port, http_get, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -175,20 +179,84 @@ def test_rollups_and_rules_agree_with_per_rank_series_across_a_rank_restart(stac
                 proc.join(10)
 
 
-def test_every_dashboard_expression_parses_in_a_real_prometheus(tmp_path: Path) -> None:
+def generated_rules(namespace: str, directory: Path) -> list[Path]:
+    """The recording and alerting rules generated for `namespace`, written to `directory`."""
+    paths = []
+    for name in ("recording_rules.yml", "alerting_rules.yml"):
+        path = directory / f"{name}"
+        path.write_text(outputs(namespace)[f"prometheus/{name}"], encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+@pytest.mark.parametrize("namespace", ["sglang_", "sglang:"])
+def test_every_dashboard_expression_parses_in_a_real_prometheus(namespace: str, tmp_path: Path) -> None:
     from tests.deploy.test_grafana import dashboard_expressions
 
-    alerting = REPO / "config" / "prometheus" / "alerting_rules.yml"
-    prom = Prometheus(tmp_path, "127.0.0.1:9", [RULES, alerting])  # the target need not exist to parse
+    if namespace == "sglang_":
+        rules_files = [RULES, REPO / "config" / "prometheus" / "alerting_rules.yml"]
+    else:
+        rules_files = generated_rules(namespace, tmp_path)
+    prom = Prometheus(tmp_path, "127.0.0.1:9", rules_files)  # the target need not exist to parse
     try:
-        expressions = dashboard_expressions()
+        expressions = dashboard_expressions(namespace)
         assert len(expressions) >= 10
         for expr in expressions:
             status, body, _ = http_get(prom.url + "/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
             payload = json.loads(body)
             assert status == 200 and payload["status"] == "success", f"{expr}: {payload.get('error')}"
         rules = json.loads(http_get(prom.url + "/api/v1/rules")[1])["data"]["groups"]
-        assert {g["name"] for g in rules} >= {"hicache-per-shard", "hicache-replicated"}
+        assert {g["name"] for g in rules} >= {"hicache-per-shard", "hicache-replicated", "hicache-exporter"}
         assert all(rule["health"] != "err" for g in rules for rule in g["rules"])
     finally:
         prom.stop()
+
+
+def test_engine_namespace_rules_and_dashboard_read_the_same_numbers(socket_dir: Path, tmp_path: Path) -> None:
+    """Namespace `sglang:`: the generated rules evaluate, and the dashboard's fleet and pod views agree."""
+    from tests.deploy.test_grafana import sections, substitute
+
+    namespace = "sglang:"
+    port = free_port()
+    sock = str(socket_dir / "metrics.sock")
+    config = tmp_path / "sidecar.yaml"
+    config.write_text(yaml.safe_dump({"metrics": {"namespace": namespace}}), encoding="utf-8")
+    sidecar = subprocess.Popen([sys.executable, "-m", "exporter.cli", "serve", "--config", str(config), "--host",
+                                "127.0.0.1", "--port", str(port), "--socket", sock],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    ctx = multiprocessing.get_context("spawn")
+    ranks = [ctx.Process(target=rank_process, args=(sock, tp, 0), daemon=True) for tp in range(2)]
+    prom = None
+    try:
+        wait_until(lambda: _up(f"http://127.0.0.1:{port}/-/ready"))
+        target = f"127.0.0.1:{port}"
+        prom = Prometheus(tmp_path, target, generated_rules(namespace, tmp_path))
+        for proc in ranks:
+            proc.start()
+        wait_until(lambda: bool(prom.query("cluster:sglang:load_back_tokens:rate5m")) and
+                   bool(prom.query("cluster:sglang:load_back_active_bandwidth_bytes_per_second:ratio_rate5m")),
+                   timeout=60)
+        time.sleep(6)
+        # Tokens: one replica of the dp group, by the rule and by the sidecar.
+        assert prom.scalar("sum(cluster:sglang:load_back_tokens:rate5m)") == pytest.approx(
+            prom.scalar("sum(rate(sglang:rollup_load_back_tokens_total[5m]))"), rel=0.1)
+        assert prom.scalar("sum(cluster:sglang:load_back_tokens:rate5m)") == pytest.approx(
+            prom.scalar("sum(rate(sglang:load_back_tokens_total[5m]))") / 2, rel=0.1)
+        # The dashboard, fleet row against pod row, tier by tier, for this one pod.
+        panels = {panel["title"]: (row, panel) for row, panel in sections(namespace)}
+        _, fleet = panels["Logical tokens/s by tier (one replica per dp group)"]
+        _, pod = panels["L2→L1 load-back tokens/s in this pod"]
+        fleet_expr = substitute(fleet["targets"][0]["expr"])
+        pod_expr = substitute(next(t["expr"] for t in pod["targets"] if "rollup_" in t["expr"]).replace("$instance", target))
+        fleet_value = prom.scalar(fleet_expr)
+        assert fleet_value > 0
+        assert prom.scalar(f"sum({pod_expr})") == pytest.approx(fleet_value, rel=0.1)
+    finally:
+        for proc in ranks:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+        if prom is not None:
+            prom.stop()
+        sidecar.send_signal(signal.SIGTERM)
+        sidecar.wait(20)

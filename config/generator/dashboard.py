@@ -1,0 +1,251 @@
+"""The Grafana dashboard for one metric namespace, following the one rule for which series to read.
+
+The rule (README, "Which series to read"): one pod, its sidecar's rollups; a fleet, or a TP group
+spanning pods, the `cluster:` recording rules. So the dashboard has exactly two kinds of rows:
+fleet rows, whose cache panels read only recording rules (never a sidecar rollup, never a
+per-rank series), and pod rows, whose every series is selected by `instance="$instance"`, a
+single-valued variable, so nothing there is ever summed over pods.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from exporter.catalog import Catalog, Semantics
+
+from . import rules
+
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+POD = 'instance="$instance"'
+RANKS = 'instance="$instance", dp_rank=~"$dp_rank"'
+RATE = "$__rate_interval"
+
+# The four transfer tiers: (bytes family, tokens family, label).
+TIERS = (
+    ("load_back_bytes_total", "load_back_tokens_total", "L2→L1 load-back"),
+    ("hicache_backup_bytes_total", "hicache_backup_tokens_total", "L1→L2 backup"),
+    ("storage_prefetch_bytes_total", "prefetched_tokens_total", "L3→L2 prefetch"),
+    ("storage_backup_bytes_total", "backuped_tokens_total", "L2→L3 backup"),
+)
+
+FLEET_ROW_PREFIX = "Fleet"
+POD_ROW_PREFIX = "Pod"
+
+
+def _target(ref: str, expr: str, legend: str) -> dict[str, Any]:
+    return {"datasource": DATASOURCE, "refId": ref, "editorMode": "code", "range": True,
+            "expr": expr, "legendFormat": legend}
+
+
+def _timeseries(title: str, description: str, targets: list[tuple[str, str]], unit: str = "short",
+                stacked: bool = False, width: int = 12, minimum: float | None = 0) -> dict[str, Any]:
+    defaults: dict[str, Any] = {
+        "unit": unit,
+        "custom": {
+            "drawStyle": "line", "lineInterpolation": "linear", "lineWidth": 1,
+            "fillOpacity": 30 if stacked else 0, "gradientMode": "none", "showPoints": "never",
+            "pointSize": 4, "spanNulls": False, "axisPlacement": "auto", "axisLabel": "",
+            "stacking": {"mode": "normal" if stacked else "none", "group": "A"},
+            "thresholdsStyle": {"mode": "off"},
+        },
+        "color": {"mode": "palette-classic"},
+        "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}]},
+    }
+    if minimum is not None:
+        defaults["min"] = minimum
+    return {
+        "type": "timeseries", "title": title, "description": description, "datasource": DATASOURCE,
+        "gridPos": {"h": 8, "w": width},
+        "fieldConfig": {"defaults": defaults, "overrides": [
+            # The one-line answer of a panel is drawn thick, so it stands out from per-rank lines.
+            {"matcher": {"id": "byRegexp", "options": "^(rollup|cluster|fleet).*"},
+             "properties": [{"id": "custom.lineWidth", "value": 3}]},
+        ]},
+        "options": {
+            "legend": {"showLegend": True, "displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+        "targets": [_target(chr(ord("A") + i), expr, legend) for i, (expr, legend) in enumerate(targets)],
+    }
+
+
+def _row(title: str) -> dict[str, Any]:
+    return {"type": "row", "title": title, "collapsed": False, "gridPos": {"h": 1, "w": 24}, "panels": []}
+
+
+def fleet_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
+    """Rows over every pod: recording rules only, so a TP group spanning pods is counted once."""
+    spec = catalog.get
+    panels: list[dict[str, Any]] = [_row(
+        f"{FLEET_ROW_PREFIX}: every pod, from the cluster: recording rules (the rule for more than one pod)")]
+    panels.append(_timeseries(
+        "Logical tokens/s by tier (one replica per dp group)",
+        "cluster:<x>_tokens:rate5m: per dp group the furthest replica's rate, wherever its ranks run, then "
+        "the groups summed; one line per tier, summed over servers. Never a sum of the sidecars' rollups, "
+        "which counts a TP group spanning pods once per pod.",
+        [(f"sum({rules.cluster_rate(ns, spec(tokens))})", f"fleet {label}") for _, tokens, label in TIERS]))
+    panels.append(_timeseries(
+        "Physical bytes/s by tier (every rank summed)",
+        "cluster:<x>_bytes:rate5m: every rank's byte rate summed (each rank moves its own shard).",
+        [(f"sum({rules.bytes_rate(ns, spec(b))})", f"fleet {label}") for b, _, label in TIERS], unit="Bps"))
+    pairs = {b.name: (b, h) for b, h in catalog.bandwidth_pairs()}
+    for bytes_name, _, label in TIERS:
+        bytes_fam, hist = pairs[bytes_name]
+        panels.append(_timeseries(
+            f"{label} active bandwidth",
+            "Bytes per second of transfer time, idle excluded: per server the recording rule "
+            f"{rules.bandwidth_ratio(ns, bytes_fam)}, and over the fleet the summed byte rate over the "
+            "summed transfer seconds.",
+            [(rules.bandwidth_ratio(ns, bytes_fam), "{{server}} {{cache_type}}"),
+             (f"sum({rules.bytes_rate(ns, bytes_fam)}) / (sum({rules.duration_sum_rate(ns, hist)}) > 0)", "fleet")],
+            unit="Bps", width=6))
+    for family, title, unit_note in (
+        ("storage_prefetch_unfulfilled_tokens_total", "L3 prefetch unfulfilled tokens/s by reason",
+         "Attempt-level: the part of an L3 hit that never became device prefix, by reason. Not a prefill "
+         "cache-miss count (the final per-tier count is the prefill panel)."),
+        ("storage_prefetch_deferred_tokens_total", "L3 prefetch deferred tokens/s by reason",
+         "Prefetch attempts put off for lack of host or device room."),
+        ("hicache_dropped_tokens_total", "Device tokens dropped with no host copy by reason",
+         "Device pages destroyed with no host copy (host_pressure, write_through_unbacked_eviction)."),
+        ("prefill_effective_tokens_total", "Prefill tokens/s by tier (final)",
+         "The scheduler's final per-tier prefill count: computed tokens (input) and prefix hits by tier."),
+    ):
+        by = "mode" if family == "prefill_effective_tokens_total" else "reason"
+        panels.append(_timeseries(title, unit_note, [
+            (f"sum by ({by}) ({rules.cluster_rate(ns, spec(family))})", f"{{{{{by}}}}}")], stacked=True))
+    panels.append(_timeseries(
+        "L3 hit tokens vs prefetched tokens/s",
+        "Storage query hits before allocation and transfer, and the tokens that were moved L3→L2.",
+        [(f"sum({rules.cluster_rate(ns, spec('storage_prefetch_hit_tokens_total'))})", "fleet L3 hit tokens"),
+         (f"sum({rules.cluster_rate(ns, spec('prefetched_tokens_total'))})", "fleet prefetched tokens")]))
+    panels.append(_timeseries(
+        "Sidecars and ranks",
+        "Sidecar targets up, and the ranks of every sidecar by state (the sidecars' own health, which adds up "
+        "across pods: it is no cache quantity).",
+        [("count(up == 1 and on (job, instance) hicache_exporter_build_info)", "sidecars up"),
+         ("count(up == 0 and on (job, instance) max_over_time(hicache_exporter_build_info[1h]))", "sidecars down"),
+         ("sum by (state) (hicache_exporter_ranks)", "ranks {{state}}")]))
+    return panels
+
+
+def pod_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
+    """Rows for the one pod `$instance`: its sidecar's rollups beside its ranks, and its health."""
+    panels: list[dict[str, Any]] = [_row(
+        f"{POD_ROW_PREFIX} $instance: its sidecar's rollups and its ranks (the rule for one pod)")]
+    for _, tokens, label in TIERS:
+        panels.append(_timeseries(
+            f"{label} tokens/s in this pod",
+            f"Rollup: {ns}rollup_{tokens} of this pod's sidecar (the furthest replica of each dp group, groups "
+            "summed). Per rank: the replicas of one dp group count the same tokens, so their lines lie on top "
+            "of each other. If this pod holds only part of a TP group, use the fleet rows.",
+            [(f"sum without (pool) (rate({ns}{tokens}{{{RANKS}}}[{RATE}]))", "tp{{tp_rank}} pp{{pp_rank}} dp{{dp_rank}}"),
+             (f"sum without (pool) (rate({ns}rollup_{tokens}{{{POD}}}[{RATE}]))", "rollup {{cache_type}}")], width=6))
+    for bytes_name, _, label in TIERS:
+        panels.append(_timeseries(
+            f"{label} bytes/s in this pod",
+            f"Rollup: {ns}rollup_{bytes_name}, every rank of this pod summed. Per rank: each rank's own shard.",
+            [(f"rate({ns}{bytes_name}{{{RANKS}}}[{RATE}])", "tp{{tp_rank}} pp{{pp_rank}} dp{{dp_rank}}"),
+             (f"rate({ns}rollup_{bytes_name}{{{POD}}}[{RATE}])", "rollup {{cache_type}}")], unit="Bps", width=6))
+    for bytes_fam, _ in catalog.bandwidth_pairs():
+        label = next(tier_label for b, _, tier_label in TIERS if b == bytes_fam.name)
+        panels.append(_timeseries(
+            f"{label} active bandwidth in this pod",
+            "The sidecar's window (rollup.window_seconds, default 60 s): byte increase over transfer-time "
+            "increase, per rank and rolled up; no line while nothing moved.",
+            [(f"{ns}{bytes_fam.bandwidth_name}{{{RANKS}}}", "tp{{tp_rank}} pp{{pp_rank}} dp{{dp_rank}}"),
+             (f"{ns}rollup_{bytes_fam.bandwidth_name}{{{POD}}}", "rollup {{cache_type}}")], unit="Bps", width=6))
+    spread = [f for f in catalog if f.semantics is Semantics.REPLICATED and f.type.value == "counter"]
+    panels.append(_timeseries(
+        "Replica spread ratio by dp group",
+        "(max - min) / max of the live replicas' increases over the sidecar's window: 0 when the replicas "
+        "of a dp group agree; HiCacheReplicaSpreadHigh fires above 0.2 for 10 minutes.",
+        [(f"max by (dp_rank) ({ns}{f.base_name}_replica_spread_ratio{{{RANKS}}})", f"dp{{{{dp_rank}}}} {f.base_name}")
+         for f in spread], unit="percentunit", width=24))
+    panels.append(_timeseries(
+        "Ranks up", "1 while a rank pushes (or its upstream is read), 0 when stale or disconnected.",
+        [(f"hicache_exporter_rank_up{{{RANKS}}}",
+          "tp{{tp_rank}} pp{{pp_rank}} dp{{dp_rank}} {{cache_type}}{{storage_backend}}")]))
+    panels.append(_timeseries(
+        "Ranks by state", "The sidecar's ranks by state (live, stale).",
+        [(f"sum by (state) (hicache_exporter_ranks{{{POD}}})", "{{state}}")]))
+    panels.append(_timeseries(
+        "Rejections/s by reason", "Frames, hellos and samples the sidecar refused (docs/protocol.md lists the reasons).",
+        [(f"sum by (reason) (rate(hicache_exporter_rejections_total{{{POD}}}[{RATE}])) > 0", "{{reason}}")]))
+    panels.append(_timeseries(
+        "Scrape and ingest duration", "Time to render /metrics and to apply one snapshot.",
+        [(f"histogram_quantile(0.99, sum by (le) (rate(hicache_exporter_scrape_duration_seconds_bucket{{{POD}}}[{RATE}])))",
+          "scrape p99"),
+         (f"sum(rate(hicache_exporter_scrape_duration_seconds_sum{{{POD}}}[{RATE}])) / "
+          f"sum(rate(hicache_exporter_scrape_duration_seconds_count{{{POD}}}[{RATE}]))", "scrape mean"),
+         (f"histogram_quantile(0.99, sum by (le) (rate(hicache_exporter_ingest_duration_seconds_bucket{{{POD}}}[{RATE}])))",
+          "ingest p99")], unit="s"))
+    panels.append(_timeseries(
+        "Connections, snapshots and restarts", "Open rank connections, snapshots applied per second, rank restarts.",
+        [(f"hicache_exporter_connections{{{POD}}}", "open connections"),
+         (f"rate(hicache_exporter_snapshots_applied_total{{{POD}}}[{RATE}])", "snapshots applied/s"),
+         (f"sum(increase(hicache_exporter_rank_restarts_total{{{RANKS}}}[{RATE}]))", "rank restarts")]))
+    panels.append(_timeseries(
+        "Upstreams (proxy)", "For a sidecar that reads an engine's /metrics or multiprocess directory: 1 while "
+        "the last read succeeded, and failed reads per second by kind. Empty for push-only sidecars.",
+        [(f"hicache_exporter_upstream_up{{{POD}}}", "up {{upstream}}"),
+         (f"sum by (upstream, kind) (rate(hicache_exporter_upstream_scrape_errors_total{{{POD}}}[{RATE}]))",
+          "errors/s {{upstream}} {{kind}}")]))
+    return panels
+
+
+def _layout(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ids in order and grid positions filled left to right, a row starting a new line."""
+    x = y = height = 0
+    for number, panel in enumerate(panels, start=1):
+        pos = panel["gridPos"]
+        if panel["type"] == "row" or x + pos["w"] > 24:
+            y += height
+            x = height = 0
+        pos.update({"x": x, "y": y})
+        x += pos["w"]
+        height = max(height, pos["h"])
+        if panel["type"] == "row":
+            y += pos["h"]
+            x = height = 0
+        panel["id"] = number
+        panel["gridPos"] = {"h": pos["h"], "w": pos["w"], "x": pos["x"], "y": pos["y"]}
+    return panels
+
+
+def _query_variable(name: str, label: str, query: str, multi: bool) -> dict[str, Any]:
+    current: dict[str, Any] = {"selected": True, "text": ["All"], "value": ["$__all"]} if multi else {}
+    return {
+        "type": "query", "name": name, "label": label, "datasource": DATASOURCE, "definition": query,
+        "query": {"query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery", "qryType": 1},
+        "refresh": 2, "regex": "", "sort": 3 if multi else 1, "includeAll": multi, "multi": multi,
+        **({"allValue": ".*"} if multi else {}), "current": current, "options": [], "hide": 0, "skipUrlSync": False,
+    }
+
+
+def build(ns: str, catalog: Catalog, uid: str, title: str) -> dict[str, Any]:
+    """The dashboard for namespace `ns`."""
+    return {
+        "annotations": {"list": [{
+            "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True, "hide": True,
+            "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard"}]},
+        "description": (
+            f"hicache-exporter (metric namespace {ns!r}): HiCache (hierarchical KV cache) metrics of sharded LLM "
+            "servers. Fleet rows read the cluster: recording rules (right across pods); pod rows read one "
+            "sidecar's rollups and ranks. Never sum sidecar rollups across pods."),
+        "editable": True, "fiscalYearStartMonth": 0, "graphTooltip": 1, "id": None, "links": [],
+        "panels": _layout(fleet_rows(ns, catalog) + pod_rows(ns, catalog)),
+        "refresh": "30s", "schemaVersion": 39, "tags": ["hicache", "sglang", "kv-cache", "llm-inference"],
+        "templating": {"list": [
+            {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",
+             "current": {}, "hide": 0, "includeAll": False, "multi": False, "options": [], "refresh": 1,
+             "regex": "", "skipUrlSync": False},
+            # One sidecar: the pod rows are that pod's numbers, never a sum over pods.
+            _query_variable("instance", "Pod (sidecar instance)", "label_values(hicache_exporter_build_info, instance)",
+                            multi=False),
+            _query_variable("dp_rank", "dp_rank", 'label_values(hicache_exporter_rank_up{instance="$instance"}, dp_rank)',
+                            multi=True),
+        ]},
+        "time": {"from": "now-1h", "to": "now"}, "timepicker": {}, "timezone": "browser",
+        "title": title,
+        "uid": uid, "version": 1, "weekStart": "",
+    }

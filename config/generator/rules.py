@@ -1,0 +1,281 @@
+"""The Prometheus recording and alerting rules for one metric namespace, derived from the catalog.
+
+Which rules exist follows from the catalog alone: every per_shard counter gets a cluster-wide
+byte rate, every replicated counter a one-replica-per-dp-group rate and its sum over groups, and
+every bytes counter paired with a duration histogram an active-bandwidth ratio. A family added
+to the catalog therefore gets its rules at the next `python config/generate.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from exporter.catalog import Catalog, FamilySpec, MetricType, Semantics
+
+from .yamltext import Folded, Key
+
+# Per-pod target labels that the cross-pod rules drop, then the rank axes. Everything else
+# (job, namespace, server, cache_type, static labels, the family's own labels) is kept.
+TARGET_LABELS = ("instance", "pod")
+REPLICA_AXES = ("tp_rank", "pp_rank", "attn_cp_rank")
+RATE_WINDOW = "5m"
+
+GROUP_PER_SHARD = "hicache-per-shard"
+GROUP_REPLICATED = "hicache-replicated"
+GROUP_ALERTS = "hicache-exporter"
+
+
+def without(*labels: str) -> str:
+    return f"without ({', '.join(labels)})"
+
+
+def bytes_rate(ns: str, fam: FamilySpec) -> str:
+    """`cluster:<ns><x>:rate5m`: a per_shard counter summed over every rank."""
+    return f"cluster:{ns}{fam.base_name}:rate{RATE_WINDOW}"
+
+
+def duration_sum_rate(ns: str, hist: FamilySpec) -> str:
+    return f"cluster:{ns}{hist.name}_sum:rate{RATE_WINDOW}"
+
+
+def bandwidth_ratio(ns: str, bytes_fam: FamilySpec) -> str:
+    return f"cluster:{ns}{bytes_fam.bandwidth_name}:ratio_rate{RATE_WINDOW}"
+
+
+def dp_group_rate(ns: str, fam: FamilySpec) -> str:
+    """`dp_group:<ns><x>:rate5m`: one replica per data-parallel group."""
+    return f"dp_group:{ns}{fam.base_name}:rate{RATE_WINDOW}"
+
+
+def cluster_rate(ns: str, fam: FamilySpec) -> str:
+    """`cluster:<ns><x>:rate5m`: a replicated counter, the dp groups summed."""
+    return f"cluster:{ns}{fam.base_name}:rate{RATE_WINDOW}"
+
+
+def counters(catalog: Catalog, semantics: Semantics) -> list[FamilySpec]:
+    return [f for f in catalog if f.type is MetricType.COUNTER and f.semantics is semantics]
+
+
+def record_names(ns: str, catalog: Catalog) -> list[str]:
+    """Every recording rule name, in the order the rules are written."""
+    return [rule["record"] for group in recording_groups(ns, catalog) for rule in group["rules"]]
+
+
+def _rule(record: str, expr: str, comment: str = "") -> dict[str, Any]:
+    return {Key("record", comment): record, "expr": expr}
+
+
+def recording_groups(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
+    """The two recording-rule groups for namespace `ns`."""
+    sum_ranks = "sum " + without(*TARGET_LABELS, *REPLICA_AXES, "dp_rank")
+    per_shard: list[dict[str, Any]] = []
+    for i, fam in enumerate(counters(catalog, Semantics.PER_SHARD)):
+        per_shard.append(_rule(bytes_rate(ns, fam), f"{sum_ranks} (rate({ns}{fam.name}[{RATE_WINDOW}]))", "" if i else """
+            Bytes and seconds are per_shard: every rank moves its own slice of the KV cache (its kv
+            heads of its layers), so the physical total is the SUM over all ranks, across pods, tp, pp
+            and dp. rate() runs per rank series before the sum, so a rank restart (its counter starting
+            again from a low value) is handled as a counter reset of that one series and never shows
+            up as a negative or huge spike in the rollup; sum(rate()), never rate(sum()).
+            """))
+    pairs = catalog.bandwidth_pairs()
+    for i, (_, hist) in enumerate(pairs):
+        per_shard.append(_rule(duration_sum_rate(ns, hist), f"{sum_ranks} (rate({ns}{hist.name}_sum[{RATE_WINDOW}]))",
+                               "" if i else """
+            The `_sum` of each per_shard duration histogram that the catalog pairs with a bytes
+            counter (`duration_histogram`): seconds spent transferring per second of wall time,
+            summed over ranks. The denominator of active bandwidth below.
+            """))
+    for i, (bytes_fam, hist) in enumerate(pairs):
+        per_shard.append(_rule(bandwidth_ratio(ns, bytes_fam),
+                               f"{bytes_rate(ns, bytes_fam)} / ({duration_sum_rate(ns, hist)} > 0)", "" if i else """
+            Active bandwidth: bytes per second of *transfer* time, not of wall time. A plain rate() of
+            bytes divides by the whole 5m window, idle time included, so a link that copies at 20 GB/s
+            for 1% of the time reads 200 MB/s. Dividing the window's byte rate by the same window's
+            rate of the paired duration histogram's `_sum` cancels the window length and leaves (byte
+            increase) / (seconds spent copying). Summed over ranks it is the byte-weighted mean speed
+            of one rank's transfers while they run (the aggregate throughput is
+            cluster:..._bytes:rate5m). `> 0` drops idle windows: 0/0 (NaN) and x/0 (+Inf) give no
+            sample at all. Kept in this group, after its inputs, so both come from the same evaluation.
+            """))
+
+    one_replica = "max " + without(*TARGET_LABELS, *REPLICA_AXES)
+    replicated: list[dict[str, Any]] = []
+    for fam in counters(catalog, Semantics.REPLICATED):
+        replicated.append(_rule(dp_group_rate(ns, fam), f"{one_replica} (rate({ns}{fam.name}[{RATE_WINDOW}]))"))
+        replicated.append(_rule(cluster_rate(ns, fam), f"sum without (dp_rank) ({dp_group_rate(ns, fam)})"))
+
+    return [
+        {Key("name", """
+            ---- per_shard: bytes and seconds (sum the ranks) -------------------------------------
+            """): GROUP_PER_SHARD, "rules": per_shard},
+        {Key("name", """
+            ---- replicated: tokens (one replica per dp group, then sum the groups) ---------------
+            Tokens are replicated: every tp, cp and pp rank of a data-parallel group sees the same
+            requests and counts the same logical tokens, so summing over tp_rank would report a TP=8
+            group's tokens 8 times. Step 1 (dp_group:) keeps ONE replica per group: max over the
+            group's ranks wherever they run (a TP group may span pods, so instance and pod go too),
+            keeping dp_rank. max rather than an arbitrary rank because a replica that is restarting,
+            lagging or briefly unscraped reads low, while the healthy replicas all read the group's
+            rate. Step 2 (cluster:) sums the independent dp groups, which each serve different
+            requests. storage_prefetch_unfulfilled_tokens_total is an attempt-level diagnostic (by
+            reason), not a final prefill cache-miss count.
+            """): GROUP_REPLICATED, "rules": replicated},
+    ]
+
+
+def recording_header(ns: str) -> str:
+    return f"""
+        Prometheus recording rules: cluster-wide (cross-pod) HiCache rollups built from the per-rank
+        series that every hicache-exporter sidecar serves on :9400/metrics (metric namespace {ns!r}).
+
+        Why here and not in the sidecar: one sidecar only sees the ranks of its own pod, and a
+        tensor-parallel group may span pods (tp_rank 0-7 on the leader pod, 8-15 on the worker pod
+        of a LeaderWorkerSet, same dp_rank). Each pod's `{ns}rollup_*` series is right for that pod,
+        but adding them across pods would count a group's tokens once per pod. So, for dashboards
+        and alerts: one pod, read its sidecar's rollups; more than one pod, read these rules. These
+        rules start from the per-rank series (`{ns}<family>`, labels tp_rank, pp_rank, dp_rank,
+        cache_type and any static labels, plus target labels such as job, namespace, pod, instance,
+        server) and apply the catalog's semantics (config/catalog.yaml) across every pod.
+
+        Naming follows `level:metric:operations`; dashboards and tests rely on these names:
+          cluster:{ns}<x>_bytes:rate5m                      per_shard bytes, all ranks summed
+          cluster:{ns}<h>_sum:rate5m                        per_shard transfer seconds per second
+          cluster:{ns}<x>_active_bandwidth_bytes_per_second:ratio_rate5m
+          dp_group:{ns}<x>_tokens:rate5m                    one replica per data-parallel group
+          cluster:{ns}<x>_tokens:rate5m                     the dp groups summed
+        The set is derived from the catalog by config/generate.py, which wrote this file.
+
+        Every `without` clause removes only the per-pod target labels `instance` and `pod` (plus
+        rank labels). Everything else is kept: job, namespace, server, cache_type, static labels and
+        the family's own labels (pool, reason). If your scrape config attaches other per-pod target
+        labels (node, pod_template_hash, ...), drop them at relabel time, or the rollups stay split
+        per pod.
+
+        Independent servers (several LLM servers in one namespace and job) must differ in some kept
+        label: with DP attention off every rank reports dp_rank="0", and the token rules below would
+        otherwise take the max across two servers instead of adding them. config/k8s/podmonitor.yaml
+        sets the target label `server`: the pod's name, or for a LeaderWorkerSet pod its set's name
+        and group index, so that the pods of one multi-node server share it. Without the Prometheus
+        Operator, give your scrape job the same relabeling (docs/kubernetes.md), or give each server
+        a distinguishing static label.
+
+        Checked with `promtool check rules` and unit-tested with `promtool test rules`
+        (config/prometheus/tests/recording_rules_test.yml for the default namespace; every family is
+        checked for each namespace by tests/config/test_prometheus_rules.py).
+        """
+
+
+def alerting_groups(ns: str) -> list[dict[str, Any]]:
+    """The alerting-rule group for namespace `ns` (only the spread alert names catalog series)."""
+    spread = re.escape(ns)
+    return [{
+        "name": GROUP_ALERTS,
+        "rules": [
+            {
+                Key("alert", """
+                    A rank the sidecar knows is not live: connected but silent for
+                    ranks.stale_after_seconds (default 10 s), or disconnected. The sidecar keeps a
+                    departed rank's per-rank series, rank_up included, until the rank has been silent for
+                    ranks.expire_after_seconds (default 300 s), so a rank that left gracefully
+                    (scale-down, rollout, a finished job) also reads 0 until then. With the defaults the
+                    series expires just as `for: 5m` runs out, so a clean departure stays pending and does
+                    not fire; raise `for` along with expire_after_seconds, or every clean shutdown pages.
+                    """): "HiCacheRankDown",
+                "expr": "hicache_exporter_rank_up == 0",
+                "for": "5m",
+                "labels": {"severity": "warning"},
+                "annotations": {
+                    "summary": "HiCache rank tp={{ $labels.tp_rank }} pp={{ $labels.pp_rank }} "
+                               "dp={{ $labels.dp_rank }} on {{ $labels.pod }} is not pushing",
+                    "description": Folded(
+                        "The sidecar at {{ $labels.instance }} (pod {{ $labels.namespace }}/{{ $labels.pod }}) has "
+                        "not received a snapshot from rank tp_rank={{ $labels.tp_rank }} pp_rank={{ $labels.pp_rank }} "
+                        "dp_rank={{ $labels.dp_rank }} for 5 minutes (stale or disconnected). Its cache metrics "
+                        "are frozen and replicated rollups follow another replica of its dp group. A rank "
+                        "that departed gracefully also reads 0 until it expires (ranks.expire_after_seconds, "
+                        "default 300 s); if the rank was meant to leave, this resolves when it expires."),
+                },
+            },
+            {
+                Key("alert", f"""
+                    Replicas of one data-parallel group see the same requests in lock-step, so their token
+                    counters should rise alike. The sidecar's spread ratio is (max - min) / max of the
+                    replicas' increases over its window: a few percent of push-timing offset under load,
+                    large when one replica really counts differently (a diverged rank, a bug in its
+                    instrumentation, or ranks of different servers sharing one identity). Every replicated
+                    counter has its own `{ns}<family>_replica_spread_ratio` gauge with the same labels, so
+                    the metric name is copied into a `family` label first: without it, two families firing
+                    for the same group would collide as one alert.
+                    """): "HiCacheReplicaSpreadHigh",
+                "expr": (
+                    "label_replace(\n"
+                    f'  {{__name__=~"{spread}.*_replica_spread_ratio"}},\n'
+                    f'  "family", "${{1}}_total", "__name__", "{spread}(.+)_replica_spread_ratio"\n'
+                    ") > 0.2\n"
+                ),
+                "for": "10m",
+                "labels": {"severity": "warning"},
+                "annotations": {
+                    "summary": "Replicas of dp group {{ $labels.dp_rank }} disagree on {{ $labels.family }} "
+                               "({{ $value | humanizePercentage }})",
+                    "description": Folded(
+                        "On {{ $labels.namespace }}/{{ $labels.pod }}, the live replicas (tp/pp ranks) of "
+                        "dp_rank={{ $labels.dp_rank }} have increased {{ $labels.family }} by amounts that "
+                        "differ by {{ $value | humanizePercentage }} of the largest, for 10 minutes "
+                        "(threshold 20%). Replicas of a group should count the same logical tokens; check "
+                        "for a diverged rank, or two servers sharing one rank identity. Token rollups take "
+                        "the largest replica, so they may be overstated while this fires."),
+                },
+            },
+            {
+                Key("alert", """
+                    The sidecar refuses frames, hellos or samples: unknown families or labels (a rank built
+                    against another catalog), counters going down within an epoch, bucket mismatches,
+                    duplicate rank identities, stale epochs, series limits... `old_seq` is excluded: an older
+                    snapshot arriving after a newer one is expected and harmless.
+                    """): "HiCacheExporterRejecting",
+                "expr": 'sum by (namespace, pod, instance, reason) '
+                        '(rate(hicache_exporter_rejections_total{reason!="old_seq"}[5m])) > 0',
+                "for": "10m",
+                "labels": {"severity": "warning"},
+                "annotations": {
+                    "summary": "hicache-exporter on {{ $labels.pod }} is rejecting input ({{ $labels.reason }})",
+                    "description": Folded(
+                        "The sidecar at {{ $labels.instance }} (pod {{ $labels.namespace }}/{{ $labels.pod }}) "
+                        "has been rejecting rank input with reason {{ $labels.reason }} for 10 minutes, at "
+                        '{{ $value | printf "%.3g" }} per second. Rejected samples are missing from /metrics and from the '
+                        "rollups. The sidecar logs name the rank and the sample."),
+                },
+            },
+            {
+                Key("alert", """
+                    A scrape target that was a hicache-exporter sidecar (it served
+                    hicache_exporter_build_info within the last hour) is down. `absent()` cannot say which
+                    sidecar is gone, and scoping `up` needs the job name; joining `up` to the recent
+                    build_info series finds the sidecars without it. A target that stays down for longer
+                    than that hour drops out of this alert, and a pod that is deleted (its target gone from
+                    service discovery) has no `up` series at all.
+                    """): "HiCacheExporterDown",
+                "expr": "up == 0\n  and on (job, instance)\nmax_over_time(hicache_exporter_build_info[1h])\n",
+                "for": "5m",
+                "labels": {"severity": "warning"},
+                "annotations": {
+                    "summary": "hicache-exporter at {{ $labels.instance }} cannot be scraped",
+                    "description": Folded(
+                        "Prometheus job {{ $labels.job }} has failed to scrape the hicache-exporter sidecar "
+                        "at {{ $labels.instance }} (pod {{ $labels.namespace }}/{{ $labels.pod }}) for 5 "
+                        "minutes. HiCache metrics of the ranks in that pod are missing meanwhile: cluster "
+                        "byte rollups undercount, and so do token rollups unless another pod holds "
+                        "replicas of the same dp groups."),
+                },
+            },
+        ],
+    }]
+
+
+ALERTING_HEADER = """
+    Prometheus alerting rules for hicache-exporter sidecars and the ranks that push to them. None of
+    them needs to know the scrape job's name: they select on metric names only. Unit tests:
+    config/prometheus/tests/alerting_rules_test.yml (`promtool test rules`, default namespace).
+    """

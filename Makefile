@@ -57,7 +57,7 @@ serve: $(STAMP)
 	$(VENV)/bin/hicache-exporter serve
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check exporter cache_core bench tests
+	$(VENV)/bin/ruff check exporter cache_core bench tests config
 	$(VENV)/bin/mypy exporter cache_core
 
 test: prometheus-tools chromium $(STAMP) lint

@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich.columns import Columns
-from rich.console import Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.measure import Measurement
 from rich.styled import Styled
 from rich.table import Table
 from rich.text import Text
@@ -27,7 +28,7 @@ ABSENT_STYLE = "dim"  # a grid position no rank of the group has reported from
 SECTION = "bold underline"
 BLOCKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 30
-NOT_LIVE_SHOWN = 8  # rank ids listed under the grid; the rest are counted
+NOT_LIVE_SHOWN = 6  # ranks listed under the grid, one a line; the rest are counted
 SPREAD_SHOWN = 6  # replica groups listed; the rest are counted
 OCCUPANCY = ("hicache_host_used_tokens", "hicache_host_total_tokens")
 
@@ -109,19 +110,16 @@ def ranks_section(doc: Mapping[str, Any]) -> list[RenderableType]:
     else:
         out.append(Text("no ranks have connected yet", style="yellow"))
     not_live = [rank for rank in doc["ranks"] if rank["state"] != "live"]
-    if not_live:
-        line = Text("not live: ", style="bold")
-        for i, rank in enumerate(not_live[:NOT_LIVE_SHOWN]):
-            if i:
-                line.append(" · ")
-            line.append_text(literal(rank["id"]))
-            line.append(" ")
-            line.append(rank["state"], style=STATE_STYLE[rank["state"]])
-            since = rank["seconds_since_push"]
-            line.append(f" {duration(since)} since a push" if since is not None else " never pushed")
-        if len(not_live) > NOT_LIVE_SHOWN:
-            line.append(f" · and {len(not_live) - NOT_LIVE_SHOWN} more")
+    for rank in not_live[:NOT_LIVE_SHOWN]:
+        line = Text("  ")
+        line.append(f" {rank['state']} ", style=STATE_STYLE.get(rank["state"], "reverse"))
+        line.append(" ")
+        line.append_text(literal(rank["id"]))
+        since = rank["seconds_since_push"]
+        line.append(f"  {duration(since)} since a push" if since is not None else "  never pushed", style="dim")
         out.append(line)
+    if len(not_live) > NOT_LIVE_SHOWN:
+        out.append(Text(f"   and {len(not_live) - NOT_LIVE_SHOWN} more ranks not live", style="bold"))
     return out
 
 
@@ -145,16 +143,30 @@ def group_block(group: Mapping[str, Any], ranks: Mapping[str, Mapping[str, Any]]
     grid.add_column()
     for pp in pps:
         for cp in cps:
-            row = Text(no_wrap=False)
-            for i, tp in enumerate(tps):
-                if i:
-                    row.append(" ")
+            cells = []
+            for tp in tps:
                 rank = at.get((pp, cp, tp))
                 style = STATE_STYLE.get(rank["state"], "reverse") if rank is not None else ABSENT_STYLE
-                row.append(f"{tp:>{width}}", style=style)
+                cells.append(Text(f"{tp:>{width}}", style=style))
             label = f"pp{pp}" if cp is None else f"pp{pp} cp{cp}"
-            grid.add_row(Text(label, style="dim"), row)
+            grid.add_row(Text(label, style="dim"), CellRow(cells, width))
     return Group(title, grid)
+
+
+class CellRow:
+    """Equal-width cells a space apart, as many a line as fit: a wide tp row wraps into aligned columns
+    (Text's own wrapping would split the padding of a cell from its number)."""
+
+    def __init__(self, cells: Sequence[Text], width: int) -> None:
+        self.cells, self.width = list(cells), width
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement(self.width, max(self.width, len(self.cells) * (self.width + 1) - 1))
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        per_line = max(1, (options.max_width + 1) // (self.width + 1))
+        for start in range(0, len(self.cells), per_line):
+            yield Text(" ", no_wrap=True, overflow="crop").join(self.cells[start:start + per_line])
 
 
 # --- transfers and bandwidth ----------------------------------------------------------------
@@ -227,7 +239,11 @@ def reasons_section(doc: Mapping[str, Any]) -> list[RenderableType]:
         line.stylize("bold")
         if family["attempt_level"]:
             line.append(" (attempt-level)", style="dim")
-        line.append(f"  {count(family['total'])}:")
+        line.append(f"  {count(family['total'])}")
+        if not family["by_reason"]:
+            line.append("  (no reason reported yet)", style="dim")
+        else:
+            line.append(":")
         nonzero = sorted((r for r in family["by_reason"] if r["value"]), key=lambda r: -r["value"])
         for reason in nonzero:
             line.append("  ")
@@ -313,9 +329,10 @@ def sidecar_section(doc: Mapping[str, Any]) -> list[RenderableType]:
     health.append(" on ")
     health.append_text(literal(ingest["socket_path"]))
     health.append(f" · connections {count(conns['open'])} open of {count(conns['allowed'])} "
-                  f"({count(conns['accepted'])} accepted) · frames {count(sidecar['frames_received'])}"
-                  f" · snapshots {count(sidecar['snapshots_applied'])} applied of {count(sidecar['snapshots_received'])}"
-                  f" · samples {count(sidecar['samples_applied'])}")
+                  f"({count(conns['accepted'])} accepted)")
+    traffic = Text(f"received: frames {count(sidecar['frames_received'])} · snapshots "
+                   f"{count(sidecar['snapshots_applied'])} applied of {count(sidecar['snapshots_received'])}"
+                   f" · samples {count(sidecar['samples_applied'])}")
     full = limits["series_allowed"] and limits["series_used"] >= limits["series_allowed"]
     limit_line = Text(f"limits: series {count(limits['series_used'])} of {count(limits['series_allowed'])}",
                       style="bold red" if full else "")
@@ -329,7 +346,7 @@ def sidecar_section(doc: Mapping[str, Any]) -> list[RenderableType]:
         rejected.append("  ")
         rejected.append_text(literal(reason))
         rejected.append(f" {count(n)}", style="bold red")
-    out: list[RenderableType] = [health, limit_line, rejected]
+    out: list[RenderableType] = [health, traffic, limit_line, rejected]
     conflicts = {family: n for family, n in sidecar["rollup_layout_conflicts"].items() if n}
     if conflicts:
         line = Text("histogram layouts left out of their rollup:", style="yellow")

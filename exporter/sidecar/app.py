@@ -1,4 +1,4 @@
-"""The aiohttp application: /metrics, health and readiness, a JSON view of ranks and a status page.
+"""The aiohttp application: /metrics, health and readiness, the JSON API (api.py) and the status page (page.py).
 
 Everything that lives as long as the application (the ingest listener, housekeeping) starts
 and stops in its cleanup context, so `AppRunner.setup()` and `cleanup()` are the whole lifecycle.
@@ -8,22 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import html
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from importlib import resources
 
-import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.typedefs import Middleware
+from aiohttp.typedefs import Handler, Middleware
 from prometheus_client.exposition import choose_encoder
 
-from exporter import __version__
 from exporter.config import SidecarConfig
+from exporter.sidecar.api import StatusView, rank_rows, upstream_rows
 from exporter.sidecar.listener import IngestServer
-from exporter.sidecar.registry import exposition_order
+from exporter.sidecar.page import render_page
 from exporter.sidecar.render import TextRenderer
 from exporter.sidecar.security import BasicAuth, auth_middleware
 from exporter.sidecar.state import SidecarState
@@ -36,6 +34,16 @@ STATE: web.AppKey[SidecarState] = web.AppKey("state", SidecarState)
 STATS: web.AppKey[SidecarStats] = web.AppKey("stats", SidecarStats)
 RENDERER: web.AppKey[TextRenderer] = web.AppKey("renderer", TextRenderer)
 INGEST: web.AppKey[IngestServer] = web.AppKey("ingest", IngestServer)
+VIEW: web.AppKey[StatusView] = web.AppKey("view", StatusView)
+STATIC: web.AppKey[dict[str, tuple[bytes, str]]] = web.AppKey("static", dict)
+STATIC_FILES = {"status.js": "text/javascript", "status.css": "text/css"}
+# The page loads only its own script and style sheet and fetches only the API (docs/api.md).
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+SECURITY_HEADERS = {"Content-Security-Policy": CONTENT_SECURITY_POLICY, "X-Content-Type-Options": "nosniff",
+                    "Referrer-Policy": "no-referrer"}
 
 
 class BadRequestLogFilter(logging.Filter):
@@ -61,7 +69,7 @@ def build_app(
     upstreams: list[UpstreamScraper] | None = None,
 ) -> web.Application:
     """The application over in-memory state; its cleanup context runs the ingest listener and housekeeping."""
-    middlewares: list[Middleware] = []
+    middlewares: list[Middleware] = [_security_headers]
     auth = BasicAuth(config.http.basic_auth_users) if config.http.basic_auth_users else None
     if auth is not None:
         middlewares.append(auth_middleware(auth))
@@ -76,6 +84,8 @@ def build_app(
     app[STATS] = stats
     app[RENDERER] = renderer
     app[INGEST] = ingest
+    app[VIEW] = StatusView(config, state, stats, upstreams or [])
+    app[STATIC] = _static_files()
     app.cleanup_ctx.append(_ingest_listener)
     app.cleanup_ctx.append(_housekeeping)
     app[UPSTREAMS] = upstreams or []
@@ -84,7 +94,9 @@ def build_app(
     app.router.add_get("/-/healthy", _healthy)
     app.router.add_get("/-/ready", _ready)
     app.router.add_get("/api/v1/ranks", _ranks)
+    app.router.add_get("/api/v1/status", _status)
     app.router.add_get("/", _status_page)
+    app.router.add_get("/static/{name}", _static)
     return app
 
 
@@ -99,12 +111,16 @@ async def _ingest_listener(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _housekeeping(app: web.Application) -> AsyncIterator[None]:
-    """Ranks turn stale and expire on time even while nobody scrapes."""
+    """Ranks turn stale and expire on time even while nobody scrapes; the bandwidth history is sampled."""
+
+    history = app[VIEW].history
 
     async def keep_house() -> None:
         while True:
             await asyncio.sleep(HOUSEKEEPING_SECONDS)
             app[STATE].tick()
+            if history.due(time.monotonic()):
+                history.sample(app[STATE], time.time())
 
     task = asyncio.create_task(keep_house())
     yield
@@ -160,85 +176,44 @@ async def _ready(request: web.Request) -> web.Response:
     return web.Response(status=503, text="ingest socket is not listening\n")
 
 
-def rank_rows(state: SidecarState) -> list[dict[str, Any]]:
-    """One JSON-friendly row per known rank."""
-    now = state.clock()
-    return [
-        {
-            "tp_rank": rank.tp_rank,
-            "pp_rank": rank.pp_rank,
-            "dp_rank": rank.dp_rank,
-            "attn_cp_rank": rank.attn_cp_rank,
-            "labels": dict(rank.static),
-            "status": rank.status.value,
-            "epoch": rank.epoch,
-            "pid": rank.pid,
-            "seq": rank.seq,
-            "restarts": rank.restarts,
-            "reconnects": rank.reconnects,
-            "snapshots": rank.snapshots,
-            "series": len(rank.values),
-            "seconds_since_activity": round(now - rank.last_activity, 3),
-            "last_push_time": rank.last_push_wall,
-            "world": msgspec.structs.asdict(rank.world) if rank.world else None,
-        }
-        for rank in sorted(state.ranks.values(), key=exposition_order)
-    ]
-
-
-def upstream_rows(stats: SidecarStats) -> list[dict[str, Any]]:
-    """One JSON-friendly row per configured upstream."""
-    return [
-        {
-            "name": h.name, "source": h.source, "up": h.up, "last_scrape_time": h.last_scrape_wall,
-            "last_scrape_duration_seconds": h.last_duration, "samples": h.samples, "scrapes": h.scrapes,
-            "ranks": h.ranks, "pass_through_families": h.pass_through, "errors": dict(h.errors),
-            "last_error": h.last_error, "unranked_families": sorted(h.unranked),
-            "cp_colliding_families": sorted(h.cp_colliding),
-        }
-        for h in stats.upstreams.values()
-    ]
-
-
 async def _ranks(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.tick()
     return web.json_response({"ranks": rank_rows(state), "upstreams": upstream_rows(request.app[STATS])})
 
 
+async def _status(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[VIEW].encode(), content_type="application/json", charset="utf-8",
+                        headers={"Cache-Control": "no-store"})
+
+
 async def _status_page(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    state.tick()
-    rows = rank_rows(state)
-    cells = "".join(
-        "<tr>" + "".join(
-            f"<td>{html.escape(str(v))}</td>"
-            for v in (r["tp_rank"], r["pp_rank"], r["dp_rank"], r["labels"], r["status"],
-                      r["restarts"], r["series"], r["seconds_since_activity"])
-        ) + "</tr>"
-        for r in rows
-    )
-    upstream_cells = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
-            u["name"], "up" if u["up"] else "down", u["ranks"], u["samples"], u["last_error"] or ""))
-        + "</tr>"
-        for u in upstream_rows(request.app[STATS])
-    )
-    upstream_table = (
-        "<h2>Upstreams</h2><table><tr><th>upstream</th><th>status</th><th>ranks</th><th>samples</th>"
-        f"<th>last error</th></tr>{upstream_cells}</table>" if upstream_cells else ""
-    )
-    socket_path = request.app[CONFIG].ingest.socket_path
-    page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>hicache-exporter</title>
-<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}}</style></head>
-<body><h1>hicache-exporter {html.escape(__version__)}</h1>
-<p>Ingest socket: <code>{html.escape(str(socket_path))}</code> &middot;
-<a href="/metrics">/metrics</a> &middot; <a href="/api/v1/ranks">/api/v1/ranks</a> &middot;
-<a href="/-/healthy">/-/healthy</a> &middot; <a href="/-/ready">/-/ready</a></p>
-<table><tr><th>tp</th><th>pp</th><th>dp</th><th>labels</th><th>status</th>
-<th>restarts</th><th>series</th><th>seconds since push</th></tr>{cells}</table>
-{upstream_table}
-</body></html>"""
-    return web.Response(text=page, content_type="text/html")
+    page = render_page(request.app[VIEW].document())
+    return web.Response(text=page, content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-store"})
+
+
+def _static_files() -> dict[str, tuple[bytes, str]]:
+    """The page's script and style sheet, read from package data once."""
+    folder = resources.files("exporter.sidecar") / "static"
+    return {name: ((folder / name).read_bytes(), kind) for name, kind in STATIC_FILES.items()}
+
+
+async def _static(request: web.Request) -> web.Response:
+    found = request.app[STATIC].get(request.match_info["name"])
+    if found is None:
+        raise web.HTTPNotFound()
+    body, content_type = found
+    return web.Response(body=body, content_type=content_type, charset="utf-8", headers={"Cache-Control": "no-cache"})
+
+
+@web.middleware
+async def _security_headers(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every response, errors and 401s included, forbids sniffing, framing and any script or style
+    that is not one of the page's own files (the page has no inline ones)."""
+    try:
+        response = await handler(request)
+    except web.HTTPException as err:
+        err.headers.update(SECURITY_HEADERS)
+        raise
+    response.headers.update(SECURITY_HEADERS)
+    return response

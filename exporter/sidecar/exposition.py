@@ -23,6 +23,7 @@ from exporter.sidecar.registry import RankState, RankStatus, exposition_order
 from exporter.sidecar.series import HistAccumulator, HistValue, LabelValues, Layout, RollupKey
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import DurationHistogram, SidecarStats
+from exporter.sidecar.window import Increases
 
 ENV_REVISION = "HICACHE_EXPORTER_REVISION"
 KeyT = TypeVar("KeyT", bound=tuple)
@@ -86,6 +87,26 @@ def _by_family(*sources: Iterable[tuple[KeyT, ValueT]]) -> dict[str, list[tuple[
     return grouped
 
 
+def rollup_cells(state: SidecarState) -> dict[str, list[tuple[RollupKey, float | HistAccumulator]]]:
+    """Every rollup series (counters, histograms, then gauges over the current ranks), grouped by family."""
+    ledger = state.ledger
+    return _by_family(ledger.counters.items(), ledger.histograms.items(), ledger.gauges(state.ranks.values()).items())
+
+
+def window_increases(state: SidecarState) -> tuple[list[RankState], dict[int, Increases]]:
+    """Every known rank in exposition order, and (by id) the increase of each of its positions over the window."""
+    known = sorted(state.ranks.values(), key=exposition_order)
+    return known, state.window.increases(known, state.clock())
+
+
+def ranks_by_status(ranks: Iterable[RankState]) -> dict[RankStatus, int]:
+    """How many of `ranks` are in each status, every status present."""
+    by_status = dict.fromkeys(RankStatus, 0)
+    for rank in ranks:
+        by_status[rank.status] += 1
+    return by_status
+
+
 class SidecarCollector(Collector):
     """Yields per-rank series, rollups, bandwidth and spread gauges, and the sidecar's self-metrics."""
 
@@ -112,8 +133,7 @@ class SidecarCollector(Collector):
         """Everything but the per-rank catalog series: rollups, bandwidth, spread, self-metrics."""
         state = self.state
         yield from self._rollups()
-        known = sorted(state.ranks.values(), key=exposition_order)
-        increases = state.window.increases(known, state.clock())
+        known, increases = window_increases(state)
         yield from self._bandwidth(known, increases, rank_labels)
         yield from self._spreads(increases)
         yield from self._self_metrics(ranks, rank_labels)
@@ -139,11 +159,7 @@ class SidecarCollector(Collector):
         yield from metrics.values()
 
     def _rollups(self) -> Iterator[Metric]:
-        ledger = self.state.ledger
-        cells: list[tuple[RollupKey, float | HistAccumulator]] = [
-            *ledger.counters.items(), *ledger.histograms.items(), *ledger.gauges(self.state.ranks.values()).items()
-        ]
-        by_family = _by_family(cells)
+        by_family = rollup_cells(self.state)
         for name, family in self.families.rollup.items():
             metric = new_metric(family)
             for (_, static, values), value in by_family.get(name, ()):
@@ -186,10 +202,7 @@ class SidecarCollector(Collector):
         info = metric["build_info"]
         info.add_sample(info.name, {"version": __version__, "revision": self.revision,
                                   "python_version": platform.python_version()}, 1.0)
-        by_status = dict.fromkeys(RankStatus, 0)
-        for rank in state.ranks.values():
-            by_status[rank.status] += 1
-        for status, count in by_status.items():
+        for status, count in ranks_by_status(state.ranks.values()).items():
             metric["ranks"].add_sample(SELF + "ranks", {"state": status.value}, float(count))
         up, last, restarts = metric["rank_up"], metric["rank_last_push_timestamp_seconds"], metric["rank_restarts"]
         for rank in ranks:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 
 from exporter.errors import ErrorCode
@@ -58,6 +59,8 @@ class SidecarStats:
     """Plain in-memory counters, written by the event loop and read by the collector."""
 
     def __init__(self) -> None:
+        self.started_at = time.time()  # wall clock, for people
+        self.started_monotonic = time.monotonic()  # uptime is measured on this one, immune to clock steps
         self.connections_accepted = 0
         self.connections_open = 0
         self.frames_received = 0

@@ -1,0 +1,426 @@
+"""The JSON API v1 (docs/api.md, docs/api/v1.schema.json): the sidecar's state as plain dicts; no I/O.
+
+The numbers are the ones /metrics shows, read through the same computations (exposition.py's
+`rollup_cells`, `window_increases`, the window's bandwidths and spreads): this module only
+reshapes them for people and for `hicache-exporter top`.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from exporter import __version__
+from exporter.catalog import Catalog
+from exporter.config import SidecarConfig
+from exporter.sidecar.exposition import build_revision, ranks_by_status, rollup_cells, window_increases
+from exporter.sidecar.families import ExposedFamilies
+from exporter.sidecar.registry import RankIdentity, RankState, exposition_order
+from exporter.sidecar.series import GroupKey, HistAccumulator, HistValue, LabelValues, RollupKey, StaticKey
+from exporter.sidecar.state import SidecarState
+from exporter.sidecar.stats import SidecarStats
+from exporter.sidecar.upstream import UpstreamScraper
+from exporter.sidecar.window import Bandwidth, Increases
+
+API_VERSION = 1
+SPREAD_THRESHOLD = 0.2  # the HiCacheReplicaSpreadHigh alert's threshold (config/prometheus/alerting_rules.yml)
+HISTORY_INTERVAL_SECONDS = 5.0  # bandwidth history: one point per interval, sampled by housekeeping
+HISTORY_POINTS = 60  # five minutes of points at 5 s: a few KiB whatever the number of ranks
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One movement of KV data between two cache tiers, and the families that count it."""
+
+    name: str
+    source: str  # tier the data leaves
+    target: str  # tier the data arrives in
+    tokens_family: str
+    bytes_family: str
+
+
+# The four movements of DESIGN section 4 (L1 = device, L2 = host, L3 = storage), stated once.
+TRANSFERS: tuple[Transfer, ...] = (
+    Transfer("load_back", "L2", "L1", "load_back_tokens_total", "load_back_bytes_total"),
+    Transfer("backup", "L1", "L2", "hicache_backup_tokens_total", "hicache_backup_bytes_total"),
+    Transfer("prefetch", "L3", "L2", "prefetched_tokens_total", "storage_prefetch_bytes_total"),
+    Transfer("storage_backup", "L2", "L3", "backuped_tokens_total", "storage_backup_bytes_total"),
+)
+# A family's unit, by the ending of its name (catalog names follow the Prometheus naming rules).
+_UNITS = (
+    ("_tokens_total", "tokens"), ("_tokens", "tokens"), ("_bytes_total", "bytes"), ("_seconds", "seconds"),
+    ("_pgs", "pages"), ("_states", "states"), ("_bandwidth", "gigabytes_per_second"),
+)
+
+
+def unit_of(name: str) -> str | None:
+    """The unit a family's name says (docs/api.md lists them), or None."""
+    return next((unit for suffix, unit in _UNITS if name.endswith(suffix)), None)
+
+
+def group_id(key: GroupKey) -> str:
+    """A replica group's id: `dp=<n>`, then its static labels."""
+    dp_rank, static = key
+    return " ".join((f"dp={dp_rank}", *(f"{name}={value}" for name, value in static)))
+
+
+def rank_id(rank: RankState) -> str:
+    """A rank's id: its axes, then its static labels (unique: these are its identity)."""
+    cp = () if rank.attn_cp_rank is None else (f"cp={rank.attn_cp_rank}",)
+    return " ".join((f"tp={rank.tp_rank}", f"pp={rank.pp_rank}", f"dp={rank.dp_rank}", *cp,
+                     *(f"{name}={value}" for name, value in rank.static)))
+
+
+def _labels(names: tuple[str, ...], values: LabelValues, static: StaticKey) -> dict[str, str]:
+    labels = dict(zip(names, values))
+    labels.update(static)
+    return labels
+
+
+def _total(bandwidths: Iterable[Bandwidth]) -> Bandwidth:
+    moved = seconds = 0.0
+    for bw in bandwidths:
+        moved += bw.bytes_delta
+        seconds += bw.seconds_delta
+    return Bandwidth(moved, seconds)
+
+
+def rolled_bandwidth(state: SidecarState, increases: dict[int, Increases], known: list[RankState]
+                     ) -> dict[str, list[tuple[RollupKey, Bandwidth]]]:
+    """The window's rolled-up active bandwidth by bytes family (the rollup gauges on /metrics)."""
+    _, rolled = state.window.bandwidths(known, increases)
+    by_family: dict[str, list[tuple[RollupKey, Bandwidth]]] = {}
+    for key, bw in rolled.items():
+        by_family.setdefault(key[0], []).append((key, bw))
+    return by_family
+
+
+class BandwidthHistory:
+    """Each bytes family's rolled-up active bandwidth, one point per `interval`, the last `points` kept.
+
+    Sampled by the app's housekeeping task, never per request, so a page left open costs the
+    sidecar nothing more than the JSON it fetches (bench/status_api.py measures a sample).
+    """
+
+    def __init__(self, families: Iterable[str], interval: float = HISTORY_INTERVAL_SECONDS,
+                 points: int = HISTORY_POINTS) -> None:
+        self.interval = interval
+        self.points = points
+        self._series: dict[str, deque[tuple[float, float | None]]] = {name: deque(maxlen=points) for name in families}
+        self._next = float("-inf")
+
+    def due(self, now: float) -> bool:
+        """Whether a sample is due at monotonic time `now` (and, if so, the next one is `interval` later)."""
+        if now < self._next:
+            return False
+        self._next = now + self.interval
+        return True
+
+    def sample(self, state: SidecarState, wall: float) -> None:
+        """Append one point per bytes family: its bandwidth over the window ending now (None while idle)."""
+        known, increases = window_increases(state)
+        rolled = rolled_bandwidth(state, increases, known)
+        for name, points in self._series.items():
+            total = _total(bw for _, bw in rolled.get(name, ()))
+            points.append((wall, total.value if total.seconds_delta > 0 else None))
+
+    def history(self, family: str) -> list[list[float | None]]:
+        """A family's points, oldest first, as [time, bytes per second] pairs."""
+        return [[t, v] for t, v in self._series.get(family, ())]
+
+
+def upstream_sources(upstreams: Iterable[UpstreamScraper]) -> dict[RankIdentity, str]:
+    """Which upstream feeds each rank identity it proxies (`upstream:<name>`); pushed ranks are not in it."""
+    sources: dict[RankIdentity, str] = {}
+    for scraper in upstreams:
+        for identity in scraper.feed.ranks:
+            sources[identity] = "upstream:" + scraper.health.name
+    return sources
+
+
+def rank_rows(state: SidecarState) -> list[dict[str, Any]]:
+    """GET /api/v1/ranks' rows: one per known rank, in exposition order."""
+    now = state.clock()
+    return [
+        {
+            "tp_rank": rank.tp_rank,
+            "pp_rank": rank.pp_rank,
+            "dp_rank": rank.dp_rank,
+            "attn_cp_rank": rank.attn_cp_rank,
+            "labels": dict(rank.static),
+            "status": rank.status.value,
+            "epoch": rank.epoch,
+            "pid": rank.pid,
+            "seq": rank.seq,
+            "restarts": rank.restarts,
+            "reconnects": rank.reconnects,
+            "snapshots": rank.snapshots,
+            "series": len(rank.values),
+            "seconds_since_activity": round(now - rank.last_activity, 3),
+            "last_push_time": rank.last_push_wall,
+            "world": msgspec.structs.asdict(rank.world) if rank.world else None,
+        }
+        for rank in sorted(state.ranks.values(), key=exposition_order)
+    ]
+
+
+def upstream_rows(stats: SidecarStats) -> list[dict[str, Any]]:
+    """One row per configured upstream, in config order."""
+    return [
+        {
+            "name": h.name, "source": h.source, "up": h.up, "last_scrape_time": h.last_scrape_wall,
+            "last_scrape_duration_seconds": h.last_duration, "samples": h.samples, "scrapes": h.scrapes,
+            "ranks": h.ranks, "pass_through_families": h.pass_through, "errors": dict(h.errors),
+            "last_error": h.last_error, "unranked_families": sorted(h.unranked),
+            "cp_colliding_families": sorted(h.cp_colliding),
+        }
+        for h in stats.upstreams.values()
+    ]
+
+
+class StatusView:
+    """Builds GET /api/v1/status from the sidecar's state; what depends only on the catalog is worked out once."""
+
+    def __init__(self, config: SidecarConfig, state: SidecarState, stats: SidecarStats,
+                 upstreams: Iterable[UpstreamScraper] = (), history: BandwidthHistory | None = None) -> None:
+        self.config = config
+        self.state = state
+        self.stats = stats
+        self.upstreams = list(upstreams)
+        catalog: Catalog = state.catalog
+        self.catalog = catalog
+        self.families = ExposedFamilies(catalog, config.metrics.namespace)
+        self.pairs = catalog.bandwidth_pairs()
+        self.history = history or BandwidthHistory(b.name for b, _ in self.pairs)
+        self.transfers = [t for t in TRANSFERS if t.tokens_family in catalog or t.bytes_family in catalog]
+        self.transfer_of = {t.bytes_family: t.name for t in TRANSFERS}
+        self.reason_specs = [spec for spec in catalog if "reason" in spec.labels]
+        self.specs = {spec.name: spec for spec in catalog}
+        self.revision = build_revision()
+
+    def document(self) -> dict[str, Any]:
+        """The whole status document, as of now."""
+        state = self.state
+        state.tick()
+        known, increases = window_increases(state)
+        cells = rollup_cells(state)
+        totals = {name: self._series_total(entries) for name, entries in cells.items()}
+        bandwidth = rolled_bandwidth(state, increases, known)
+        bw_totals = {name: _total(bw for _, bw in entries) for name, entries in bandwidth.items()}
+        return {
+            "api_version": API_VERSION,
+            "generated_at": state.registry.wall_clock(),
+            "sidecar": self._sidecar(),
+            "ranks": self._ranks(known),
+            "groups": self._groups(),
+            "rollups": self._rollups(cells, totals),
+            "transfers": self._transfers(totals, bw_totals),
+            "bandwidth": self._bandwidth(bandwidth, bw_totals),
+            "reasons": self._reasons(cells),
+            "spread": self._spread(increases),
+            "upstreams": upstream_rows(self.stats),
+        }
+
+    def encode(self) -> bytes:
+        """The status document as JSON (msgspec: any label value, markup or control characters, comes out escaped)."""
+        return msgspec.json.encode(self.document())
+
+    def _sidecar(self) -> dict[str, Any]:
+        stats, state, config = self.stats, self.state, self.config
+        budget = state.registry.budget
+        return {
+            "version": __version__,
+            "revision": self.revision,
+            "python_version": platform.python_version(),
+            "namespace": config.metrics.namespace,
+            "started_at": stats.started_at,
+            "uptime_seconds": round(time.monotonic() - stats.started_monotonic, 3),
+            "ready": stats.ingest_listening,
+            "ingest": {"listening": stats.ingest_listening, "socket_path": str(config.ingest.socket_path)},
+            "connections": {"open": stats.connections_open, "accepted": stats.connections_accepted,
+                            "allowed": config.ingest.max_connections},
+            "frames_received": stats.frames_received,
+            "snapshots_received": stats.snapshots_received,
+            "snapshots_applied": stats.snapshots_applied,
+            "samples_applied": stats.samples_applied,
+            "ranks_by_state": {status.value: count for status, count in ranks_by_status(state.ranks.values()).items()},
+            "rejections": dict(sorted(stats.rejections.items())),
+            "rejections_total": sum(stats.rejections.values()),
+            "rollup_layout_conflicts": dict(sorted(state.ledger.layout_conflicts.items())),
+            "limits": {
+                "series_used": budget.per_rank + budget.rollup,
+                "series_rank": budget.per_rank,
+                "series_rollup": budget.rollup,
+                "series_allowed": budget.limit,
+                "series_per_rank_allowed": state.config.max_series_per_rank,
+                "ranks_known": len(state.ranks),
+                "ranks_allowed": state.config.max_ranks,
+                "stale_after_seconds": state.config.stale_after_seconds,
+                "expire_after_seconds": state.config.expire_after_seconds,
+                "window_seconds": state.registry.window,
+            },
+        }
+
+    def _ranks(self, known: list[RankState]) -> list[dict[str, Any]]:
+        now = self.state.clock()
+        wall = self.state.registry.wall_clock()
+        sources = upstream_sources(self.upstreams)
+        return [
+            {
+                "id": rank_id(rank),
+                "group": group_id(rank.replica_group),
+                "tp_rank": rank.tp_rank,
+                "pp_rank": rank.pp_rank,
+                "dp_rank": rank.dp_rank,
+                "attn_cp_rank": rank.attn_cp_rank,
+                "labels": dict(rank.static),
+                "state": rank.status.value,
+                "source": sources.get(rank.identity, "push"),
+                "epoch": rank.epoch,
+                "pid": rank.pid,
+                "seq": rank.seq,
+                "restarts": rank.restarts,
+                "reconnects": rank.reconnects,
+                "snapshots": rank.snapshots,
+                "series": len(rank.values),
+                "seconds_since_push": None if rank.last_push_wall is None else round(wall - rank.last_push_wall, 3),
+                "seconds_since_activity": round(now - rank.last_activity, 3),
+                "last_push_time": rank.last_push_wall,
+            }
+            for rank in known
+        ]
+
+    def _groups(self) -> list[dict[str, Any]]:
+        groups = self.state.registry.groups()
+        return [
+            {
+                "id": group_id(key),
+                "dp_rank": key[0],
+                "labels": dict(key[1]),
+                "members": [rank_id(rank) for rank in members],
+                "size": len(members),
+                "live": sum(1 for rank in members if rank.live),
+                "pp_ranks": sorted({rank.pp_rank for rank in members}),
+                "tp_ranks": sorted({rank.tp_rank for rank in members}),
+                "attn_cp_ranks": sorted({rank.attn_cp_rank for rank in members if rank.attn_cp_rank is not None}),
+            }
+            for key, members in sorted(groups.items(), key=lambda item: (item[0][1], item[0][0]))
+        ]
+
+    @staticmethod
+    def _series_total(entries: list[tuple[RollupKey, float | HistAccumulator]]) -> float:
+        return sum(value.counts[-1] if isinstance(value, (HistAccumulator, HistValue)) else value for _, value in entries)
+
+    def _rollups(self, cells: dict[str, list[tuple[RollupKey, float | HistAccumulator]]],
+                 totals: dict[str, float]) -> list[dict[str, Any]]:
+        out = []
+        for spec in self.catalog:
+            series: list[dict[str, Any]] = []
+            for (_, static, values), value in cells.get(spec.name, ()):
+                labels = _labels(spec.labels, values, static)
+                if isinstance(value, HistAccumulator):
+                    series.append({"labels": labels, "value": value.counts[-1], "sum": value.sum})
+                else:
+                    series.append({"labels": labels, "value": value})
+            out.append({
+                "family": spec.name,
+                "exported": self.families.rollup[spec.name].name,
+                "type": spec.type.value,
+                "semantics": spec.semantics.value,
+                "attempt_level": spec.attempt_level,
+                "unit": unit_of(spec.name),
+                "total": totals.get(spec.name, 0.0),
+                "series": series,
+            })
+        return out
+
+    def _transfers(self, totals: dict[str, float], bw_totals: dict[str, Bandwidth]) -> list[dict[str, Any]]:
+        catalog = self.catalog
+        out = []
+        for transfer in self.transfers:
+            bw = bw_totals.get(transfer.bytes_family)
+            out.append({
+                "name": transfer.name,
+                "from": transfer.source,
+                "to": transfer.target,
+                "tokens_family": transfer.tokens_family if transfer.tokens_family in catalog else None,
+                "tokens": totals.get(transfer.tokens_family, 0.0) if transfer.tokens_family in catalog else None,
+                "bytes_family": transfer.bytes_family if transfer.bytes_family in catalog else None,
+                "bytes": totals.get(transfer.bytes_family, 0.0) if transfer.bytes_family in catalog else None,
+                "bytes_per_second": bw.value if bw is not None and bw.seconds_delta > 0 else None,
+            })
+        return out
+
+    def _bandwidth(self, bandwidth: dict[str, list[tuple[RollupKey, Bandwidth]]],
+                   bw_totals: dict[str, Bandwidth]) -> dict[str, Any]:
+        families = []
+        for bytes_spec, duration_spec in self.pairs:
+            total = bw_totals.get(bytes_spec.name, Bandwidth(0.0, 0.0))
+            families.append({
+                "family": bytes_spec.name,
+                "exported": self.families.bandwidth[bytes_spec.name][1].name,
+                "duration_family": duration_spec.name,
+                "transfer": self.transfer_of.get(bytes_spec.name),
+                "bytes_per_second": total.value if total.seconds_delta > 0 else None,
+                "bytes_delta": total.bytes_delta,
+                "seconds_delta": total.seconds_delta,
+                "series": [{"labels": _labels(bytes_spec.labels, values, static), "bytes_per_second": bw.value}
+                           for (_, static, values), bw in bandwidth.get(bytes_spec.name, ())],
+                "history": self.history.history(bytes_spec.name),
+            })
+        return {
+            "window_seconds": self.state.registry.window,
+            "history_interval_seconds": self.history.interval,
+            "history_points": self.history.points,
+            "families": families,
+        }
+
+    def _reasons(self, cells: dict[str, list[tuple[RollupKey, float | HistAccumulator]]]) -> list[dict[str, Any]]:
+        out = []
+        for spec in self.reason_specs:
+            at = spec.labels.index("reason")
+            by_reason = dict.fromkeys(spec.preset.get("reason", ()), 0.0)
+            found: dict[str, float] = {}
+            for (_, _, values), value in cells.get(spec.name, ()):
+                amount = value.counts[-1] if isinstance(value, HistAccumulator) else value
+                if values[at] in by_reason:
+                    by_reason[values[at]] += amount
+                else:
+                    found[values[at]] = found.get(values[at], 0.0) + amount
+            by_reason.update(sorted(found.items()))
+            out.append({
+                "family": spec.name,
+                "semantics": spec.semantics.value,
+                "attempt_level": spec.attempt_level,
+                "total": sum(by_reason.values()),
+                "by_reason": [{"reason": reason, "value": value} for reason, value in by_reason.items()],
+            })
+        return out
+
+    def _spread(self, increases: dict[int, Increases]) -> dict[str, Any]:
+        state = self.state
+        registry_groups = state.registry.groups()
+        # The window's rule: a group is read while at least two of its replicas are current.
+        current = {key for key, members in registry_groups.items() if sum(1 for r in members if r.current) >= 2}
+        per_group: dict[GroupKey, list[tuple[str, LabelValues, float]]] = {}
+        for (family, group_key, values), ratio in state.window.spreads(registry_groups, increases).items():
+            per_group.setdefault(group_key, []).append((family, values, ratio))
+        groups = []
+        for key in sorted(current, key=lambda k: (k[1], k[0])):
+            entries = sorted((e for e in per_group.get(key, ()) if e[2] > 0), key=lambda e: -e[2])
+            top = entries[0][2] if entries else 0.0
+            groups.append({
+                "group": group_id(key),
+                "max_ratio": top,
+                "diverging": top > SPREAD_THRESHOLD,
+                "series": [{"family": family, "labels": dict(zip(self.specs[family].labels, values)), "ratio": ratio}
+                           for family, values, ratio in entries],
+            })
+        return {"threshold": SPREAD_THRESHOLD, "groups": groups}
+

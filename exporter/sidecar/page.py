@@ -1,0 +1,297 @@
+"""The status page at `/`: the status document (api.py) rendered as HTML on the server; no I/O.
+
+Readable without JavaScript. With it, static/status.js rebuilds the same sections from
+/api/v1/status every few seconds: the element ids and classes here are what it fills in, and
+the two must agree (tests/e2e/test_status_page_browser.py reads both). Every value goes through
+`esc`; the page has no inline script or style, so its Content-Security-Policy can forbid them.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+REFRESH_MS = 2000  # how often the script fetches /api/v1/status
+NOSCRIPT_REFRESH_SECONDS = 15  # without JavaScript, the browser reloads the page this often
+STATES = ("live", "stale", "departed", "expired")
+SPARK_WIDTH, SPARK_HEIGHT = 120, 24
+
+
+def esc(value: object) -> str:
+    """Any value as HTML text or a quoted attribute value."""
+    return html.escape(str(value), quote=True)
+
+
+# --- number formats (static/status.js has the same ones) ---
+
+
+def fmt_number(value: float | None) -> str:
+    """A count with thousands separators; fractions to three significant digits."""
+    if value is None:
+        return "–"
+    if float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+def fmt_bytes(value: float | None) -> str:
+    """Bytes in binary units (KiB, MiB, ...)."""
+    if value is None:
+        return "–"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_rate(value: float | None) -> str:
+    """Bytes per second in decimal units (GB/s, as the engine's bandwidth histograms count)."""
+    if value is None:
+        return "idle"
+    for unit in ("B/s", "kB/s", "MB/s", "GB/s"):
+        if abs(value) < 1000 or unit == "GB/s":
+            return f"{value:.2f} {unit}" if unit != "B/s" else f"{value:.0f} B/s"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+def fmt_seconds(value: float | None) -> str:
+    """A duration for people: 0.4 s, 42 s, 3 m 5 s, 2 h 10 m, 3 d 4 h."""
+    if value is None:
+        return "never"
+    if value < 10:
+        return f"{value:.1f} s"
+    whole = int(value)
+    for size, unit, sub_size, sub_unit in ((86400, "d", 3600, "h"), (3600, "h", 60, "m"), (60, "m", 1, "s")):
+        if whole >= size:
+            return f"{whole // size} {unit} {(whole % size) // sub_size} {sub_unit}"
+    return f"{whole} s"
+
+
+def fmt_time(value: float) -> str:
+    """A wall-clock time as HH:MM:SS UTC."""
+    return time.strftime("%H:%M:%S UTC", time.gmtime(value))
+
+
+def fmt_ratio(value: float) -> str:
+    return f"{value * 100:.1f}%"
+
+
+def sparkline_path(history: Sequence[Sequence[float | None]], points: int) -> str:
+    """SVG path data of a bandwidth history, right-aligned in `points` slots; a null breaks the line."""
+    values = [v for _, v in history if v is not None]
+    top = max(values, default=0.0) or 1.0
+    first = points - len(history)
+    step = SPARK_WIDTH / max(points - 1, 1)
+    parts: list[str] = []
+    pen_down = False
+    for index, (_, value) in enumerate(history):
+        if value is None:
+            pen_down = False
+            continue
+        x = (first + index) * step
+        y = (SPARK_HEIGHT - 1) - value / top * (SPARK_HEIGHT - 2)
+        parts.append(f"{'L' if pen_down else 'M'}{x:.1f} {y:.1f}")
+        pen_down = True
+    return " ".join(parts)
+
+
+# --- sections ---
+
+
+def _table(head: Iterable[str], rows: Iterable[str], empty: str, cols: int) -> str:
+    body = "".join(rows) or f'<tr><td colspan="{cols}" class="empty">{esc(empty)}</td></tr>'
+    return "<table><thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + f"</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _row(*cells: object, cls: str = "") -> str:
+    attr = f' class="{esc(cls)}"' if cls else ""
+    return f"<tr{attr}>" + "".join(f"<td>{esc(c)}</td>" for c in cells) + "</tr>"
+
+
+def legend() -> str:
+    return '<p class="legend">' + "".join(
+        f'<span class="swatch state-{state}">{state}</span>' for state in STATES) + "</p>"
+
+
+def grid(doc: dict[str, Any]) -> str:
+    """The ranks of each replica group as a table: pp stage (× cp rank) rows by tp rank columns."""
+    ranks = {rank["id"]: rank for rank in doc["ranks"]}
+    if not doc["groups"]:
+        return '<p class="empty">No rank has connected yet.</p>'
+    parts = []
+    for group in doc["groups"]:
+        at: dict[tuple[int, int | None, int], dict[str, Any]] = {}
+        for member in group["members"]:
+            rank = ranks[member]
+            at[(rank["pp_rank"], rank["attn_cp_rank"], rank["tp_rank"])] = rank
+        cps: list[int | None] = list(group["attn_cp_ranks"]) or [None]
+        head = "".join(f"<th>tp {esc(tp)}</th>" for tp in group["tp_ranks"])
+        rows = []
+        for pp in group["pp_ranks"]:
+            for cp in cps:
+                label = f"pp {pp}" + ("" if cp is None else f" cp {cp}")
+                cells = []
+                for tp in group["tp_ranks"]:
+                    rank = at.get((pp, cp, tp))
+                    if rank is None:
+                        cells.append('<td class="rank absent">–</td>')
+                        continue
+                    tip = (f"{rank['id']}\nstate {rank['state']}, last push {fmt_seconds(rank['seconds_since_push'])} "
+                           f"ago, restarts {rank['restarts']}, {rank['source']}")
+                    cells.append(f'<td class="rank state-{esc(rank["state"])}" data-rank="{esc(rank["id"])}" '
+                                 f'title="{esc(tip)}"><span class="tp">tp {esc(tp)}</span>'
+                                 f'<span class="st">{esc(rank["state"])}</span></td>')
+                rows.append(f'<tr><th scope="row">{esc(label)}</th>{"".join(cells)}</tr>')
+        caption = f"{group['id']}: {group['live']} of {group['size']} live"
+        parts.append(f'<table class="grid" data-group="{esc(group["id"])}"><caption>{esc(caption)}</caption>'
+                     f"<thead><tr><th></th>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>")
+    return '<div class="groups">' + "".join(parts) + "</div>"
+
+
+def totals(doc: dict[str, Any]) -> str:
+    rows = (_row(t["name"], f"{t['from']} → {t['to']}", fmt_number(t["tokens"]), fmt_bytes(t["bytes"]),
+                 fmt_rate(t["bytes_per_second"]))
+            for t in doc["transfers"])
+    return _table(("transfer", "tiers", "tokens", "bytes", "active bandwidth"), rows, "no transfer families in the catalog", 5)
+
+
+def sparkline(history: Sequence[Sequence[float | None]], points: int) -> str:
+    return (f'<svg class="spark" width="{SPARK_WIDTH}" height="{SPARK_HEIGHT}" viewBox="0 0 {SPARK_WIDTH} {SPARK_HEIGHT}" '
+            f'role="img" aria-label="bandwidth history"><path d="{esc(sparkline_path(history, points))}"/></svg>')
+
+
+def bandwidth(doc: dict[str, Any]) -> str:
+    bw = doc["bandwidth"]
+    rows = (
+        f"<tr><td>{esc(f['transfer'] or '–')}</td><td>{esc(f['family'])}</td><td>{esc(fmt_rate(f['bytes_per_second']))}</td>"
+        f"<td>{sparkline(f['history'], bw['history_points'])}</td></tr>"
+        for f in bw["families"]
+    )
+    note = (f'<p class="note">Over the last {esc(fmt_seconds(bw["window_seconds"]))}; history: one point every '
+            f'{esc(fmt_seconds(bw["history_interval_seconds"]))}, the last {esc(bw["history_points"])}.</p>')
+    return note + _table(("transfer", "bytes family", "now", "history"), rows, "no bandwidth pairs in the catalog", 4)
+
+
+def reasons(doc: dict[str, Any]) -> str:
+    parts = []
+    for family in doc["reasons"]:
+        top = max((r["value"] for r in family["by_reason"]), default=0.0) or 1.0
+        rows = (f"<tr><td>{esc(r['reason'])}</td><td>{esc(fmt_number(r['value']))}</td>"
+                f'<td><meter min="0" max="{esc(top)}" value="{esc(r["value"])}"></meter></td></tr>'
+                for r in family["by_reason"])
+        note = " (attempt-level: not a final cache-miss count)" if family["attempt_level"] else ""
+        parts.append(f'<h3>{esc(family["family"])}</h3><p class="note">total {esc(fmt_number(family["total"]))} tokens'
+                     f"{esc(note)}</p>" + _table(("reason", "tokens", ""), rows, "none yet", 3))
+    return "".join(parts) or '<p class="empty">No family with a reason label.</p>'
+
+
+def spread(doc: dict[str, Any]) -> str:
+    sp = doc["spread"]
+    rows = []
+    for group in sp["groups"]:
+        worst = group["series"][0] if group["series"] else None
+        where = "–" if worst is None else worst["family"] + "".join(f" {k}={v}" for k, v in worst["labels"].items())
+        rows.append(_row(group["group"], fmt_ratio(group["max_ratio"]), where,
+                         "diverging" if group["diverging"] else "agree", cls="diverging" if group["diverging"] else ""))
+    note = (f'<p class="note">(max − min) / max of the replicas\' increases over the window; above '
+            f'{esc(fmt_ratio(sp["threshold"]))} a group is diverging.</p>')
+    return note + _table(("group", "max spread", "widest series", ""), rows, "no group has two current replicas", 4)
+
+
+def health(doc: dict[str, Any]) -> str:
+    s = doc["sidecar"]
+    limits = s["limits"]
+    by_state = ", ".join(f"{count} {state}" for state, count in s["ranks_by_state"].items())
+    items = (
+        ("ready", "yes" if s["ready"] else "no: the ingest socket is not listening"),
+        ("ingest socket", s["ingest"]["socket_path"]),
+        ("uptime", fmt_seconds(s["uptime_seconds"])),
+        ("ranks", by_state),
+        ("connections", f"{s['connections']['open']} open of {s['connections']['allowed']}, "
+                        f"{s['connections']['accepted']} accepted"),
+        ("snapshots applied", f"{fmt_number(s['snapshots_applied'])} of {fmt_number(s['snapshots_received'])} received"),
+        ("samples applied", fmt_number(s["samples_applied"])),
+        ("series", f"{fmt_number(limits['series_used'])} of {fmt_number(limits['series_allowed'])} "
+                   f"({fmt_number(limits['series_rank'])} rank, {fmt_number(limits['series_rollup'])} rollup)"),
+        ("rank identities", f"{limits['ranks_known']} of {limits['ranks_allowed']}"),
+        ("stale / expired after",
+         f"{fmt_seconds(limits['stale_after_seconds'])} / {fmt_seconds(limits['expire_after_seconds'])}"),
+    )
+    table = _table(("", ""), (_row(k, v) for k, v in items), "", 2)
+    rejected = sorted(((n, c) for n, c in s["rejections"].items() if c), key=lambda item: (-item[1], item[0]))
+    rejections = _table(("rejection reason", "count"), (_row(n, fmt_number(c)) for n, c in rejected), "no rejections", 2)
+    conflicts = s["rollup_layout_conflicts"]
+    extra = _table(("family left out of its rollup (bucket layout)", "series"),
+                   (_row(f, c) for f, c in conflicts.items()), "", 2) if conflicts else ""
+    return (f'<div class="cols"><div>{table}</div><div><p class="note">{esc(fmt_number(s["rejections_total"]))} '
+            f"rejected in all</p>{rejections}{extra}</div></div>")
+
+
+def rank_table(doc: dict[str, Any]) -> str:
+    rows = (_row(r["id"], r["group"], r["state"], r["source"], fmt_seconds(r["seconds_since_push"]), r["restarts"],
+                 r["epoch"], r["pid"], r["series"], cls=f"state-{r['state']}")
+            for r in doc["ranks"])
+    return _table(("rank", "group", "state", "source", "last push", "restarts", "epoch", "pid", "series"), rows,
+                  "no ranks", 9)
+
+
+def upstreams(doc: dict[str, Any]) -> str:
+    rows = (_row(u["name"], u["source"], "up" if u["up"] else "down", u["ranks"], u["samples"],
+                 fmt_time(u["last_scrape_time"]) if u["last_scrape_time"] is not None else "never",
+                 u["last_error"] or "", cls="up" if u["up"] else "down")
+            for u in doc["upstreams"])
+    return _table(("upstream", "source", "status", "ranks", "samples", "last read", "last error"), rows,
+                  "no upstreams configured", 7)
+
+
+SECTIONS = (
+    ("grid", "Ranks", lambda doc: legend() + grid(doc)),
+    ("totals", "Totals per tier", totals),
+    ("bandwidth", "Active bandwidth", bandwidth),
+    ("reasons", "Reasons", reasons),
+    ("spread", "Replica spread", spread),
+    ("health", "Sidecar", health),
+    ("ranks", "All ranks", rank_table),
+    ("upstreams", "Upstreams", upstreams),
+)
+
+
+def render_page(doc: dict[str, Any]) -> str:
+    """The whole page for one status document."""
+    s = doc["sidecar"]
+    sections = "".join(
+        f'<section id="{name}"><h2>{esc(title)}</h2><div class="body" id="{name}-body">{render(doc)}</div></section>'
+        for name, title, render in SECTIONS
+    )
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>hicache-exporter</title>
+<link rel="stylesheet" href="static/status.css">
+<script src="static/status.js" defer></script>
+<noscript><meta http-equiv="refresh" content="{NOSCRIPT_REFRESH_SECONDS}"></noscript>
+</head>
+<body data-refresh-ms="{REFRESH_MS}">
+<header><h1>hicache-exporter <span id="version">{esc(s["version"])}</span></h1>
+<p class="meta"><span id="summary">{esc(summary(doc))}</span> &middot;
+<span id="updated">as of {esc(fmt_time(doc["generated_at"]))}</span> <span id="refresh-state"></span></p>
+<nav><a href="metrics">/metrics</a> &middot; <a href="api/v1/status">/api/v1/status</a> &middot;
+<a href="api/v1/ranks">/api/v1/ranks</a> &middot; <a href="-/healthy">/-/healthy</a> &middot;
+<a href="-/ready">/-/ready</a></nav>
+<noscript><p class="note">JavaScript is off: this page reloads every {NOSCRIPT_REFRESH_SECONDS} s.</p></noscript>
+</header>
+<main>{sections}</main>
+</body></html>
+"""
+
+
+def summary(doc: dict[str, Any]) -> str:
+    """The header line: ranks by state, uptime, revision."""
+    s = doc["sidecar"]
+    states = ", ".join(f"{count} {state}" for state, count in s["ranks_by_state"].items() if count) or "no ranks"
+    ready = "ready" if s["ready"] else "NOT READY"
+    return f"{ready} · {states} · up {fmt_seconds(s['uptime_seconds'])} · revision {s['revision'][:12]}"

@@ -1,0 +1,306 @@
+// The status page's refresh: fetches api/v1/status every few seconds and rebuilds each section
+// with the same markup as exporter/sidecar/page.py renders on the server. Values only ever go in
+// through textContent and attributes (never innerHTML), so a label value is always shown as text.
+"use strict";
+
+(function () {
+  const STATES = ["live", "stale", "departed", "expired"];
+  const SPARK_WIDTH = 120;
+  const SPARK_HEIGHT = 24;
+  const SVG = "http://www.w3.org/2000/svg";
+
+  // --- DOM building ---
+
+  function el(tag, attrs, children) {
+    const node = document.createElement(tag);
+    for (const [name, value] of Object.entries(attrs || {})) {
+      if (value !== null && value !== undefined) node.setAttribute(name, String(value));
+    }
+    for (const child of children || []) {
+      node.appendChild(typeof child === "string" ? document.createTextNode(child) : child);
+    }
+    return node;
+  }
+
+  function text(tag, value, attrs) {
+    const node = el(tag, attrs);
+    node.textContent = String(value);
+    return node;
+  }
+
+  function row(cells, cls) {
+    return el("tr", cls ? { class: cls } : {}, cells.map((c) => text("td", c)));
+  }
+
+  function table(head, rows, empty, cols) {
+    const body = el("tbody", {}, rows);
+    if (rows.length === 0) body.appendChild(el("tr", {}, [text("td", empty, { colspan: cols, class: "empty" })]));
+    return el("table", {}, [el("thead", {}, [el("tr", {}, head.map((h) => text("th", h)))]), body]);
+  }
+
+  // --- number formats (page.py has the same ones) ---
+
+  function fmtNumber(v) {
+    if (v === null || v === undefined) return "–";
+    if (Number.isInteger(v)) return v.toLocaleString("en-US");
+    if (Math.abs(v) < 1000) return String(Number(v.toPrecision(3)));
+    return Math.round(v).toLocaleString("en-US");
+  }
+
+  function fmtBytes(v) {
+    if (v === null || v === undefined) return "–";
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    for (const unit of units) {
+      if (Math.abs(v) < 1024 || unit === "TiB") return unit === "B" ? `${v.toFixed(0)} B` : `${v.toFixed(1)} ${unit}`;
+      v /= 1024;
+    }
+    return "";
+  }
+
+  function fmtRate(v) {
+    if (v === null || v === undefined) return "idle";
+    const units = ["B/s", "kB/s", "MB/s", "GB/s"];
+    for (const unit of units) {
+      if (Math.abs(v) < 1000 || unit === "GB/s") return unit === "B/s" ? `${v.toFixed(0)} B/s` : `${v.toFixed(2)} ${unit}`;
+      v /= 1000;
+    }
+    return "";
+  }
+
+  function fmtSeconds(v) {
+    if (v === null || v === undefined) return "never";
+    if (v < 10) return `${v.toFixed(1)} s`;
+    const whole = Math.trunc(v);
+    for (const [size, unit, subSize, subUnit] of [[86400, "d", 3600, "h"], [3600, "h", 60, "m"], [60, "m", 1, "s"]]) {
+      if (whole >= size) return `${Math.trunc(whole / size)} ${unit} ${Math.trunc((whole % size) / subSize)} ${subUnit}`;
+    }
+    return `${whole} s`;
+  }
+
+  function fmtTime(t) {
+    return new Date(t * 1000).toISOString().slice(11, 19) + " UTC";
+  }
+
+  function fmtRatio(v) {
+    return `${(v * 100).toFixed(1)}%`;
+  }
+
+  function sparklinePath(history, points) {
+    const values = history.map((p) => p[1]).filter((v) => v !== null);
+    const top = values.length ? Math.max(...values) || 1 : 1;
+    const first = points - history.length;
+    const step = SPARK_WIDTH / Math.max(points - 1, 1);
+    const parts = [];
+    let penDown = false;
+    history.forEach(([, value], index) => {
+      if (value === null) {
+        penDown = false;
+        return;
+      }
+      const x = (first + index) * step;
+      const y = SPARK_HEIGHT - 1 - (value / top) * (SPARK_HEIGHT - 2);
+      parts.push(`${penDown ? "L" : "M"}${x.toFixed(1)} ${y.toFixed(1)}`);
+      penDown = true;
+    });
+    return parts.join(" ");
+  }
+
+  // --- sections ---
+
+  function legend() {
+    return el("p", { class: "legend" }, STATES.map((s) => text("span", s, { class: `swatch state-${s}` })));
+  }
+
+  function grid(doc) {
+    const ranks = new Map(doc.ranks.map((r) => [r.id, r]));
+    if (doc.groups.length === 0) return text("p", "No rank has connected yet.", { class: "empty" });
+    const groups = el("div", { class: "groups" });
+    for (const group of doc.groups) {
+      const at = new Map();
+      for (const member of group.members) {
+        const r = ranks.get(member);
+        if (r) at.set(`${r.pp_rank}/${r.attn_cp_rank}/${r.tp_rank}`, r);
+      }
+      const cps = group.attn_cp_ranks.length ? group.attn_cp_ranks : [null];
+      const head = el("tr", {}, [el("th")].concat(group.tp_ranks.map((tp) => text("th", `tp ${tp}`))));
+      const body = el("tbody");
+      for (const pp of group.pp_ranks) {
+        for (const cp of cps) {
+          const tr = el("tr", {}, [text("th", `pp ${pp}` + (cp === null ? "" : ` cp ${cp}`), { scope: "row" })]);
+          for (const tp of group.tp_ranks) {
+            const r = at.get(`${pp}/${cp}/${tp}`);
+            if (!r) {
+              tr.appendChild(text("td", "–", { class: "rank absent" }));
+              continue;
+            }
+            const tip = `${r.id}\nstate ${r.state}, last push ${fmtSeconds(r.seconds_since_push)} ago, ` +
+              `restarts ${r.restarts}, ${r.source}`;
+            tr.appendChild(el("td", { class: `rank state-${r.state}`, "data-rank": r.id, title: tip }, [
+              text("span", `tp ${tp}`, { class: "tp" }), text("span", r.state, { class: "st" }),
+            ]));
+          }
+          body.appendChild(tr);
+        }
+      }
+      groups.appendChild(el("table", { class: "grid", "data-group": group.id }, [
+        text("caption", `${group.id}: ${group.live} of ${group.size} live`), el("thead", {}, [head]), body,
+      ]));
+    }
+    return groups;
+  }
+
+  function totals(doc) {
+    const rows = doc.transfers.map((t) => row([t.name, `${t.from} → ${t.to}`, fmtNumber(t.tokens), fmtBytes(t.bytes),
+      fmtRate(t.bytes_per_second)]));
+    return [table(["transfer", "tiers", "tokens", "bytes", "active bandwidth"], rows,
+      "no transfer families in the catalog", 5)];
+  }
+
+  function sparkline(history, points) {
+    const svg = document.createElementNS(SVG, "svg");
+    for (const [name, value] of [["class", "spark"], ["width", SPARK_WIDTH], ["height", SPARK_HEIGHT],
+      ["viewBox", `0 0 ${SPARK_WIDTH} ${SPARK_HEIGHT}`], ["role", "img"], ["aria-label", "bandwidth history"]]) {
+      svg.setAttribute(name, String(value));
+    }
+    const path = document.createElementNS(SVG, "path");
+    path.setAttribute("d", sparklinePath(history, points));
+    svg.appendChild(path);
+    return svg;
+  }
+
+  function bandwidth(doc) {
+    const bw = doc.bandwidth;
+    const rows = bw.families.map((f) => el("tr", {}, [
+      text("td", f.transfer || "–"), text("td", f.family), text("td", fmtRate(f.bytes_per_second)),
+      el("td", {}, [sparkline(f.history, bw.history_points)]),
+    ]));
+    const note = text("p", `Over the last ${fmtSeconds(bw.window_seconds)}; history: one point every ` +
+      `${fmtSeconds(bw.history_interval_seconds)}, the last ${bw.history_points}.`, { class: "note" });
+    return [note, table(["transfer", "bytes family", "now", "history"], rows, "no bandwidth pairs in the catalog", 4)];
+  }
+
+  function reasons(doc) {
+    if (doc.reasons.length === 0) return [text("p", "No family with a reason label.", { class: "empty" })];
+    const out = [];
+    for (const family of doc.reasons) {
+      const top = Math.max(0, ...family.by_reason.map((r) => r.value)) || 1;
+      const rows = family.by_reason.map((r) => el("tr", {}, [
+        text("td", r.reason), text("td", fmtNumber(r.value)),
+        el("td", {}, [el("meter", { min: 0, max: top, value: r.value })]),
+      ]));
+      const note = family.attempt_level ? " (attempt-level: not a final cache-miss count)" : "";
+      out.push(text("h3", family.family), text("p", `total ${fmtNumber(family.total)} tokens${note}`, { class: "note" }),
+        table(["reason", "tokens", ""], rows, "none yet", 3));
+    }
+    return out;
+  }
+
+  function spread(doc) {
+    const sp = doc.spread;
+    const rows = sp.groups.map((g) => {
+      const worst = g.series.length ? g.series[0] : null;
+      const where = worst === null ? "–"
+        : worst.family + Object.entries(worst.labels).map(([k, v]) => ` ${k}=${v}`).join("");
+      return row([g.group, fmtRatio(g.max_ratio), where, g.diverging ? "diverging" : "agree"], g.diverging ? "diverging" : "");
+    });
+    const note = text("p", `(max − min) / max of the replicas' increases over the window; above ` +
+      `${fmtRatio(sp.threshold)} a group is diverging.`, { class: "note" });
+    return [note, table(["group", "max spread", "widest series", ""], rows, "no group has two current replicas", 4)];
+  }
+
+  function health(doc) {
+    const s = doc.sidecar;
+    const limits = s.limits;
+    const byState = Object.entries(s.ranks_by_state).map(([state, n]) => `${n} ${state}`).join(", ");
+    const items = [
+      ["ready", s.ready ? "yes" : "no: the ingest socket is not listening"],
+      ["ingest socket", s.ingest.socket_path],
+      ["uptime", fmtSeconds(s.uptime_seconds)],
+      ["ranks", byState],
+      ["connections", `${s.connections.open} open of ${s.connections.allowed}, ${s.connections.accepted} accepted`],
+      ["snapshots applied", `${fmtNumber(s.snapshots_applied)} of ${fmtNumber(s.snapshots_received)} received`],
+      ["samples applied", fmtNumber(s.samples_applied)],
+      ["series", `${fmtNumber(limits.series_used)} of ${fmtNumber(limits.series_allowed)} ` +
+        `(${fmtNumber(limits.series_rank)} rank, ${fmtNumber(limits.series_rollup)} rollup)`],
+      ["rank identities", `${limits.ranks_known} of ${limits.ranks_allowed}`],
+      ["stale / expired after", `${fmtSeconds(limits.stale_after_seconds)} / ${fmtSeconds(limits.expire_after_seconds)}`],
+    ];
+    const rejected = Object.entries(s.rejections).filter(([, n]) => n > 0)
+      .sort((a, b) => b[1] - a[1] || (a[0] < b[0] ? -1 : 1));
+    const right = el("div", {}, [
+      text("p", `${fmtNumber(s.rejections_total)} rejected in all`, { class: "note" }),
+      table(["rejection reason", "count"], rejected.map(([n, c]) => row([n, fmtNumber(c)])), "no rejections", 2),
+    ]);
+    const conflicts = Object.entries(s.rollup_layout_conflicts);
+    if (conflicts.length) {
+      right.appendChild(table(["family left out of its rollup (bucket layout)", "series"],
+        conflicts.map(([f, c]) => row([f, c])), "", 2));
+    }
+    return [el("div", { class: "cols" }, [el("div", {}, [table(["", ""], items.map((i) => row(i)), "", 2)]), right])];
+  }
+
+  function rankTable(doc) {
+    const rows = doc.ranks.map((r) => row([r.id, r.group, r.state, r.source, fmtSeconds(r.seconds_since_push), r.restarts,
+      r.epoch, r.pid, r.series], `state-${r.state}`));
+    return [table(["rank", "group", "state", "source", "last push", "restarts", "epoch", "pid", "series"], rows,
+      "no ranks", 9)];
+  }
+
+  function upstreams(doc) {
+    const rows = doc.upstreams.map((u) => row([u.name, u.source, u.up ? "up" : "down", u.ranks, u.samples,
+      u.last_scrape_time === null ? "never" : fmtTime(u.last_scrape_time), u.last_error || ""], u.up ? "up" : "down"));
+    return [table(["upstream", "source", "status", "ranks", "samples", "last read", "last error"], rows,
+      "no upstreams configured", 7)];
+  }
+
+  function summary(doc) {
+    const s = doc.sidecar;
+    const states = Object.entries(s.ranks_by_state).filter(([, n]) => n > 0).map(([st, n]) => `${n} ${st}`).join(", ");
+    return `${s.ready ? "ready" : "NOT READY"} · ${states || "no ranks"} · up ${fmtSeconds(s.uptime_seconds)} · ` +
+      `revision ${s.revision.slice(0, 12)}`;
+  }
+
+  const SECTIONS = {
+    grid: (doc) => [legend(), grid(doc)],
+    totals, bandwidth, reasons, spread, health, ranks: rankTable, upstreams,
+  };
+
+  // --- refresh ---
+
+  function render(doc) {
+    for (const [name, build] of Object.entries(SECTIONS)) {
+      const body = document.getElementById(`${name}-body`);
+      if (body) body.replaceChildren(...build(doc));
+    }
+    document.getElementById("version").textContent = doc.sidecar.version;
+    document.getElementById("summary").textContent = summary(doc);
+    document.getElementById("updated").textContent = `as of ${fmtTime(doc.generated_at)}`;
+  }
+
+  function setState(message, failed) {
+    const node = document.getElementById("refresh-state");
+    node.textContent = message;
+    document.body.classList.toggle("offline", failed);
+  }
+
+  const period = Number(document.body.dataset.refreshMs) || 2000;
+  let refreshes = 0;
+
+  async function refresh() {
+    try {
+      // Same origin: the browser sends basic-auth credentials it holds for the page.
+      const response = await fetch("api/v1/status", { cache: "no-store", credentials: "same-origin" });
+      if (!response.ok) throw new Error(`HTTP ${response.status}`);
+      render(await response.json());
+      refreshes += 1;
+      document.body.dataset.refreshes = String(refreshes);
+      setState(`· refreshing every ${period / 1000} s`, false);
+    } catch (err) {
+      setState(`· update failed (${err.message}); showing the last data, retrying`, true);
+    } finally {
+      window.setTimeout(refresh, period);
+    }
+  }
+
+  refresh();
+})();

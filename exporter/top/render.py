@@ -240,17 +240,19 @@ def reasons_section(doc: Mapping[str, Any]) -> list[RenderableType]:
         if family["attempt_level"]:
             line.append(" (attempt-level)", style="dim")
         line.append(f"  {count(family['total'])}")
+        nonzero = sorted((r for r in family["by_reason"] if r["value"]), key=lambda r: -r["value"])
+        zeros = len(family["by_reason"]) - len(nonzero)
         if not family["by_reason"]:
             line.append("  (no reason reported yet)", style="dim")
+        elif not nonzero:
+            line.append(f"  ({zeros} reasons, all at 0)", style="dim")
         else:
             line.append(":")
-        nonzero = sorted((r for r in family["by_reason"] if r["value"]), key=lambda r: -r["value"])
         for reason in nonzero:
             line.append("  ")
             line.append_text(literal(reason["reason"]))
             line.append(f" {count(reason['value'])}", style="bold")
-        zeros = len(family["by_reason"]) - len(nonzero)
-        if zeros:
+        if nonzero and zeros:
             line.append(f"  ({zeros} more at 0)", style="dim")
         out.append(line)
     if len(out) == 1:

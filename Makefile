@@ -1,5 +1,5 @@
 # Two commands: `make demo` runs the sidecar with simulated ranks; `make test` runs the linters
-# (`make lint`: ruff and mypy), then the tests.
+# (`make lint`: ruff and mypy), then the tests (it first installs or names promtool, Prometheus and Chromium).
 # `make bench` runs the benchmarks (`make bench BENCH_ARGS=--quick` for a short pass).
 VENV ?= .venv
 PYTHON ?= python3
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo lint test bench serve venv clean upstream-wheel prometheus-tools
+.PHONY: demo lint test bench serve venv clean upstream-wheel prometheus-tools chromium
 
 venv: $(STAMP)
 
@@ -34,6 +34,10 @@ demo: $(DEMO_STAMP)
 prometheus-tools:
 	@$(SHELL) .ci/prometheus-tools
 
+# Chromium, for the status page's browser test: installed (Debian package, as root) or named, the same way.
+chromium:
+	@$(SHELL) .ci/chromium
+
 # `make test` checks them when the Makefile is read (not under -n), so that a missing tool stops
 # it at once with one line, before any install or lint.
 ifneq ($(filter test,$(MAKECMDGOALS)),)
@@ -41,6 +45,10 @@ ifeq ($(findstring n,$(firstword -$(MAKEFLAGS))),)
 PROMETHEUS_TOOLS_MISSING := $(shell $(SHELL) .ci/prometheus-tools --make)
 ifneq ($(PROMETHEUS_TOOLS_MISSING),)
 $(error $(PROMETHEUS_TOOLS_MISSING))
+endif
+CHROMIUM_MISSING := $(shell $(SHELL) .ci/chromium --make)
+ifneq ($(CHROMIUM_MISSING),)
+$(error $(CHROMIUM_MISSING))
 endif
 endif
 endif
@@ -52,7 +60,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check exporter cache_core bench tests
 	$(VENV)/bin/mypy exporter cache_core
 
-test: prometheus-tools $(STAMP) lint
+test: prometheus-tools chromium $(STAMP) lint
 	$(PY) -m pytest
 
 # The released SGLang wheel (39 MB, without its dependencies) whose collectors tests/integrations run,

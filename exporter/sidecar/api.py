@@ -108,11 +108,10 @@ class BandwidthHistory:
     sidecar nothing more than the JSON it fetches (bench/status_api.py measures a sample).
     """
 
-    def __init__(self, families: Iterable[str], interval: float = HISTORY_INTERVAL_SECONDS,
-                 points: int = HISTORY_POINTS) -> None:
-        self.interval = interval
-        self.points = points
-        self._series: dict[str, deque[tuple[float, float | None]]] = {name: deque(maxlen=points) for name in families}
+    def __init__(self, families: Iterable[str], interval: float | None = None, points: int | None = None) -> None:
+        self.interval = HISTORY_INTERVAL_SECONDS if interval is None else interval
+        self.points = HISTORY_POINTS if points is None else points
+        self._series: dict[str, deque[tuple[float, float | None]]] = {name: deque(maxlen=self.points) for name in families}
         self._next = float("-inf")
 
     def due(self, now: float) -> bool:

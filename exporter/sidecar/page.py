@@ -271,6 +271,7 @@ def render_page(doc: dict[str, Any]) -> str:
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>hicache-exporter</title>
+<link rel="icon" href="data:,">
 <link rel="stylesheet" href="static/status.css">
 <script src="static/status.js" defer></script>
 <noscript><meta http-equiv="refresh" content="{NOSCRIPT_REFRESH_SECONDS}"></noscript>

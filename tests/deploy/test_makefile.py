@@ -1,5 +1,5 @@
-"""The README's two commands are all the set-up: `make test` installs or names promtool and the
-Prometheus server before anything else, and `make demo` installs only what the demo needs."""
+"""The README's two commands are all the set-up: `make test` installs or names promtool, the
+Prometheus server and Chromium before anything else, and `make demo` installs only what the demo needs."""
 
 from __future__ import annotations
 
@@ -58,9 +58,50 @@ def test_make_test_installs_the_debian_package_as_root(tmp_path: Path) -> None:
     assert again.returncode == 0 and again.stdout == again.stderr == "", "installed: nothing more to say"
 
 
+def _fake_tools(bin_dir: Path, *names: str) -> None:
+    bin_dir.mkdir(exist_ok=True)
+    for name in names:
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+
+
+def test_make_test_without_chromium_stops_at_once_with_one_line(tmp_path: Path) -> None:
+    bare = tmp_path / "bin"
+    _fake_tools(bare, "promtool", "prometheus")  # Prometheus is there; Chromium and apt-get are not
+    result, seconds = make("test", path=str(bare))
+    assert result.returncode != 0
+    assert seconds < 10
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and result.stdout == "", result.stderr
+    assert "make test: chromium not on the PATH; install the Debian package chromium" in lines[0]
+    assert "Traceback" not in result.stderr and "pytest" not in result.stdout + result.stderr
+
+
+def test_make_test_installs_chromium_as_root(tmp_path: Path) -> None:
+    """As root with apt-get: `apt-get update`, then `apt-get install chromium` (faked here)."""
+    bin_dir = tmp_path / "bin"
+    _fake_tools(bin_dir, "promtool", "prometheus")
+    log = tmp_path / "apt.log"
+    (bin_dir / "id").write_text("#!/bin/sh\necho 0\n")
+    (bin_dir / "apt-get").write_text(
+        f"#!/bin/sh\necho \"$*\" >> {log}\n"
+        f"case \"$*\" in *install*) printf '#!/bin/sh\\n' > {bin_dir}/chromium; /bin/chmod +x {bin_dir}/chromium;; esac\n")
+    for tool in ("id", "apt-get"):
+        (bin_dir / tool).chmod(0o755)
+    result, _ = make("chromium", path=str(bin_dir))
+    assert result.returncode == 0, result.stderr
+    assert "installing the Debian package chromium" in result.stderr
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith("update") and "install -y -qq chromium" in calls[1]
+    assert (bin_dir / "chromium").exists()
+    again, _ = make("chromium", path=str(bin_dir))
+    assert again.returncode == 0 and again.stdout == again.stderr == "", "installed: nothing more to say"
+
+
 def test_make_test_checks_the_tools_first_and_ci_calls_it() -> None:
     dry = subprocess.run([MAKE or "make", "-n", "test"], cwd=REPO, capture_output=True, text=True, timeout=30, env=PLAIN_ENV)
     assert dry.stdout.splitlines()[0].endswith(".ci/prometheus-tools")
+    assert dry.stdout.splitlines()[1].endswith(".ci/chromium")
     assert "make test" in (REPO / ".ci" / "run").read_text()
 
 

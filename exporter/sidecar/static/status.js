@@ -1,6 +1,6 @@
 // The status page's refresh: fetches api/v1/status every few seconds and rebuilds each section
-// with the same markup as exporter/sidecar/page.py renders on the server. Values only ever go in
-// through textContent and attributes (never innerHTML), so a label value is always shown as text.
+// with the same structure as exporter/sidecar/page.py renders on the server. Values only ever go
+// in through textContent and setAttribute, never parsed as markup, so a label value is always text.
 "use strict";
 
 (function () {

@@ -1,0 +1,294 @@
+"""The status page in a real headless Chromium (Debian's `chromium`, which `make test` installs),
+driven by Playwright: a real sidecar fed by rank processes pushing over its Unix socket.
+
+Asserted on the page as a person sees it: the grid shows every rank in its state, a rank that
+hangs turns stale and a killed one departed without a reload, label values with markup are shown
+as text (and no script runs from them), the strict Content-Security-Policy blocks nothing the page
+needs, it refreshes behind basic auth, and with JavaScript off the server's page reads the same.
+Screenshots go to test-artifacts/status-page/ (git-ignored).
+"""
+
+from __future__ import annotations
+
+import html
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import bcrypt
+import pytest
+from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Error as PlaywrightError
+
+from exporter.sidecar import api, page
+from tests.helpers import SidecarThread, http_get, sidecar_config, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "test-artifacts" / "status-page"
+CHROMIUM = shutil.which("chromium")  # Debian's package: /usr/bin/chromium
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+HOSTILE = "<img src=x onerror=alert(1)>\"'&amp;"
+MODELS = {0: "llama", 1: HOSTILE}  # the `model` static label of each steady dp group
+STALE_AFTER = 2.0
+PUSH_INTERVAL = 0.2
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def rank_process(socket_path: str, tp: int, pp: int, dp: int, model: str) -> None:
+    """A rank moving pages at a steady rate until it is stopped or killed from outside."""
+    from exporter.client import RankClient
+
+    client = RankClient(socket_path, rank={"tp_rank": tp, "pp_rank": pp, "dp_rank": dp},
+                        labels={"cache_type": "UnifiedRadixCache", "model": model}, interval=PUSH_INTERVAL,
+                        max_backoff=0.2)
+    tokens = client.counter("load_back_tokens_total", pool="kv")
+    moved = client.counter("load_back_bytes_total")
+    duration = client.histogram("load_back_duration_seconds")
+    unfulfilled = client.counter("storage_prefetch_unfulfilled_tokens_total", reason="host_capacity")
+    client.start()
+    while True:
+        tokens.inc(64)
+        moved.inc(64 * 4096)
+        duration.observe(0.002)
+        unfulfilled.inc(8)
+        time.sleep(0.05)
+
+
+def rank_id(tp: int, pp: int, dp: int, model: str) -> str:
+    return f"tp={tp} pp={pp} dp={dp} cache_type=UnifiedRadixCache model={model}"
+
+
+@dataclass
+class Ranks:
+    """Rank processes by their rank id."""
+
+    socket_path: str
+    procs: dict[str, Any] = field(default_factory=dict)
+
+    def start(self, tp: int, pp: int, dp: int, model: str) -> str:
+        proc = SPAWN.Process(target=rank_process, args=(self.socket_path, tp, pp, dp, model), daemon=True)
+        proc.start()
+        self.procs[rank_id(tp, pp, dp, model)] = proc
+        return rank_id(tp, pp, dp, model)
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)  # a SIGSTOPped process dies of SIGKILL too
+            proc.join(10)
+
+
+def _sidecar(socket_dir: Path, **http: Any) -> SidecarThread:
+    return SidecarThread(sidecar_config(socket_dir / "m.sock", ranks={"stale_after_seconds": STALE_AFTER},
+                                        http=http)).start()
+
+
+@pytest.fixture(scope="module")
+def fast_refresh() -> Iterator[None]:
+    """The page refreshes every 0.5 s and the bandwidth history takes a point every second."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(page, "REFRESH_MS", 500)
+        patch.setattr(api, "HISTORY_INTERVAL_SECONDS", 1.0)
+        yield
+
+
+@pytest.fixture(scope="module")
+def module_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="hc-", dir="/tmp") as directory:  # short: a Unix socket path
+        yield Path(directory)
+
+
+@pytest.fixture(scope="module")
+def fed(fast_refresh: None, module_dir: Path) -> Iterator[tuple[SidecarThread, Ranks]]:
+    """A sidecar and 8 steady ranks: tp 2 x pp 2 x dp 2, one dp group with markup in its label."""
+    sidecar = _sidecar(module_dir)
+    ranks = Ranks(sidecar.socket_path)
+    try:
+        for dp, model in MODELS.items():
+            for pp in range(2):
+                for tp in range(2):
+                    ranks.start(tp, pp, dp, model)
+        yield sidecar, ranks
+    finally:
+        ranks.stop_all()
+        sidecar.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    assert CHROMIUM, "Chromium is required (Debian package `chromium`; `make test` installs it)"
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield launched
+        finally:
+            launched.close()
+
+
+class Watched:
+    """A page with every dialog, page error and console error it raised."""
+
+    def __init__(self, page: Page) -> None:
+        self.page = page
+        self.dialogs: list[str] = []
+        self.errors: list[str] = []
+        page.on("dialog", lambda dialog: (self.dialogs.append(dialog.message), dialog.dismiss()))
+        page.on("pageerror", lambda error: self.errors.append(str(error)))
+        page.on("console", lambda msg: self.errors.append(msg.text) if msg.type == "error" else None)
+
+    def cells(self) -> dict[str, str]:
+        """Grid cells: rank id -> state, as the page shows them now."""
+        found = self.page.eval_on_selector_all(
+            "td.rank[data-rank]",
+            "cells => cells.map(c => [c.dataset.rank, c.querySelector('.st').textContent, c.className])")
+        out = {}
+        for rank, state, classes in found:
+            assert f"state-{state}" in classes.split(), (rank, state, classes)  # the colour says what the text says
+            out[rank] = state
+        return out
+
+    def refreshes(self) -> int:
+        return int(self.page.evaluate("Number(document.body.dataset.refreshes || 0)"))
+
+    def screenshot(self, name: str) -> None:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        self.page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def _open(browser: Browser, url: str, **context: Any) -> Watched:
+    watched = Watched(browser.new_context(viewport={"width": 1400, "height": 1000}, **context).new_page())
+    watched.page.goto(url + "/")
+    return watched
+
+
+def _steady_ids() -> set[str]:
+    return {rank_id(tp, pp, dp, model) for dp, model in MODELS.items() for pp in range(2) for tp in range(2)}
+
+
+def test_grid_shows_every_rank_live_and_refreshes(fed: tuple[SidecarThread, Ranks], browser: Browser) -> None:
+    sidecar, _ = fed
+    watched = _open(browser, sidecar.url)
+    try:
+        wait_until(lambda: watched.refreshes() >= 2, timeout=20)
+        wait_until(lambda: watched.cells() == dict.fromkeys(_steady_ids(), "live"), timeout=20)
+        # The grid lays each dp group out as pp rows by tp columns.
+        captions = watched.page.locator("table.grid caption").all_inner_texts()
+        assert sorted(captions) == sorted(f"dp={dp} cache_type=UnifiedRadixCache model={model}: 4 of 4 live"
+                                          for dp, model in MODELS.items())
+        for group in watched.page.locator("table.grid").all():
+            assert group.locator("thead th").all_inner_texts() == ["", "tp 0", "tp 1"]
+            assert group.locator("tbody th").all_inner_texts() == ["pp 0", "pp 1"]
+        # Totals, bandwidth with its sparkline, and reasons come from the pushed counters.
+        wait_until(lambda: "L" in (watched.page.locator("#bandwidth svg.spark path").first.get_attribute("d") or ""),
+                   timeout=20)
+        load_back = watched.page.locator("#totals-body tbody tr").first.locator("td").all_inner_texts()
+        assert load_back[0] == "load_back" and load_back[1] == "L2 → L1" and load_back[4] != "idle"
+        reasons = watched.page.locator("#reasons-body").inner_text()
+        assert "storage_prefetch_unfulfilled_tokens_total" in reasons and "host_capacity" in reasons
+        assert "no rejections" in watched.page.locator("#health-body").inner_text()
+        watched.screenshot("grid-live")
+        assert watched.errors == [] and watched.dialogs == []  # nothing the CSP blocked, no script error
+    finally:
+        watched.page.context.close()
+
+
+def test_label_markup_is_shown_as_text(fed: tuple[SidecarThread, Ranks], browser: Browser) -> None:
+    sidecar, _ = fed
+    watched = _open(browser, sidecar.url)
+    try:
+        wait_until(lambda: watched.refreshes() >= 2, timeout=20)
+        hostile = rank_id(0, 0, 1, HOSTILE)
+        wait_until(lambda: hostile in watched.cells(), timeout=20)
+        assert watched.page.locator("img").count() == 0  # the markup made no element
+        assert HOSTILE in watched.page.locator("#ranks-body").inner_text()
+        assert any(HOSTILE in caption for caption in watched.page.locator("table.grid caption").all_inner_texts())
+        watched.page.wait_for_timeout(1000)  # two more refreshes, each rebuilding the DOM from the JSON
+        assert watched.page.locator("img").count() == 0
+        assert watched.dialogs == [] and watched.errors == []
+        watched.screenshot("label-markup")
+    finally:
+        watched.page.context.close()
+
+
+def test_hung_rank_turns_stale_and_killed_rank_departs_without_reload(
+    fed: tuple[SidecarThread, Ranks], browser: Browser, module_dir: Path,
+) -> None:
+    sidecar, _ = fed
+    ranks = Ranks(sidecar.socket_path)  # a dp group of its own, so the steady ranks stay as they are
+    hung, killed = ranks.start(0, 0, 2, "llama"), ranks.start(1, 0, 2, "llama")
+    watched = _open(browser, sidecar.url)
+    try:
+        wait_until(lambda: {k: v for k, v in watched.cells().items() if k in (hung, killed)}
+                   == {hung: "live", killed: "live"}, timeout=20)
+        watched.page.evaluate("window.__loadedOnce = true")  # gone if the page reloads
+        os.kill(ranks.procs[hung].pid, signal.SIGSTOP)  # connected but silent: stale after stale_after_seconds
+        os.kill(ranks.procs[killed].pid, signal.SIGKILL)  # its socket closes: departed
+        stopped = time.monotonic()
+        wait_until(lambda: watched.cells().get(killed) == "departed", timeout=20)
+        wait_until(lambda: watched.cells().get(hung) == "stale", timeout=20)
+        assert time.monotonic() - stopped >= STALE_AFTER - 0.5  # stale only once silent for stale_after
+        assert watched.page.evaluate("window.__loadedOnce === true"), "the page reloaded"
+        cells = watched.cells()
+        assert {rank for rank in _steady_ids() if cells.get(rank) != "live"} == set()
+        caption = watched.page.locator("table.grid", has_text="dp=2").locator("caption").inner_text()
+        assert caption.endswith(": 0 of 2 live")
+        row = watched.page.locator("#ranks-body tr", has_text=hung).locator("td").all_inner_texts()
+        assert row[2] == "stale"
+        watched.screenshot("stale-and-departed")
+        assert watched.errors == []
+    finally:
+        watched.page.context.close()
+        ranks.stop_all()
+
+
+def test_page_without_javascript_is_readable(fed: tuple[SidecarThread, Ranks], browser: Browser) -> None:
+    sidecar, _ = fed
+    wait_until(lambda: all(f'data-rank="{html.escape(r)}"' in http_get(sidecar.url + "/")[1].decode()
+                           for r in _steady_ids()), timeout=20)
+    watched = _open(browser, sidecar.url, java_script_enabled=False)
+    try:
+        assert watched.page.locator("#refresh-state").inner_text() == ""  # status.js never ran
+        rows = watched.page.locator("#ranks-body tbody tr").all()
+        table = {r.locator("td").nth(0).inner_text(): r.locator("td").nth(2).inner_text() for r in rows}
+        assert set(table) >= _steady_ids()
+        assert set(watched.cells()) >= _steady_ids()
+        assert HOSTILE in watched.page.locator("#ranks-body").inner_text()
+        assert watched.page.locator("img").count() == 0 and watched.dialogs == []
+        assert "JavaScript is off" in watched.page.locator("header").inner_text()
+        assert watched.page.locator("#totals-body tbody tr").count() == 4
+        watched.screenshot("no-javascript")
+    finally:
+        watched.page.context.close()
+
+
+def test_page_refreshes_behind_basic_auth(fast_refresh: None, browser: Browser) -> None:
+    password = "s3cret"
+    hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(4)).decode()
+    with tempfile.TemporaryDirectory(prefix="hc-", dir="/tmp") as directory:
+        sidecar = _sidecar(Path(directory), basic_auth_users={"admin": hashed})
+        ranks = Ranks(sidecar.socket_path)
+        try:
+            anonymous = browser.new_context().new_page()
+            try:  # without credentials Chromium gets a 401 and gives up on the navigation
+                with pytest.raises(PlaywrightError, match="ERR_INVALID_AUTH_CREDENTIALS"):
+                    anonymous.goto(sidecar.url + "/")
+            finally:
+                anonymous.context.close()
+            only = ranks.start(0, 0, 0, "llama")
+            watched = _open(browser, sidecar.url, http_credentials={"username": "admin", "password": password})
+            try:
+                wait_until(lambda: watched.refreshes() >= 2 and watched.cells() == {only: "live"}, timeout=20)
+                assert watched.errors == []
+            finally:
+                watched.page.context.close()
+        finally:
+            ranks.stop_all()
+            sidecar.stop()

@@ -1,0 +1,319 @@
+"""The JSON API v1 (exporter.sidecar.api) and the status page's HTML (exporter.sidecar.page).
+
+Live responses of a real sidecar (ranks pushing over its socket, an engine read as an upstream)
+are validated against docs/api/v1.schema.json with jsonschema, and their numbers checked against
+the same sidecar's /metrics as prometheus_client's parser reads it. The state-level tests run on
+the harness's fake clocks.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from exporter.catalog import MetricType, default_catalog
+from exporter.client import RankClient
+from exporter.config import RanksConfig, SidecarConfig, config_from_data
+from exporter.sidecar import app as app_module
+from exporter.sidecar.api import SPREAD_THRESHOLD, TRANSFERS, BandwidthHistory, StatusView
+from exporter.sidecar.page import render_page
+from exporter.sidecar.stats import SidecarStats
+from tests.exporter.sidecar.harness import STATIC, Harness, bytes_, hist, one_hot, tokens
+from tests.exporter.sidecar.test_upstream import Engine, EngineHTTP
+from tests.helpers import RawClient, Scrape, SidecarThread, counter, hello, http_get, snapshot, wait_until
+
+REPO = Path(__file__).resolve().parents[3]
+SCHEMA = json.loads((REPO / "docs" / "api" / "v1.schema.json").read_text())
+HOSTILE = "<script>alert(1)</script>\"'&amp;\u2028\n\t\\"
+PUSHED_LABELS = {"cache_type": "UnifiedRadixCache", "model": HOSTILE}
+STALE_AFTER = 1.0
+
+
+def validator(definition: str) -> jsonschema.Draft202012Validator:
+    """A validator of one of the schema's documents (`status`, `ranks_response`)."""
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
+    return jsonschema.Draft202012Validator({**SCHEMA, "$ref": f"#/$defs/{definition}"})
+
+
+def assert_valid(definition: str, document: Any) -> None:
+    errors = sorted(validator(definition).iter_errors(document), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors[:10])
+
+
+def get_json(url: str) -> Any:
+    status, body, headers = http_get(url)
+    assert status == 200, body
+    assert headers["Content-Type"] == "application/json; charset=utf-8"
+    return json.loads(body)
+
+
+def full_catalog_client(socket_path: str, tp: int, scale: int) -> RankClient:
+    """A replica pushing a value for every catalog family (scaled so replicas differ)."""
+    client = RankClient(socket_path, rank={"tp_rank": tp, "pp_rank": 0, "dp_rank": 0}, labels=PUSHED_LABELS,
+                        interval=0.1)
+    for spec in default_catalog():
+        labels = {name: "kv" if name == "pool" else "host_capacity" if name == "reason" else "input"
+                  for name in spec.labels}
+        if spec.type is MetricType.COUNTER:
+            client.counter(spec.name, **labels).inc(1000 * scale)
+        elif spec.type is MetricType.GAUGE:
+            client.gauge(spec.name, **labels).set(512)
+        else:
+            client.histogram(spec.name, **labels).observe(0.004 * scale)
+    return client.start()
+
+
+@pytest.fixture
+def proxied(socket_dir: Path) -> Iterator[tuple[SidecarThread, EngineHTTP]]:
+    """A sidecar with an engine upstream (two ranks) and a short stale timeout."""
+    engine = Engine()
+    engine.rank(0, tokens=10, moved=100, seconds=0.01)
+    engine.rank(1, tokens=10, moved=200, seconds=0.01)
+    http = EngineHTTP(engine)
+    config = config_from_data({
+        "http": {"host": "127.0.0.1", "port": 0}, "ingest": {"socket_path": str(socket_dir / "m.sock")},
+        "ranks": {"stale_after_seconds": STALE_AFTER},
+        "upstreams": [{"name": "engine-0", "url": http.url, "interval_seconds": 0.2, "timeout_seconds": 0.2}],
+    }, "test")
+    sidecar = SidecarThread(config).start()
+    try:
+        yield sidecar, http
+    finally:
+        sidecar.stop()
+        http.stop()
+
+
+def test_status_is_valid_against_the_schema_and_names_every_source(proxied: tuple[SidecarThread, EngineHTTP]) -> None:
+    sidecar, http = proxied
+    clients = [full_catalog_client(sidecar.socket_path, tp, tp + 1) for tp in range(2)]
+    try:
+        wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["ranks"]) == 4)
+        doc = get_json(sidecar.url + "/api/v1/status")
+        assert_valid("status", doc)
+        sources = {(r["tp_rank"], r["labels"].get("model")): r["source"] for r in doc["ranks"]}
+        assert sources == {(0, HOSTILE): "push", (1, HOSTILE): "push",
+                           (0, None): "upstream:engine-0", (1, None): "upstream:engine-0"}
+        assert {r["state"] for r in doc["ranks"]} == {"live"}
+        assert doc["sidecar"]["ranks_by_state"] == {"live": 4, "stale": 0, "departed": 0, "expired": 0}
+        assert doc["sidecar"]["ready"] is True and doc["sidecar"]["connections"]["open"] == 2
+        (upstream,) = doc["upstreams"]
+        assert upstream["name"] == "engine-0" and upstream["source"] == http.url and upstream["up"]
+        # Replica groups: the pushed pair and the proxied pair, each listing its members by rank id.
+        groups = {g["id"]: g for g in doc["groups"]}
+        pushed = groups[f"dp=0 cache_type=UnifiedRadixCache model={HOSTILE}"]
+        assert pushed["members"] == [r["id"] for r in doc["ranks"] if r["labels"].get("model") == HOSTILE]
+        assert (pushed["size"], pushed["live"], pushed["tp_ranks"], pushed["pp_ranks"]) == (2, 2, [0, 1], [0])
+        assert {r["group"] for r in doc["ranks"]} == set(groups)
+        # Hostile label values come back exactly, as JSON strings.
+        assert all(r["labels"]["model"] == HOSTILE for r in doc["ranks"] if r["source"] == "push")
+        assert_valid("ranks_response", get_json(sidecar.url + "/api/v1/ranks"))
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_every_number_equals_the_metrics_rollups(proxied: tuple[SidecarThread, EngineHTTP]) -> None:
+    sidecar, _ = proxied
+    clients = [full_catalog_client(sidecar.socket_path, tp, tp + 1) for tp in range(2)]
+    wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["ranks"]) == 4)
+    for client in clients:
+        client.close()  # departed: the rollups keep their contribution and stop moving
+    wait_until(lambda: get_json(sidecar.url + "/api/v1/status")["sidecar"]["ranks_by_state"]["departed"] == 2)
+    doc = get_json(sidecar.url + "/api/v1/status")
+    scrape = Scrape(sidecar.metrics_text())
+    assert_valid("status", doc)
+    compared = 0
+    for family in doc["rollups"]:
+        name = family["exported"]
+        suffix = "_total" if family["type"] == "counter" else "_count" if family["type"] == "histogram" else ""
+        on_metrics = {tuple(sorted(s.labels.items())): s.value for s in scrape.find(name + suffix)}
+        in_api = {tuple(sorted(s["labels"].items())): s["value"] for s in family["series"]}
+        assert in_api == on_metrics, name
+        if family["type"] == "histogram":
+            sums = {tuple(sorted(s.labels.items())): s.value for s in scrape.find(name + "_sum")}
+            assert {tuple(sorted(s["labels"].items())): s["sum"] for s in family["series"]} == sums, name
+        assert family["total"] == pytest.approx(sum(on_metrics.values()))
+        compared += len(in_api)
+    assert compared > 40  # the full catalog of the pushed replicas, and the proxied ranks' families
+    by_family = {f["family"]: f for f in doc["rollups"]}
+    # Tokens: the furthest replica of each group (2000 pushed + 10 proxied); bytes: every shard.
+    transfers = {t["name"]: t for t in doc["transfers"]}
+    assert transfers["load_back"]["tokens"] == 2000 + 10 and transfers["load_back"]["bytes"] == 3000 + 300
+    assert transfers["prefetch"]["tokens"] == 2000 and transfers["prefetch"]["bytes"] == 3000
+    for transfer in TRANSFERS:
+        assert transfers[transfer.name]["tokens"] == by_family[transfer.tokens_family]["total"]
+        assert transfers[transfer.name]["bytes"] == by_family[transfer.bytes_family]["total"]
+    for bw in doc["bandwidth"]["families"]:
+        on_metrics = {tuple(sorted(s.labels.items())): s.value for s in scrape.find(bw["exported"])}
+        assert {tuple(sorted(s["labels"].items())): s["bytes_per_second"] for s in bw["series"]} == on_metrics
+        assert bw["bytes_per_second"] == pytest.approx(bw["bytes_delta"] / bw["seconds_delta"])
+        assert transfers[bw["transfer"]]["bytes_per_second"] == bw["bytes_per_second"]
+    assert doc["bandwidth"]["families"][0]["bytes_per_second"] == pytest.approx((3000 + 300) / (0.004 * 3 + 0.02))
+    for state, count in doc["sidecar"]["ranks_by_state"].items():
+        assert scrape.value("hicache_exporter_ranks", state=state) == count
+    for reason, count in doc["sidecar"]["rejections"].items():
+        assert scrape.value("hicache_exporter_rejections_total", reason=reason) == count
+    unfulfilled = next(r for r in doc["reasons"] if r["family"] == "storage_prefetch_unfulfilled_tokens_total")
+    assert unfulfilled["attempt_level"] and unfulfilled["total"] == 2000
+    preset = default_catalog().get("storage_prefetch_unfulfilled_tokens_total").preset["reason"]
+    assert [r["reason"] for r in unfulfilled["by_reason"]] == list(preset)  # catalog order, zeros included
+    assert {r["reason"]: r["value"] for r in unfulfilled["by_reason"]}["host_capacity"] == 2000
+
+
+def test_a_silent_rank_is_stale_in_the_api_and_on_the_page(proxied: tuple[SidecarThread, EngineHTTP]) -> None:
+    sidecar, _ = proxied
+    raw = RawClient(sidecar.socket_path)
+    try:
+        raw.send(hello(tp=5, dp=7, epoch="quiet", cache_type="UnifiedRadixCache"))
+        raw.recv()
+        raw.send(snapshot(1, counter("load_back_bytes_total", 10)))
+        rank_id = "tp=5 pp=0 dp=7 cache_type=UnifiedRadixCache"
+
+        def state() -> str | None:
+            ranks = get_json(sidecar.url + "/api/v1/status")["ranks"]
+            return next((r["state"] for r in ranks if r["id"] == rank_id), None)
+
+        wait_until(lambda: state() == "live")
+        wait_until(lambda: state() == "stale", timeout=STALE_AFTER + 5)
+        doc = get_json(sidecar.url + "/api/v1/status")
+        assert_valid("status", doc)
+        rank = next(r for r in doc["ranks"] if r["id"] == rank_id)
+        assert rank["seconds_since_push"] >= STALE_AFTER and rank["seq"] == 1 and rank["epoch"] == "quiet"
+        assert doc["sidecar"]["ranks_by_state"]["stale"] >= 1
+        page = http_get(sidecar.url + "/")[1].decode()
+        assert f'class="rank state-stale" data-rank="{rank_id}"' in page
+        assert sidecar.scrape().value("hicache_exporter_rank_up", tp_rank="5", dp_rank="7") == 0
+    finally:
+        raw.close()
+
+
+def test_every_response_carries_the_security_headers(sidecar: SidecarThread) -> None:
+    for path, content_type in (("/", "text/html; charset=utf-8"), ("/api/v1/status", "application/json; charset=utf-8"),
+                               ("/static/status.js", "text/javascript; charset=utf-8"),
+                               ("/static/status.css", "text/css; charset=utf-8")):
+        status, body, headers = http_get(sidecar.url + path)
+        assert status == 200 and headers["Content-Type"] == content_type, path
+        policy = headers["Content-Security-Policy"]
+        assert policy == app_module.CONTENT_SECURITY_POLICY
+        assert "default-src 'none'" in policy and "script-src 'self'" in policy and "unsafe-inline" not in policy
+        assert headers["X-Content-Type-Options"] == "nosniff"
+        assert body
+    for path in ("/static/app.py", "/static/..%2Fapp.py", "/static/", "/static/status.js.map"):
+        status, _, headers = http_get(sidecar.url + path)
+        assert status == 404 and headers["X-Content-Type-Options"] == "nosniff", path
+    page = http_get(sidecar.url + "/")[1].decode()
+    assert "<script>" not in page and "style=" not in page and "<style" not in page  # nothing inline the CSP would block
+    assert 'src="static/status.js"' in page and 'href="static/status.css"' in page
+
+
+def test_the_packaged_script_builds_the_dom_without_markup() -> None:
+    script = (REPO / "exporter" / "sidecar" / "static" / "status.js").read_text()
+    for forbidden in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
+        assert forbidden not in script, forbidden
+    assert "textContent" in script and "createElementNS" in script
+
+
+# --- state level: the harness's fake clocks ---
+
+
+def view_of(h: Harness, history: BandwidthHistory | None = None) -> StatusView:
+    return StatusView(SidecarConfig(), h.state, SidecarStats(), history=history)
+
+
+def test_spread_marks_a_diverging_group() -> None:
+    h = Harness()
+    _, a = h.hello(tp=0)
+    _, b = h.hello(tp=1)
+    _, c = h.hello(tp=0, dp=1)
+    _, d = h.hello(tp=1, dp=1)
+    h.push(a, tokens(1000))
+    h.push(b, tokens(500))  # this replica counts half: a real divergence
+    h.push(c, tokens(1000))
+    h.push(d, tokens(990))
+    spread = view_of(h).document()["spread"]
+    groups = {g["group"]: g for g in spread["groups"]}
+    assert spread["threshold"] == SPREAD_THRESHOLD
+    diverging = groups["dp=0 cache_type=UnifiedRadixCache"]
+    assert diverging["diverging"] and diverging["max_ratio"] == pytest.approx(0.5)
+    assert diverging["series"] == [{"family": "load_back_tokens_total", "labels": {"pool": "kv"}, "ratio": 0.5}]
+    agreeing = groups["dp=1 cache_type=UnifiedRadixCache"]
+    assert not agreeing["diverging"] and agreeing["max_ratio"] == pytest.approx(0.01)
+    page = render_page(view_of(h).document())
+    assert page.count('<tr class="diverging">') == 1
+
+
+def test_bandwidth_history_is_bounded_and_sampled_on_its_interval() -> None:
+    h = Harness()
+    history = BandwidthHistory(["load_back_bytes_total"], interval=5.0, points=3)
+    assert history.due(0.0) and not history.due(4.9) and history.due(5.0)
+    history.sample(h.state, 1.0)  # nothing moved yet: idle
+    _, rank = h.hello()
+    h.push(rank, bytes_(4096), hist("load_back_duration_seconds", one_hot("load_back_duration_seconds", 0), 0.002))
+    for wall in (2.0, 3.0, 4.0, 5.0):
+        history.sample(h.state, wall)
+    assert history.history("load_back_bytes_total") == [[3.0, 2048000.0], [4.0, 2048000.0], [5.0, 2048000.0]]
+    doc = view_of(h, history).document()
+    (load_back, *_) = doc["bandwidth"]["families"]
+    assert load_back["history"] == history.history("load_back_bytes_total")
+    assert doc["bandwidth"]["history_points"] == 3 and doc["bandwidth"]["history_interval_seconds"] == 5.0
+    idle = BandwidthHistory(["load_back_bytes_total"], points=2)
+    idle.sample(Harness().state, 1.0)
+    assert idle.history("load_back_bytes_total") == [[1.0, None]]
+    assert_valid("status", json.loads(view_of(h, history).encode()))
+
+
+def test_an_empty_sidecar_is_valid_too() -> None:
+    doc = json.loads(view_of(Harness()).encode())
+    assert_valid("status", doc)
+    assert doc["ranks"] == [] and doc["groups"] == [] and doc["spread"]["groups"] == []
+    assert all(t["tokens"] == 0 and t["bytes_per_second"] is None for t in doc["transfers"])
+    assert "No rank has connected yet." in render_page(doc)
+
+
+class _Page(HTMLParser):
+    """The tags a page has, and the rank ids its grid cells carry (attribute values unescaped)."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.tags: set[str] = set()
+        self.rank_ids: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.add(tag)
+        found = dict(attrs)
+        if found.get("data-rank") is not None:
+            self.rank_ids.append(found["data-rank"] or "")
+
+
+PAGE_TAGS = {"html", "head", "meta", "title", "link", "script", "noscript", "body", "header", "h1", "h2", "h3", "p",
+             "span", "nav", "a", "main", "section", "div", "table", "caption", "thead", "tbody", "tr", "th", "td",
+             "svg", "path", "meter"}
+LABEL_VALUES = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=128)
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=LABEL_VALUES)
+def test_any_label_value_round_trips_through_json_and_is_text_on_the_page(value: str) -> None:
+    h = Harness(ranks_config=RanksConfig(max_label_value_length=128))
+    _, rank = h.hello(labels={**STATIC, "model": value})
+    h.push(rank, tokens(64))
+    view = view_of(h)
+    doc = json.loads(view.encode())  # valid JSON whatever the value holds
+    (row,) = doc["ranks"]
+    assert row["labels"] == {**STATIC, "model": value}
+    assert row["id"].endswith(f"model={value}") and doc["groups"][0]["labels"]["model"] == value
+    parsed = _Page()
+    parsed.feed(render_page(view.document()))
+    parsed.close()
+    assert parsed.tags <= PAGE_TAGS  # the value made no element of its own
+    assert parsed.rank_ids == [row["id"]]
+    assert html.escape(value) in render_page(view.document())

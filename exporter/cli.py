@@ -139,8 +139,8 @@ def _add_top_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                      help=f"the sidecar's base URL, http:// or https://, with an optional path prefix and "
                           f"USER:PASSWORD@ (default {DEFAULT_URL})")
     top.add_argument("--interval", type=float, default=2.0, help="seconds between polls (default 2)")
-    top.add_argument("--timeout", type=float, default=None,
-                     help="seconds one poll may take (default: the interval, at most 10)")
+    top.add_argument("--timeout", type=float, default=5.0,
+                     help="seconds one poll may take before it counts as unreachable (default 5)")
     top.add_argument("--once", action="store_true",
                      help="print one frame and exit: 0 when the sidecar was read, 1 when it could not be")
     top.add_argument("--web.user", dest="web_user", metavar="USER", help="basic-auth user (beats the URL's)")
@@ -258,7 +258,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _top(args: argparse.Namespace) -> int:
     from exporter.top.fetch import build_target
 
-    if args.interval <= 0 or (args.timeout is not None and args.timeout <= 0):
+    if args.interval <= 0 or args.timeout <= 0:
         raise HicacheExporterError("--interval and --timeout must be positive")
     target = build_target(args.url, args.web_user, args.web_password_file, insecure=args.insecure,
                           ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file)
@@ -268,8 +268,7 @@ def _top(args: argparse.Namespace) -> int:
         raise HicacheExporterError("top needs the rich library: pip install 'hicache-exporter[top]'") from None
     from exporter.top.screen import run_top
 
-    timeout = args.timeout if args.timeout is not None else min(args.interval, 10.0)
-    return run_top(target, interval=args.interval, timeout=timeout, once=args.once)
+    return run_top(target, interval=args.interval, timeout=args.timeout, once=args.once)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

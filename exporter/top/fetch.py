@@ -8,6 +8,7 @@ past `fetch_status` except a `HicacheExporterError` from `build_target` for bad 
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import os
 import socket
@@ -214,7 +215,10 @@ def _unreachable(target: Target, reason: object, timeout: float) -> str:
     if isinstance(reason, ssl.SSLCertVerificationError):
         return f"{where}: TLS: {reason.verify_message or reason} (pass --ca-file, or --insecure)"
     if isinstance(reason, ssl.SSLError):
-        return f"{where}: TLS: {reason.reason or reason}"
+        plain = " (does it serve plain http://?)" if reason.reason == "WRONG_VERSION_NUMBER" else ""
+        return f"{where}: TLS: {reason.reason or reason}{plain}"
+    if isinstance(reason, http.client.RemoteDisconnected) and target.ssl_context is None:
+        return f"{where}: {_reason(reason)} (does it serve https://?)"  # what a TLS port does to plain HTTP
     return f"{where}: {_reason(reason)}"
 
 

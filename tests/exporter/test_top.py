@@ -12,6 +12,7 @@ import base64
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -459,6 +460,37 @@ def test_basic_auth_against_a_real_sidecar(socket_dir: Path) -> None:
         validate_status(good.document)
     finally:
         running.stop()
+
+
+def test_tls_is_verified_against_the_ca_file_or_skipped_with_insecure(tmp_path: Path, socket_dir: Path) -> None:
+    openssl = shutil.which("openssl")
+    assert openssl, "openssl is needed to make a test certificate"
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    tls = {"tls_server_config": {"cert_file": str(cert), "key_file": str(key)}}
+    running = SidecarThread(sidecar_config(socket_dir / "m.sock", http=tls)).start()
+    try:
+        url = running.url.replace("http://", "https://")
+        unverified = fetch_status(build_target(url, env={}), timeout=5)
+        assert isinstance(unverified, FetchFailed) and unverified.kind is FailureKind.UNREACHABLE
+        assert "TLS: self-signed certificate" in unverified.line and "(pass --ca-file, or --insecure)" in unverified.line
+        verified = fetch_status(build_target(url, ca_file=cert, env={}), timeout=5)
+        assert isinstance(verified, Fetched), verified
+        validate_status(verified.document)
+        assert isinstance(fetch_status(build_target(url, insecure=True, env={}), timeout=5), Fetched)
+        plain = fetch_status(build_target(running.url, env={}), timeout=5)  # http:// to a TLS port
+        assert isinstance(plain, FetchFailed) and plain.kind is FailureKind.UNREACHABLE
+        assert plain.line.endswith("(does it serve https://?)"), plain.line
+    finally:
+        running.stop()
+    bare = SidecarThread(sidecar_config(socket_dir / "n.sock")).start()
+    try:
+        mistaken = fetch_status(build_target(bare.url.replace("http://", "https://"), insecure=True, env={}), timeout=5)
+        assert isinstance(mistaken, FetchFailed) and mistaken.line.endswith("(does it serve plain http://?)")
+    finally:
+        bare.stop()
 
 
 # --- the command ------------------------------------------------------------------------------

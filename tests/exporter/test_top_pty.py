@@ -88,6 +88,11 @@ class Terminal:
                 return
         raise AssertionError(f"not on screen within {timeout} s: {what}\n--- screen ---\n{self.text}")
 
+    def resize(self, rows: int, cols: int) -> None:
+        """As a terminal window resized by hand: the emulated screen, then the pty (SIGWINCH to top)."""
+        self.screen.resize(rows, cols)
+        self.child.setwinsize(rows, cols)
+
     def run(self, command: str) -> None:
         self.child.sendline(command)
 
@@ -255,6 +260,15 @@ def test_top_shows_ranks_turn_stale_departed_expired_and_the_sidecar_unreachable
         assert "dp1 cache_type=HiRadixCache" in term.text and "Traceback" not in term.text
         sidecar.start()  # same port: the next poll reads it again, and the ranks still running reconnect
         term.wait_for(lambda text: "unreachable" not in text and " 2 live " in text, 30, "the sidecar back")
+
+        # A smaller window: redrawn at once to its size, the body scrolls under the header.
+        term.resize(24, 100)
+        term.wait_for(lambda text: "j/k or arrows scroll" in text.splitlines()[-1], 10, "the scroll line after a resize")
+        first = term.text.splitlines()
+        assert first[0].startswith("hicache-exporter top") and first[-1].startswith("lines 1-")
+        term.child.send("j")
+        term.wait_for(lambda text: text.splitlines()[-1].startswith("lines 2-"), 10, "one line scrolled")
+        assert term.text.splitlines()[0].startswith("hicache-exporter top"), "the header stays put"
 
         quits_cleanly(term, lambda: term.child.send("q"))
     finally:

@@ -56,7 +56,8 @@ def render_header(view: View, now: float) -> RenderableType:
     title.append("   q quits", "dim")
     lines: list[RenderableType] = [title]
     if view.failure is not None:
-        problem = Text(view.failure.line, style="bold red")
+        problem = literal(view.failure.line)  # a redirect's Location, say, is the server's text
+        problem.stylize("bold red")
         problem.append(f"  (retrying every {view.interval:g} s", style="red")
         if view.document_at is not None:
             problem.append(f"; below: the status read at {time.strftime('%H:%M:%S', time.localtime(view.document_at))}",
@@ -111,8 +112,10 @@ def ranks_section(doc: Mapping[str, Any]) -> list[RenderableType]:
         out.append(Text("no ranks have connected yet", style="yellow"))
     not_live = [rank for rank in doc["ranks"] if rank["state"] != "live"]
     for rank in not_live[:NOT_LIVE_SHOWN]:
-        line = Text("  ")
-        line.append(f" {rank['state']} ", style=STATE_STYLE.get(rank["state"], "reverse"))
+        line = Text("   ")
+        line.append_text(literal(rank["state"]))
+        line.append(" ")
+        line.stylize(STATE_STYLE.get(rank["state"], "reverse"), 2)  # a chip: " stale " in the grid's colour
         line.append(" ")
         line.append_text(literal(rank["id"]))
         since = rank["seconds_since_push"]
@@ -186,7 +189,7 @@ def transfers_section(doc: Mapping[str, Any]) -> list[RenderableType]:
     for transfer in doc["transfers"]:
         family = by_transfer.get(transfer["name"])
         rate = transfer["bytes_per_second"]
-        table.add_row(literal(transfer["name"]), Text(f"{transfer['from']}→{transfer['to']}"),
+        table.add_row(literal(transfer["name"]), literal(f"{transfer['from']}→{transfer['to']}"),
                       Text(count(transfer["tokens"]) if transfer["tokens"] is not None else "–"),
                       Text(size(transfer["bytes"]) if transfer["bytes"] is not None else "–"),
                       Text(speed(rate), style="bold cyan" if rate is not None else "dim"),

@@ -22,7 +22,7 @@ from exporter.config import SidecarConfig
 from exporter.sidecar.exposition import build_revision, ranks_by_status, rollup_cells, window_increases
 from exporter.sidecar.families import ExposedFamilies
 from exporter.sidecar.registry import RankIdentity, RankState, exposition_order
-from exporter.sidecar.series import GroupKey, HistAccumulator, HistValue, LabelValues, RollupKey, StaticKey
+from exporter.sidecar.series import GroupKey, HistAccumulator, LabelValues, RollupKey, StaticKey
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import SidecarStats
 from exporter.sidecar.upstream import UpstreamScraper
@@ -314,7 +314,7 @@ class StatusView:
 
     @staticmethod
     def _series_total(entries: list[tuple[RollupKey, float | HistAccumulator]]) -> float:
-        return sum(value.counts[-1] if isinstance(value, (HistAccumulator, HistValue)) else value for _, value in entries)
+        return sum(value.counts[-1] if isinstance(value, HistAccumulator) else value for _, value in entries)
 
     def _rollups(self, cells: dict[str, list[tuple[RollupKey, float | HistAccumulator]]],
                  totals: dict[str, float]) -> list[dict[str, Any]]:

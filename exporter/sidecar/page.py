@@ -104,7 +104,9 @@ def sparkline_path(history: Sequence[Sequence[float | None]], points: int) -> st
 
 def _table(head: Iterable[str], rows: Iterable[str], empty: str, cols: int) -> str:
     body = "".join(rows) or f'<tr><td colspan="{cols}" class="empty">{esc(empty)}</td></tr>'
-    return "<table><thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + f"</tr></thead><tbody>{body}</tbody></table>"
+    heads = list(head)
+    thead = "<thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in heads) + "</tr></thead>" if any(heads) else ""
+    return f"<table>{thead}<tbody>{body}</tbody></table>"
 
 
 def _row(*cells: object, cls: str = "") -> str:

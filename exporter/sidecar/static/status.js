@@ -35,6 +35,7 @@
   function table(head, rows, empty, cols) {
     const body = el("tbody", {}, rows);
     if (rows.length === 0) body.appendChild(el("tr", {}, [text("td", empty, { colspan: cols, class: "empty" })]));
+    if (!head.some((h) => h)) return el("table", {}, [body]);  // a key-value table: no header row
     return el("table", {}, [el("thead", {}, [el("tr", {}, head.map((h) => text("th", h)))]), body]);
   }
 

@@ -8,6 +8,7 @@ the harness's fake clocks.
 
 from __future__ import annotations
 
+import gzip
 import html
 import json
 from collections.abc import Iterator
@@ -317,3 +318,13 @@ def test_any_label_value_round_trips_through_json_and_is_text_on_the_page(value:
     assert parsed.tags <= PAGE_TAGS  # the value made no element of its own
     assert parsed.rank_ids == [row["id"]]
     assert html.escape(value) in render_page(view.document())
+
+
+def test_status_and_page_are_gzipped_when_accepted(sidecar: SidecarThread) -> None:
+    for path in ("/api/v1/status", "/"):
+        plain = http_get(sidecar.url + path)
+        zipped = http_get(sidecar.url + path, {"Accept-Encoding": "gzip"})
+        assert "Content-Encoding" not in plain[2] and zipped[2]["Content-Encoding"] == "gzip", path
+        assert zipped[2]["Vary"] == "Accept-Encoding" and zipped[2]["Content-Type"] == plain[2]["Content-Type"]
+        body = gzip.decompress(zipped[1])
+        assert json.loads(body)["api_version"] == 1 if path != "/" else body.startswith(b"<!doctype html>")

@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -163,13 +164,16 @@ def fetch_status(target: Target, timeout: float, clock: Callable[[], float] = ti
     if target.ssl_context is not None:
         handlers.append(urllib.request.HTTPSHandler(context=target.ssl_context))
     opener = urllib.request.build_opener(*handlers)
-    opener.addheaders = [("User-Agent", f"hicache-exporter-top/{__version__}"), ("Accept", "application/json")]
+    # gzip: about 190 KB of status at 256 ranks is a tenth of that compressed, every poll over the network.
+    opener.addheaders = [("User-Agent", f"hicache-exporter-top/{__version__}"), ("Accept", "application/json"),
+                         ("Accept-Encoding", "gzip")]
     request = urllib.request.Request(target.status_url)
     if target.authorization is not None:
         request.add_header("Authorization", target.authorization)
     try:
         with opener.open(request, timeout=timeout) as response:
             body = response.read(MAX_DOCUMENT_BYTES + 1)
+            encoding = (response.headers.get("Content-Encoding") or "").strip().lower()
     except urllib.error.HTTPError as err:
         err.close()
         return FetchFailed(*_http_failure(target, err.code, err.headers.get("Location")), at=clock())
@@ -178,6 +182,11 @@ def fetch_status(target: Target, timeout: float, clock: Callable[[], float] = ti
     except (OSError, ValueError) as err:  # a timeout or reset while reading the body; a malformed status line
         return FetchFailed(FailureKind.UNREACHABLE, _unreachable(target, err, timeout), at=clock())
     seconds = time.monotonic() - started
+    if encoding in ("gzip", "x-gzip") and len(body) <= MAX_DOCUMENT_BYTES:
+        try:
+            body = _gunzip(body, MAX_DOCUMENT_BYTES + 1)
+        except (OSError, EOFError, zlib.error) as err:
+            return FetchFailed(FailureKind.INVALID, f"{target.status_url} sent broken gzip ({err})", at=clock())
     if len(body) > MAX_DOCUMENT_BYTES:
         return FetchFailed(FailureKind.INVALID, f"{target.status_url} sent more than {MAX_DOCUMENT_BYTES} bytes",
                            at=clock())
@@ -188,6 +197,15 @@ def fetch_status(target: Target, timeout: float, clock: Callable[[], float] = ti
     if not isinstance(document, dict):
         return FetchFailed(FailureKind.INVALID, f"{target.status_url} sent JSON that is not an object", at=clock())
     return Fetched(document, at=clock(), seconds=seconds)
+
+
+def _gunzip(data: bytes, limit: int) -> bytes:
+    """gzip-decoded `data`, at most `limit` bytes of it (a small body can inflate without bound)."""
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)  # 16+: expect the gzip header and trailer
+    body = inflater.decompress(data, limit)
+    if len(body) < limit and not inflater.eof:
+        raise EOFError("the gzip stream ends early")
+    return body
 
 
 def _http_failure(target: Target, code: int, location: str | None) -> tuple[FailureKind, str]:

@@ -9,6 +9,7 @@ The pseudo-terminal test against a live sidecar is tests/exporter/test_top_pty.p
 from __future__ import annotations
 
 import base64
+import gzip
 import io
 import json
 import os
@@ -29,7 +30,16 @@ from rich.console import Console, RenderableType
 
 from exporter.catalog import default_catalog
 from exporter.errors import ErrorCode, HicacheExporterError
-from exporter.top.fetch import ENV_PASSWORD, FailureKind, Fetched, FetchFailed, Target, build_target, fetch_status
+from exporter.top.fetch import (
+    ENV_PASSWORD,
+    MAX_DOCUMENT_BYTES,
+    FailureKind,
+    Fetched,
+    FetchFailed,
+    Target,
+    build_target,
+    fetch_status,
+)
 from exporter.top.render import BLOCKS, STATE_STYLE, group_block, render_frame, sparkline
 from exporter.top.screen import Frame, Scroll
 from exporter.top.view import View
@@ -400,8 +410,9 @@ def test_a_refused_connection_and_a_silent_server_are_unreachable() -> None:
 
 @pytest.fixture
 def answering() -> Iterator[tuple[str, list[bytes]]]:
-    """A one-route HTTP server that sends whatever raw response the test queues."""
+    """A one-route HTTP server that sends whatever raw response the test queues (and keeps the requests)."""
     responses: list[bytes] = []
+    REQUESTS.clear()
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(8)
@@ -413,7 +424,7 @@ def answering() -> Iterator[tuple[str, list[bytes]]]:
             except OSError:
                 return
             with conn:
-                conn.recv(65536)
+                REQUESTS.append(conn.recv(65536))
                 conn.sendall(responses.pop(0))
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -421,6 +432,9 @@ def answering() -> Iterator[tuple[str, list[bytes]]]:
     yield f"http://127.0.0.1:{server.getsockname()[1]}", responses
     server.close()
     thread.join(5)
+
+
+REQUESTS: list[bytes] = []
 
 
 def _response(status: str, body: bytes, *headers: str) -> bytes:
@@ -442,6 +456,23 @@ def test_answers_that_are_not_a_status_say_what_they_are(answering: tuple[str, l
     assert isinstance(result, FetchFailed) and result.line.endswith("answered HTTP 503")
     responses.append(_response("200 OK", b'{"api_version": 1}'))
     assert isinstance(fetch_status(target, timeout=5), Fetched)
+
+
+def test_gzip_is_asked_for_and_inflated_within_the_size_limit(answering: tuple[str, list[bytes]]) -> None:
+    url, responses = answering
+    target = build_target(url, env={})
+    document = status_document()
+    responses.append(_response("200 OK", gzip.compress(json.dumps(document).encode()), "Content-Encoding: gzip"))
+    result = fetch_status(target, timeout=5)
+    assert isinstance(result, Fetched) and result.document == document
+    assert b"\r\nAccept-Encoding: gzip\r\n" in REQUESTS[-1]
+    bomb = gzip.compress(b" " * (MAX_DOCUMENT_BYTES + 1024))  # about 33 KB that inflate past the limit
+    responses.append(_response("200 OK", bomb, "Content-Encoding: gzip"))
+    result = fetch_status(target, timeout=5)
+    assert isinstance(result, FetchFailed) and f"sent more than {MAX_DOCUMENT_BYTES} bytes" in result.line
+    responses.append(_response("200 OK", gzip.compress(b'{"api_version": 1}')[:-12], "Content-Encoding: gzip"))
+    result = fetch_status(target, timeout=5)
+    assert isinstance(result, FetchFailed) and "sent broken gzip" in result.line
 
 
 def test_basic_auth_against_a_real_sidecar(socket_dir: Path) -> None:

@@ -81,8 +81,7 @@ def render_body(view: View) -> list[RenderableType]:
 
 
 def body_or_problem(view: View) -> list[RenderableType]:
-    """render_body, or one line naming what the document lacks: a sidecar of another version never
-    brings a traceback to the screen."""
+    """render_body, or one line naming what the document lacks (never a traceback on screen)."""
     try:
         return render_body(view)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
@@ -157,8 +156,9 @@ def group_block(group: Mapping[str, Any], ranks: Mapping[str, Mapping[str, Any]]
 
 
 class CellRow:
-    """Equal-width cells a space apart, as many a line as fit: a wide tp row wraps into aligned columns
-    (Text's own wrapping would split the padding of a cell from its number)."""
+    """Equal-width cells a space apart, as many a line as fit, so a wide tp row wraps into aligned columns."""
+
+    # Text's own wrapping breaks at spaces, splitting a right-aligned cell's padding from its number.
 
     def __init__(self, cells: Sequence[Text], width: int) -> None:
         self.cells, self.width = list(cells), width

@@ -74,8 +74,8 @@ def status_document(
     unfulfilled: Mapping[str, float] | None = None, rejections: Mapping[str, int] | None = None,
     upstreams: list[dict[str, Any]] | None = None, history: int = 40,
 ) -> dict[str, Any]:
-    """A schema-valid status of dp × pp × tp ranks; `states` by (dp, pp, tp) (live otherwise),
-    `diverging` a spread ratio by dp group, `unfulfilled` tokens by reason."""
+    """A schema-valid status of dp × pp × tp ranks, `states` by (dp, pp, tp) and live otherwise."""
+    # diverging: a spread ratio by dp group; unfulfilled: tokens by reason; history: bandwidth points.
     states = dict(states or {})
     labels = dict(labels)
     ranks, groups = [], []

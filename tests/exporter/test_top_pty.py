@@ -124,8 +124,8 @@ class Terminal:
 
 
 def quits_cleanly(term: Terminal, press: Callable[[], object]) -> None:
-    """After `press`, top exits 0 and leaves the terminal as the shell had it: the alternate screen
-    left, the cursor shown, cooked mode with echo and signals, and no traceback."""
+    """After `press`, top exits 0 with no traceback and leaves the terminal as the shell had it."""
+    # As it had it: the alternate screen left, the cursor shown, canonical mode with echo and signals.
     left = len(term.raw)
     press()
     term.wait_for(lambda text: text.rstrip().endswith(PROMPT.rstrip()), 15, "the shell's prompt after top")

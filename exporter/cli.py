@@ -1,4 +1,4 @@
-"""Command line: `hicache-exporter serve | demo | check-config | version`."""
+"""Command line: `hicache-exporter serve | demo | check-config | top | version`."""
 
 from __future__ import annotations
 
@@ -121,8 +121,35 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file and its catalog, then exit")
     check.add_argument("file", type=Path)
 
+    _add_top_parser(sub)
+
     sub.add_parser("version", help="print the version")
     return parser
+
+
+def _add_top_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from exporter.top.fetch import DEFAULT_URL, ENV_PASSWORD
+
+    top = sub.add_parser("top", help="a refreshing terminal view of a sidecar's status (needs the `top` extra: rich)",
+                         description="Poll a sidecar's /api/v1/status and show its ranks, rollups, bandwidth, "
+                                     "reasons, replica spread, upstreams and health, refreshed in place. "
+                                     "q or Ctrl-C quits. A sidecar that cannot be read is shown as such "
+                                     "and polled again.")
+    top.add_argument("--url", default=DEFAULT_URL,
+                     help=f"the sidecar's base URL, http:// or https://, with an optional path prefix and "
+                          f"USER:PASSWORD@ (default {DEFAULT_URL})")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between polls (default 2)")
+    top.add_argument("--timeout", type=float, default=5.0,
+                     help="seconds one poll may take before it counts as unreachable (default 5)")
+    top.add_argument("--once", action="store_true",
+                     help="print one frame and exit: 0 when the sidecar was read, 1 when it could not be")
+    top.add_argument("--web.user", dest="web_user", metavar="USER", help="basic-auth user (beats the URL's)")
+    top.add_argument("--web.password-file", dest="web_password_file", type=Path, metavar="FILE",
+                     help=f"file holding the basic-auth password (beats ${ENV_PASSWORD}, which beats the URL's)")
+    top.add_argument("--ca-file", type=Path, metavar="FILE", help="CA bundle that signed the sidecar's certificate")
+    top.add_argument("--insecure", action="store_true", help="do not verify the sidecar's TLS certificate")
+    top.add_argument("--cert-file", type=Path, metavar="FILE", help="client certificate, when the sidecar asks for one")
+    top.add_argument("--key-file", type=Path, metavar="FILE", help="the client certificate's key")
 
 
 def _logfmt_value(value: str) -> str:
@@ -228,6 +255,22 @@ def _demo(args: argparse.Namespace) -> int:
         raise _naming_the_setting(err, None, flags) from err
 
 
+def _top(args: argparse.Namespace) -> int:
+    from exporter.top.fetch import build_target
+
+    if args.interval <= 0 or args.timeout <= 0:
+        raise HicacheExporterError("--interval and --timeout must be positive")
+    target = build_target(args.url, args.web_user, args.web_password_file, insecure=args.insecure,
+                          ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file)
+    try:
+        import rich  # noqa: F401  (the optional `top` extra; the sidecar image ships without it)
+    except ImportError:
+        raise HicacheExporterError("top needs the rich library: pip install 'hicache-exporter[top]'") from None
+    from exporter.top.screen import run_top
+
+    return run_top(target, interval=args.interval, timeout=args.timeout, once=args.once)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -237,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "version":
         print(f"hicache-exporter {__version__}")
         return 0
-    handlers = {"serve": _serve, "check-config": _check_config, "demo": _demo}
+    handlers = {"serve": _serve, "check-config": _check_config, "demo": _demo, "top": _top}
     try:
         return handlers[args.command](args)
     except HicacheExporterError as err:

@@ -1,0 +1,419 @@
+"""The status document as rich renderables: a pure function of the View and the time, no I/O.
+
+Everything from the document is put on screen as `Text`, never as markup, so a label value such
+as `[bold]x[/bold]` shows as written; control characters in it are shown escaped, so a label
+cannot move the cursor or recolour the terminal.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.columns import Columns
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.measure import Measurement
+from rich.styled import Styled
+from rich.table import Table
+from rich.text import Text
+
+from exporter.top.view import View
+
+STATES = ("live", "stale", "departed", "expired")
+STATE_STYLE = {"live": "black on green", "stale": "black on yellow", "departed": "white on blue",
+               "expired": "white on red"}
+ABSENT_STYLE = "dim"  # a grid position no rank of the group has reported from
+SECTION = "bold underline"
+BLOCKS = "▁▂▃▄▅▆▇█"
+SPARK_WIDTH = 30
+NOT_LIVE_SHOWN = 6  # ranks listed under the grid, one a line; the rest are counted
+SPREAD_SHOWN = 6  # replica groups listed; the rest are counted
+OCCUPANCY = ("hicache_host_used_tokens", "hicache_host_total_tokens")
+
+
+def render_frame(view: View, now: float | None = None) -> RenderableType:
+    """The whole frame: the header, then every section of the document (or why there is none)."""
+    return Group(render_header(view, time.time() if now is None else now), *body_or_problem(view))
+
+
+def render_header(view: View, now: float) -> RenderableType:
+    """The title line and, when the last poll failed, the line saying why."""
+    doc = view.document
+    title = Text.assemble(("hicache-exporter top", "bold"), "  ", literal(view.target.url))
+    sidecar = doc.get("sidecar") if doc is not None else None
+    if isinstance(sidecar, dict):  # read with .get: the header stays up even over a document it cannot show
+        title.append("  sidecar ")
+        title.append_text(literal(f"{sidecar.get('version', '?')} ({str(sidecar.get('revision', '?'))[:12]})"))
+        if isinstance(sidecar.get("uptime_seconds"), (int, float)):
+            title.append(f"  up {duration(sidecar['uptime_seconds'])}")
+        if sidecar.get("ready") is not None:
+            title.append("  ")
+            title.append(*(("ready", "green") if sidecar["ready"] else ("NOT READY", "bold red")))
+    if view.document_at is not None:
+        title.append(f"  read {duration(max(0.0, now - view.document_at))} ago")
+    title.append("   q quits", "dim")
+    lines: list[RenderableType] = [title]
+    if view.failure is not None:
+        problem = literal(view.failure.line)  # a redirect's Location, say, is the server's text
+        problem.stylize("bold red")
+        problem.append(f"  (retrying every {view.interval:g} s", style="red")
+        if view.document_at is not None:
+            problem.append(f"; below: the status read at {time.strftime('%H:%M:%S', time.localtime(view.document_at))}",
+                           style="red")
+        problem.append(")", style="red")
+        lines.append(problem)
+    elif doc is None:
+        lines.append(Text(f"connecting to {view.target.status_url} ...", style="yellow"))
+    return Group(*lines)
+
+
+def render_body(view: View) -> list[RenderableType]:
+    """The sections of the last document read, dimmed while the sidecar cannot be read; none before the first."""
+    doc = view.document
+    if doc is None:
+        return []
+    sections = [ranks_section(doc), transfers_section(doc), reasons_section(doc), spread_section(doc),
+                upstreams_section(doc), sidecar_section(doc)]
+    body = [part for section in sections for part in (Text(""), *section)]
+    return body if view.failure is None else [Styled(Group(*body), "dim")]
+
+
+def body_or_problem(view: View) -> list[RenderableType]:
+    """render_body, or one line naming what the document lacks (never a traceback on screen)."""
+    try:
+        return render_body(view)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+        what = f"no field {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
+        return [Text(f"cannot show the status document of {view.target.status_url} ({what})", style="bold red")]
+
+
+# --- ranks ---------------------------------------------------------------------------------
+
+
+def ranks_section(doc: Mapping[str, Any]) -> list[RenderableType]:
+    """Counts by state (also the legend), a grid per replica group, and the ranks that are not live."""
+    sidecar = doc["sidecar"]
+    by_state = sidecar["ranks_by_state"]
+    head = Text("Ranks", style=SECTION)
+    for state in STATES:
+        head.append("  ")
+        head.append(f" {by_state.get(state, 0)} {state} ", style=STATE_STYLE[state])
+    limits = sidecar["limits"]
+    head.append(f"   {limits['ranks_known']} known, at most {limits['ranks_allowed']}", style="dim")
+    ranks = {rank["id"]: rank for rank in doc["ranks"]}
+    blocks = [group_block(group, ranks) for group in doc["groups"]]
+    out: list[RenderableType] = [head]
+    if blocks:
+        out.append(Columns(blocks, padding=(0, 3)))
+    else:
+        out.append(Text("no ranks have connected yet", style="yellow"))
+    not_live = [rank for rank in doc["ranks"] if rank["state"] != "live"]
+    for rank in not_live[:NOT_LIVE_SHOWN]:
+        line = Text("   ")
+        line.append_text(literal(rank["state"]))
+        line.append(" ")
+        line.stylize(STATE_STYLE.get(rank["state"], "reverse"), 2)  # a chip: " stale " in the grid's colour
+        line.append(" ")
+        line.append_text(literal(rank["id"]))
+        since = rank["seconds_since_push"]
+        line.append(f"  {duration(since)} since a push" if since is not None else "  never pushed", style="dim")
+        out.append(line)
+    if len(not_live) > NOT_LIVE_SHOWN:
+        out.append(Text(f"   and {len(not_live) - NOT_LIVE_SHOWN} more ranks not live", style="bold"))
+    return out
+
+
+def group_block(group: Mapping[str, Any], ranks: Mapping[str, Mapping[str, Any]]) -> RenderableType:
+    """One replica group: pp stage (and cp rank) rows by tp rank columns, each cell its rank's state colour."""
+    title = Text(f"dp{group['dp_rank']}", style="bold")
+    if group["labels"]:
+        title.append(" ")
+        title.append_text(labels_text(group["labels"]))
+    title.append(f"  {group['live']}/{group['size']} live", style="green" if group["live"] == group["size"] else "yellow")
+    members = [ranks[member] for member in group["members"] if member in ranks]
+    at = {(rank["pp_rank"], rank["attn_cp_rank"], rank["tp_rank"]): rank for rank in members}
+    cps: list[int | None] = list(group["attn_cp_ranks"]) or [None]
+    if any(rank["attn_cp_rank"] is None for rank in members) and None not in cps:
+        cps.insert(0, None)
+    tps = sorted({*group["tp_ranks"], *(rank["tp_rank"] for rank in members)})
+    pps = sorted({*group["pp_ranks"], *(rank["pp_rank"] for rank in members)})
+    width = max((len(str(tp)) for tp in tps), default=1)
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column()
+    for pp in pps:
+        for cp in cps:
+            cells = []
+            for tp in tps:
+                rank = at.get((pp, cp, tp))
+                style = STATE_STYLE.get(rank["state"], "reverse") if rank is not None else ABSENT_STYLE
+                cells.append(Text(f"{tp:>{width}}", style=style))
+            label = f"pp{pp}" if cp is None else f"pp{pp} cp{cp}"
+            grid.add_row(Text(label, style="dim"), CellRow(cells, width))
+    return Group(title, grid)
+
+
+class CellRow:
+    """Equal-width cells a space apart, as many a line as fit, so a wide tp row wraps into aligned columns."""
+
+    # Text's own wrapping breaks at spaces, splitting a right-aligned cell's padding from its number.
+
+    def __init__(self, cells: Sequence[Text], width: int) -> None:
+        self.cells, self.width = list(cells), width
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement(self.width, max(self.width, len(self.cells) * (self.width + 1) - 1))
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        per_line = max(1, (options.max_width + 1) // (self.width + 1))
+        for start in range(0, len(self.cells), per_line):
+            yield Text(" ", no_wrap=True, overflow="crop").join(self.cells[start:start + per_line])
+
+
+# --- transfers and bandwidth ----------------------------------------------------------------
+
+
+def transfers_section(doc: Mapping[str, Any]) -> list[RenderableType]:
+    """Per transfer between tiers: rolled-up tokens and bytes, active bandwidth now and its history."""
+    bandwidth = doc["bandwidth"]
+    by_transfer = {family["transfer"]: family for family in bandwidth["families"] if family["transfer"] is not None}
+    head = Text("Transfers", style=SECTION)
+    head.append(f"   totals since the sidecar started; active bandwidth over {duration(bandwidth['window_seconds'])}, "
+                f"history every {duration(bandwidth['history_interval_seconds'])}", style="dim")
+    table = Table(box=None, padding=(0, 2), show_edge=False, header_style="bold")
+    for name, justify in (("transfer", "left"), ("tiers", "left"), ("tokens", "right"), ("bytes", "right"),
+                          ("active bandwidth", "right"), ("history", "left")):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for transfer in doc["transfers"]:
+        family = by_transfer.get(transfer["name"])
+        rate = transfer["bytes_per_second"]
+        table.add_row(literal(transfer["name"]), literal(f"{transfer['from']}→{transfer['to']}"),
+                      Text(count(transfer["tokens"]) if transfer["tokens"] is not None else "–"),
+                      Text(size(transfer["bytes"]) if transfer["bytes"] is not None else "–"),
+                      Text(speed(rate), style="bold cyan" if rate is not None else "dim"),
+                      sparkline([point[1] for point in family["history"]] if family is not None else []))
+    for family in bandwidth["families"]:
+        if family["transfer"] is None:  # a bytes counter outside the known tiers (an operator's own family)
+            rate = family["bytes_per_second"]
+            table.add_row(literal(family["family"]), Text("–"), Text("–"), Text("–"),
+                          Text(speed(rate), style="bold cyan" if rate is not None else "dim"),
+                          sparkline([point[1] for point in family["history"]]))
+    out: list[RenderableType] = [head, table]
+    occupancy = host_occupancy(doc["rollups"])
+    if occupancy is not None:
+        out.append(occupancy)
+    return out
+
+
+def host_occupancy(rollups: Sequence[Mapping[str, Any]]) -> Text | None:
+    """L2 host pool use, from the rolled-up host gauges (one live replica per group, summed)."""
+    totals = {rollup["family"]: rollup["total"] for rollup in rollups if rollup["family"] in OCCUPANCY}
+    if set(totals) != set(OCCUPANCY) or not totals[OCCUPANCY[1]]:
+        return None
+    used, capacity = totals[OCCUPANCY[0]], totals[OCCUPANCY[1]]
+    return Text(f"L2 host pool: {count(used)} of {count(capacity)} tokens in use ({100 * used / capacity:.0f}%)")
+
+
+def sparkline(values: Sequence[float | None], width: int = SPARK_WIDTH) -> Text:
+    """The last `width` values as block characters scaled to their maximum; a gap where nothing moved."""
+    shown = list(values)[-width:]
+    peak = max((v for v in shown if v is not None), default=0.0)
+    line = Text(style="cyan")
+    for value in shown:
+        if value is None or peak <= 0:
+            line.append(" ")
+        else:
+            index = min(len(BLOCKS) - 1, max(0, math.ceil(value / peak * len(BLOCKS)) - 1))
+            line.append(BLOCKS[index])
+    return line
+
+
+# --- reasons, spread, upstreams, the sidecar ------------------------------------------------
+
+
+def reasons_section(doc: Mapping[str, Any]) -> list[RenderableType]:
+    """Every family with a `reason` label, its reasons by value (those at 0 counted, not listed)."""
+    out: list[RenderableType] = [Text("Reasons", style=SECTION).append(
+        "   tokens, rolled up; attempt-level counts are not final cache misses", style="dim")]
+    for family in doc["reasons"]:
+        line = literal(family["family"])
+        line.stylize("bold")
+        if family["attempt_level"]:
+            line.append(" (attempt-level)", style="dim")
+        line.append(f"  {count(family['total'])}")
+        nonzero = sorted((r for r in family["by_reason"] if r["value"]), key=lambda r: -r["value"])
+        zeros = len(family["by_reason"]) - len(nonzero)
+        if not family["by_reason"]:
+            line.append("  (no reason reported yet)", style="dim")
+        elif not nonzero:
+            line.append(f"  ({zeros} reasons, all at 0)", style="dim")
+        else:
+            line.append(":")
+        for reason in nonzero:
+            line.append("  ")
+            line.append_text(literal(reason["reason"]))
+            line.append(f" {count(reason['value'])}", style="bold")
+        if nonzero and zeros:
+            line.append(f"  ({zeros} more at 0)", style="dim")
+        out.append(line)
+    if len(out) == 1:
+        out.append(Text("no reason families reported yet", style="dim"))
+    return out
+
+
+def spread_section(doc: Mapping[str, Any]) -> list[RenderableType]:
+    """Replica groups by how far their live replicas disagree, the diverging ones first and in red."""
+    spread = doc["spread"]
+    groups = {group["id"]: group for group in doc["groups"]}
+    out: list[RenderableType] = [Text("Replica spread", style=SECTION).append(
+        f"   (max - min) / max of the replicas' increases; diverging above {spread['threshold']:g}", style="dim")]
+    ordered = sorted(spread["groups"], key=lambda g: (not g["diverging"], -g["max_ratio"]))
+    for entry in ordered[:SPREAD_SHOWN]:
+        group = groups.get(entry["group"])
+        line = group_name(group) if group is not None else literal(entry["group"])
+        if entry["diverging"]:
+            line.append(f"  DIVERGING {entry['max_ratio']:.2f}", style="bold white on red")
+            worst = sorted(entry["series"], key=lambda s: -s["ratio"])[:3]
+            for series in worst:
+                line.append("  ")
+                line.append_text(literal(series["family"]))
+                if series["labels"]:
+                    line.append("{")
+                    line.append_text(labels_text(series["labels"]))
+                    line.append("}")
+                line.append(f" {series['ratio']:.2f}", style="bold red")
+        else:
+            line.append(f"  agree ({entry['max_ratio']:.2f})", style="green")
+        out.append(line)
+    if len(ordered) > SPREAD_SHOWN:
+        rest = ordered[SPREAD_SHOWN:]
+        diverging = sum(1 for g in rest if g["diverging"])
+        out.append(Text(f"and {len(rest)} more groups ({diverging} diverging)", style="bold red" if diverging else "dim"))
+    if not ordered:
+        out.append(Text("no replica group has two live replicas with increases in the window yet", style="dim"))
+    return out
+
+
+def group_name(group: Mapping[str, Any]) -> Text:
+    """`dp0 cache_type=...`: a replica group as its dp rank and static labels."""
+    name = Text(f"dp{group['dp_rank']}")
+    if group["labels"]:
+        name.append(" ")
+        name.append_text(labels_text(group["labels"]))
+    return name
+
+
+def upstreams_section(doc: Mapping[str, Any]) -> list[RenderableType]:
+    """The engines the sidecar proxies (none when every rank pushes)."""
+    if not doc["upstreams"]:
+        return [Text("Upstreams", style=SECTION).append("   none: every rank pushes", style="dim")]
+    table = Table(box=None, padding=(0, 2), show_edge=False, header_style="bold")
+    for name in ("upstream", "source", "state", "ranks", "samples", "last read", "errors", "last error"):
+        table.add_column(name, overflow="fold")
+    for upstream in doc["upstreams"]:
+        errors = sum(upstream["errors"].values())
+        took = upstream["last_scrape_duration_seconds"]
+        table.add_row(literal(upstream["name"]), literal(upstream["source"]),
+                      Text("up", style="green") if upstream["up"] else Text("DOWN", style="bold red"),
+                      Text(count(upstream["ranks"])), Text(count(upstream["samples"])),
+                      Text(f"{took * 1000:.0f} ms" if took is not None else "never"),
+                      Text(count(errors), style="red" if errors else ""),
+                      literal(upstream["last_error"] or ""))
+    return [Text("Upstreams", style=SECTION), table]
+
+
+def sidecar_section(doc: Mapping[str, Any]) -> list[RenderableType]:
+    """The sidecar's own health: ingest, connections, throughput, limits, and rejections by reason."""
+    sidecar = doc["sidecar"]
+    ingest, conns, limits = sidecar["ingest"], sidecar["connections"], sidecar["limits"]
+    health = Text("Sidecar", style=SECTION)
+    health.append("  ingest ")
+    health.append(*(("listening", "green") if ingest["listening"] else ("NOT LISTENING", "bold red")))
+    health.append(" on ")
+    health.append_text(literal(ingest["socket_path"]))
+    health.append(f" · connections {count(conns['open'])} open of {count(conns['allowed'])} "
+                  f"({count(conns['accepted'])} accepted)")
+    traffic = Text(f"received: frames {count(sidecar['frames_received'])} · snapshots "
+                   f"{count(sidecar['snapshots_applied'])} applied of {count(sidecar['snapshots_received'])}"
+                   f" · samples {count(sidecar['samples_applied'])}")
+    full = limits["series_allowed"] and limits["series_used"] >= limits["series_allowed"]
+    limit_line = Text(f"limits: series {count(limits['series_used'])} of {count(limits['series_allowed'])}",
+                      style="bold red" if full else "")
+    limit_line.append(f" · stale after {duration(limits['stale_after_seconds'])}, expired after "
+                      f"{duration(limits['expire_after_seconds'])} · window {duration(limits['window_seconds'])}"
+                      f" · namespace {sidecar['namespace']!r}")
+    rejected = Text(f"rejections {count(sidecar['rejections_total'])}",
+                    style="bold red" if sidecar["rejections_total"] else "green")
+    nonzero = sorted(((reason, n) for reason, n in sidecar["rejections"].items() if n), key=lambda item: -item[1])
+    for reason, n in nonzero:
+        rejected.append("  ")
+        rejected.append_text(literal(reason))
+        rejected.append(f" {count(n)}", style="bold red")
+    out: list[RenderableType] = [health, traffic, limit_line, rejected]
+    conflicts = {family: n for family, n in sidecar["rollup_layout_conflicts"].items() if n}
+    if conflicts:
+        line = Text("histogram layouts left out of their rollup:", style="yellow")
+        for family, n in sorted(conflicts.items()):
+            line.append("  ")
+            line.append_text(literal(family))
+            line.append(f" {count(n)}")
+        out.append(line)
+    return out
+
+
+# --- text and numbers -----------------------------------------------------------------------
+
+
+def literal(value: object) -> Text:
+    """`value` as plain text: no markup, control characters shown as escapes (\\x1b), never sent to the terminal."""
+    text = str(value)
+    if not text.isprintable():
+        text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    return Text(text)
+
+
+def labels_text(labels: Mapping[str, str]) -> Text:
+    """`name=value, ...` with every name and value literal."""
+    out = Text()
+    for i, (name, value) in enumerate(labels.items()):
+        if i:
+            out.append(", ")
+        out.append_text(literal(name))
+        out.append("=")
+        out.append_text(literal(value))
+    return out
+
+
+def count(value: float) -> str:
+    """12,080; a fraction keeps two places."""
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:,.2f}"
+
+
+def size(value: float) -> str:
+    """Bytes in binary units: 118.0 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def speed(bytes_per_second: float | None) -> str:
+    """An active bandwidth, or `idle` when the window saw no transfer."""
+    return "idle" if bytes_per_second is None else size(bytes_per_second) + "/s"
+
+
+def duration(seconds: float) -> str:
+    """45s, 3m12s, 2h05m, 1d02h."""
+    whole = int(seconds)
+    if seconds < 10 and not float(seconds).is_integer():
+        return f"{seconds:.1f}s"
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"

@@ -1,0 +1,570 @@
+"""`hicache-exporter top` without a terminal: rendering schema-valid status documents, fetching over
+real HTTP (refused, silent, 401, not JSON, a real sidecar with basic auth) and the command's flags.
+
+The documents are built here from a rank layout and validated against docs/api/v1.schema.json
+before they are rendered, so a test can only pass on a document the sidecar may really send.
+The pseudo-terminal test against a live sidecar is tests/exporter/test_top_pty.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import bcrypt
+import pytest
+from jsonschema import Draft202012Validator
+from rich.cells import cell_len
+from rich.console import Console, RenderableType
+
+from exporter.catalog import default_catalog
+from exporter.errors import ErrorCode, HicacheExporterError
+from exporter.top.fetch import (
+    ENV_PASSWORD,
+    MAX_DOCUMENT_BYTES,
+    FailureKind,
+    Fetched,
+    FetchFailed,
+    Target,
+    build_target,
+    fetch_status,
+)
+from exporter.top.render import BLOCKS, STATE_STYLE, group_block, render_frame, sparkline
+from exporter.top.screen import Frame, Scroll
+from exporter.top.view import View
+from tests.helpers import SidecarThread, free_port, sidecar_config
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEMA = REPO / "docs" / "api" / "v1.schema.json"
+CLI = [sys.executable, "-m", "exporter.cli"]
+NOW = 1_764_400_000.0
+STATIC = {"cache_type": "UnifiedRadixCache"}
+SINCE_PUSH = {"live": 0.4, "stale": 14.0, "departed": 31.0, "expired": 420.0}
+GiB = 1024 ** 3
+
+
+def validate_status(document: Mapping[str, Any]) -> None:
+    """Fail unless `document` is a valid body of GET /api/v1/status."""
+    schema = json.loads(SCHEMA.read_text())
+    Draft202012Validator({"$defs": schema["$defs"], "$ref": "#/$defs/status"}).validate(document)
+
+
+def _id(tp: int, pp: int, dp: int, labels: Mapping[str, str]) -> str:
+    return " ".join([f"tp={tp} pp={pp} dp={dp}", *(f"{k}={v}" for k, v in labels.items())])
+
+
+def _group_id(dp: int, labels: Mapping[str, str]) -> str:
+    return " ".join([f"dp={dp}", *(f"{k}={v}" for k, v in labels.items())])
+
+
+def status_document(
+    dp: int = 2, pp: int = 2, tp: int = 2, states: Mapping[tuple[int, int, int], str] | None = None,
+    labels: Mapping[str, str] = STATIC, diverging: Mapping[int, float] | None = None,
+    unfulfilled: Mapping[str, float] | None = None, rejections: Mapping[str, int] | None = None,
+    upstreams: list[dict[str, Any]] | None = None, history: int = 40,
+) -> dict[str, Any]:
+    """A schema-valid status of dp × pp × tp ranks, `states` by (dp, pp, tp) and live otherwise."""
+    # diverging: a spread ratio by dp group; unfulfilled: tokens by reason; history: bandwidth points.
+    states = dict(states or {})
+    labels = dict(labels)
+    ranks, groups = [], []
+    for d in range(dp):
+        members = []
+        for p in range(pp):
+            for t in range(tp):
+                state = states.get((d, p, t), "live")
+                rank_id = _id(t, p, d, labels)
+                members.append((rank_id, state))
+                ranks.append({
+                    "id": rank_id, "group": _group_id(d, labels), "tp_rank": t, "pp_rank": p, "dp_rank": d,
+                    "attn_cp_rank": None, "labels": labels, "state": state, "source": "push",
+                    "epoch": f"{d:02x}{p:02x}{t:02x}" + "0" * 26, "pid": 4000 + len(ranks), "seq": 90, "restarts": 0,
+                    "reconnects": 0, "snapshots": 90, "series": 40, "seconds_since_push": SINCE_PUSH[state],
+                    "seconds_since_activity": SINCE_PUSH[state], "last_push_time": NOW - SINCE_PUSH[state],
+                })
+        groups.append({
+            "id": _group_id(d, labels), "dp_rank": d, "labels": labels, "members": [m for m, _ in members],
+            "size": len(members), "live": sum(1 for _, s in members if s == "live"), "pp_ranks": list(range(pp)),
+            "tp_ranks": list(range(tp)), "attn_cp_ranks": [],
+        })
+    by_state = {state: sum(1 for r in ranks if r["state"] == state) for state in SINCE_PUSH}
+    catalog = default_catalog()
+    reason_families = [spec for spec in catalog.families if "reason" in spec.labels]
+    unfulfilled = dict(unfulfilled or {})
+    reasons = []
+    for spec in reason_families:
+        preset = list(spec.preset.get("reason", ()))
+        values = {r: float(unfulfilled.get(r, 0)) if spec.name == "storage_prefetch_unfulfilled_tokens_total" else 0.0
+                  for r in preset}
+        reasons.append({"family": spec.name, "semantics": spec.semantics.value,
+                        "attempt_level": spec.name == "storage_prefetch_unfulfilled_tokens_total",
+                        "total": sum(values.values()), "by_reason": [{"reason": r, "value": v} for r, v in values.items()]})
+    load_back_rate = 1.5 * GiB
+    curve = [None if i % 7 == 6 else load_back_rate * (i + 1) / history for i in range(history)]
+    bandwidth_families = []
+    transfers = []
+    for name, source, to, tokens_family, bytes_family, tokens, moved, rate, points in (
+        ("load_back", "L2", "L1", "load_back_tokens_total", "load_back_bytes_total", 12080, 123_699_200,
+         load_back_rate, curve),
+        ("backup", "L1", "L2", "hicache_backup_tokens_total", "hicache_backup_bytes_total", 4096, 8_388_608,
+         None, [None] * history),
+        ("prefetch", "L3", "L2", "prefetched_tokens_total", "storage_prefetch_bytes_total", 2048, 4_194_304,
+         250e6, [250e6] * history),
+        ("storage_backup", "L2", "L3", "backuped_tokens_total", "storage_backup_bytes_total", 1024, 2_097_152,
+         None, [None] * history),
+    ):
+        transfers.append({"name": name, "from": source, "to": to, "tokens_family": tokens_family, "tokens": tokens,
+                          "bytes_family": bytes_family, "bytes": moved, "bytes_per_second": rate})
+        duration_family = bytes_family.replace("_bytes_total", "_duration_seconds")
+        bandwidth_families.append({
+            "family": bytes_family, "exported": "sglang_rollup_" + bytes_family.replace("_bytes_total",
+                                                                                        "_active_bandwidth_bytes_per_second"),
+            "duration_family": duration_family, "transfer": name, "bytes_per_second": rate,
+            "bytes_delta": rate * 6 if rate else 0, "seconds_delta": 6.0 if rate else 0,
+            "series": [{"labels": labels, "bytes_per_second": rate}] if rate else [],
+            "history": [[NOW - 5 * (history - i), v] for i, v in enumerate(points)],
+        })
+    rollups = [
+        {"family": "hicache_host_used_tokens", "exported": "sglang_rollup_hicache_host_used_tokens", "type": "gauge",
+         "semantics": "replicated", "attempt_level": False, "unit": "tokens", "total": 3000.0 * dp,
+         "series": [{"labels": labels, "value": 3000.0 * dp}]},
+        {"family": "hicache_host_total_tokens", "exported": "sglang_rollup_hicache_host_total_tokens", "type": "gauge",
+         "semantics": "replicated", "attempt_level": False, "unit": "tokens", "total": 12000.0 * dp,
+         "series": [{"labels": labels, "value": 12000.0 * dp}]},
+    ]
+    spread_groups = []
+    for d in range(dp):
+        ratio = (diverging or {}).get(d, 0.01)
+        spread_groups.append({"group": _group_id(d, labels), "max_ratio": ratio, "diverging": ratio > 0.2,
+                              "series": [{"family": "load_back_tokens_total", "labels": {"pool": "kv"}, "ratio": ratio}]})
+    all_rejections = {code.value: 0 for code in ErrorCode} | dict(rejections or {})
+    document = {
+        "api_version": 1, "generated_at": NOW,
+        "sidecar": {
+            "version": "0.1.0", "revision": "0123456789abcdef0123456789abcdef01234567", "python_version": "3.11.7",
+            "namespace": "sglang_", "started_at": NOW - 192, "uptime_seconds": 192.0, "ready": True,
+            "ingest": {"listening": True, "socket_path": "/run/hicache/metrics.sock"},
+            "connections": {"open": by_state["live"] + by_state["stale"], "accepted": len(ranks), "allowed": 512},
+            "frames_received": 1234, "snapshots_received": 1200, "snapshots_applied": 1190, "samples_applied": 48000,
+            "ranks_by_state": by_state, "rejections": all_rejections, "rejections_total": sum(all_rejections.values()),
+            "rollup_layout_conflicts": {},
+            "limits": {"series_used": 40 * len(ranks) + 100, "series_rank": 40 * len(ranks), "series_rollup": 100,
+                       "series_allowed": 100_000, "series_per_rank_allowed": 2000, "ranks_known": len(ranks),
+                       "ranks_allowed": 1024, "stale_after_seconds": 10.0, "expire_after_seconds": 300.0,
+                       "window_seconds": 60.0},
+        },
+        "ranks": ranks, "groups": groups, "rollups": rollups, "transfers": transfers,
+        "bandwidth": {"window_seconds": 60.0, "history_interval_seconds": 5.0, "history_points": history,
+                      "families": bandwidth_families},
+        "reasons": reasons, "spread": {"threshold": 0.2, "groups": spread_groups}, "upstreams": upstreams or [],
+    }
+    validate_status(document)
+    return document
+
+
+TARGET = Target(url="http://sidecar:9400", status_url="http://sidecar:9400/api/v1/status")
+
+
+def view_of(document: dict[str, Any], failure: FetchFailed | None = None) -> View:
+    view = View(TARGET, interval=2.0)
+    view.update(Fetched(document, at=NOW, seconds=0.01))
+    if failure is not None:
+        view.update(failure)
+    return view
+
+
+def console(width: int = 160, height: int = 50) -> Console:
+    return Console(file=io.StringIO(), width=width, height=height, color_system="standard", force_terminal=True,
+                   legacy_windows=False, record=True)
+
+
+def screen_text(renderable: RenderableType, width: int = 160) -> str:
+    out = console(width)
+    out.print(renderable)
+    return out.export_text()
+
+
+def styled_cells(renderable: RenderableType, width: int = 160) -> list[list[tuple[str, str]]]:
+    """Each rendered line as its (text, style) segments, blank styles left out."""
+    out = console(width)
+    lines = out.render_lines(renderable, out.options, pad=False)
+    return [[(seg.text, str(seg.style)) for seg in line if seg.text.strip() and seg.style] for line in lines]
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+
+def test_the_grid_colours_every_rank_by_its_state() -> None:
+    states = {(0, 1, 1): "stale", (1, 0, 0): "expired", (1, 1, 1): "departed"}
+    doc = status_document(dp=2, pp=2, tp=2, states=states)
+    ranks = {rank["id"]: rank for rank in doc["ranks"]}
+    for group in doc["groups"]:
+        lines = styled_cells(group_block(group, ranks), width=60)
+        assert lines[0][0] == (f"dp{group['dp_rank']} cache_type=UnifiedRadixCache", "bold")
+        rows = {line[0][0]: line[1:] for line in lines[1:]}  # "pp0": the cells of that row, tp 0 first
+        assert set(rows) == {"pp0", "pp1"}
+        for pp, cells in rows.items():
+            assert [text for text, _ in cells] == ["0", "1"]
+            for tp, (_, style) in enumerate(cells):
+                state = states.get((group["dp_rank"], int(pp[2:]), tp), "live")
+                assert style == STATE_STYLE[state], (group["id"], pp, tp)
+    text = screen_text(render_frame(view_of(doc), now=NOW + 3))
+    assert " 5 live " in text and " 1 stale " in text and " 1 departed " in text and " 1 expired " in text
+    assert "dp0 cache_type=UnifiedRadixCache  3/4 live" in text and "dp1 cache_type=UnifiedRadixCache  2/4 live" in text
+    # Every rank that is not live is named, with how long it has been silent.
+    assert "   stale  tp=1 pp=1 dp=0 cache_type=UnifiedRadixCache  14s since a push\n" in text
+    assert "   expired  tp=0 pp=0 dp=1 cache_type=UnifiedRadixCache  7m00s since a push\n" in text
+    assert "   departed  tp=1 pp=1 dp=1 cache_type=UnifiedRadixCache  31s since a push\n" in text
+    assert "read 3s ago" in text and "sidecar 0.1.0 (0123456789ab)" in text and "up 3m12s" in text
+
+
+def test_totals_bandwidth_history_occupancy_and_reasons_are_shown() -> None:
+    doc = status_document(unfulfilled={"below_threshold": 512, "deadline": 4096, "storage_transfer": 64})
+    text = screen_text(render_frame(view_of(doc), now=NOW))
+    lines = text.splitlines()
+    load_back = next(line for line in lines if line.lstrip().startswith("load_back"))
+    assert "L2→L1" in load_back and "12,080" in load_back and "118.0 MiB" in load_back and "1.5 GiB/s" in load_back
+    backup = next(line for line in lines if line.lstrip().startswith("backup"))
+    assert "L1→L2" in backup and "4,096" in backup and "8.0 MiB" in backup and "idle" in backup
+    assert "238.4 MiB/s" in next(line for line in lines if line.lstrip().startswith("prefetch"))
+    assert "L2 host pool: 6,000 of 24,000 tokens in use (25%)" in text
+    unfulfilled = next(line for line in lines if line.startswith("storage_prefetch_unfulfilled_tokens_total"))
+    assert "(attempt-level)" in unfulfilled and "4,672:" in unfulfilled
+    # Largest first; the presets still at 0 are counted, not listed.
+    assert unfulfilled.index("deadline 4,096") < unfulfilled.index("below_threshold 512") < unfulfilled.index(
+        "storage_transfer 64")
+    presets = len(default_catalog().get("storage_prefetch_unfulfilled_tokens_total").preset["reason"])
+    assert f"({presets - 3} more at 0)" in unfulfilled
+    deferred = len(default_catalog().get("storage_prefetch_deferred_tokens_total").preset["reason"])
+    assert f"storage_prefetch_deferred_tokens_total  0  ({deferred} reasons, all at 0)" in lines
+
+
+def test_the_sparkline_scales_to_its_peak_and_leaves_gaps_where_nothing_moved() -> None:
+    assert sparkline([1.0, 2.0, None, 4.0, 8.0]).plain == "▁▂ ▄█"
+    assert sparkline([None, None]).plain == "  "
+    assert sparkline([5.0] * 50, width=30).plain == "█" * 30
+    assert sparkline(list(range(1, 101)), width=8).plain == BLOCKS[-1] * 8  # the last 8 of 100: all near the peak
+    doc = status_document(history=40)
+    history = next(line for line in screen_text(render_frame(view_of(doc), now=NOW)).splitlines()
+                   if line.lstrip().startswith("load_back"))
+    assert history.rstrip().endswith("█") and " " in history.rstrip()[-30:], history  # rising, with idle windows
+
+
+def test_replica_spread_puts_diverging_groups_first() -> None:
+    doc = status_document(dp=3, diverging={2: 0.45})
+    text = screen_text(render_frame(view_of(doc), now=NOW))
+    lines = [line for line in text.splitlines() if line.startswith("dp") and ("agree" in line or "DIVERGING" in line)]
+    assert lines[0].startswith("dp2 cache_type=UnifiedRadixCache  DIVERGING 0.45  load_back_tokens_total{pool=kv} 0.45")
+    assert all("agree (0.01)" in line for line in lines[1:]) and len(lines) == 3
+    styles = [style for line in styled_cells(render_frame(view_of(doc), now=NOW)) for text, style in line
+              if "DIVERGING" in text]
+    assert styles == ["bold white on red"]
+
+
+def test_upstreams_health_and_rejections_by_reason() -> None:
+    upstream = {"name": "engine", "source": "http://127.0.0.1:30000/metrics", "up": False, "last_scrape_time": None,
+                "last_scrape_duration_seconds": 0.012, "samples": 0, "scrapes": 4, "ranks": 2,
+                "pass_through_families": 0, "errors": {"connect": 4}, "last_error": "connect: connection refused",
+                "unranked_families": [], "cp_colliding_families": []}
+    doc = status_document(rejections={"duplicate_rank": 2, "unknown_family": 5}, upstreams=[upstream])
+    text = screen_text(render_frame(view_of(doc), now=NOW), width=200)
+    row = next(line for line in text.splitlines() if line.lstrip().startswith("engine"))
+    for part in ("http://127.0.0.1:30000/metrics", "DOWN", "12 ms", "connect: connection refused"):
+        assert part in row
+    assert "rejections 7  unknown_family 5  duplicate_rank 2" in text
+    assert "ingest listening on /run/hicache/metrics.sock · connections 8 open of 512" in text
+    assert "series 420 of 100,000" in text and "stale after 10s, expired after 5m00s" in text
+
+
+def test_label_values_are_shown_literally_never_as_markup_or_terminal_codes() -> None:
+    labels = {"cache_type": "[bold]x[/bold]", "model": "<b>m</b>", "evil": "\x1b[2J\x1b]0;pwned\x07"}
+    doc = status_document(dp=1, pp=1, tp=2, labels=labels, states={(0, 0, 1): "stale"})
+    out = console(200)
+    out.print(render_frame(view_of(doc), now=NOW))
+    text = out.export_text()
+    assert "dp0 cache_type=[bold]x[/bold], model=<b>m</b>, evil=\\x1b[2J\\x1b]0;pwned\\x07" in text
+    assert "tp=1 pp=0 dp=0 cache_type=[bold]x[/bold] model=<b>m</b> evil=\\x1b[2J" in text
+    raw = out.export_text(styles=True)
+    assert "\x1b[2J" not in raw and "\x07" not in raw and "\x1b]0;" not in raw
+
+
+def test_256_ranks_in_one_group_wrap_within_the_terminal() -> None:
+    doc = status_document(dp=1, pp=1, tp=256)
+    text = screen_text(render_frame(view_of(doc), now=NOW), width=100)
+    lines = text.splitlines()
+    assert all(cell_len(line) <= 100 for line in lines)
+    start = next(i for i, line in enumerate(lines) if line.startswith("dp0 "))
+    grid = lines[start + 1:start + 1 + 12]
+    numbers = [int(word) for line in grid for word in line.split() if word.isdigit()]
+    assert numbers[:256] == list(range(256)), "every tp rank is on screen, in order"
+    assert grid[0].startswith("pp0 ") and all(line.startswith("    ") for line in grid[1:11]), "wrapped under its row"
+
+
+def test_256_ranks_in_eight_groups_sit_side_by_side() -> None:
+    doc = status_document(dp=8, pp=4, tp=8, states={(5, 3, 7): "stale"})
+    text = screen_text(render_frame(view_of(doc), now=NOW), width=160)
+    lines = text.splitlines()
+    assert all(cell_len(line) <= 160 for line in lines)
+    titles = [line.count("/32 live") for line in lines]
+    assert sum(titles) == 8 and max(titles) >= 3, "several groups per line"
+    first, last = titles.index(max(titles)), len(titles) - 1 - titles[::-1].index(next(t for t in titles[::-1] if t))
+    assert last - first <= 15, "the grid of 256 ranks takes at most 16 lines"
+    assert "dp5 cache_type=UnifiedRadixCache  31/32 live" in text and "tp=7 pp=3 dp=5" in text
+
+
+def test_a_frame_taller_than_the_screen_scrolls_under_a_fixed_header() -> None:
+    view = view_of(status_document(dp=8, pp=4, tp=8))
+    scroll = Scroll()
+    out = console(width=120, height=20)
+    lines = out.render_lines(Frame(view, scroll), out.options, pad=False)
+    text = ["".join(seg.text for seg in line).rstrip() for line in lines]
+    assert len(text) == 20 and text[0].startswith("hicache-exporter top  http://sidecar:9400")
+    assert text[-1].startswith(f"lines 1-18 of {scroll.lines}: j/k")  # 20 rows less the header's and its own
+    assert scroll.key(b" ") and scroll.offset == 18
+    assert scroll.key(b"G") and scroll.offset == scroll.lines - scroll.room
+    again = ["".join(seg.text for seg in line).rstrip() for line in out.render_lines(Frame(view, scroll), out.options)]
+    assert again[0] == text[0] and again[-1].startswith(f"lines {scroll.lines - 17}-{scroll.lines} of {scroll.lines}")
+    assert scroll.key(b"\x1b[A") and scroll.offset == scroll.lines - scroll.room - 1
+    assert scroll.key(b"g") and scroll.offset == 0 and not scroll.key(b"x")
+
+
+def test_a_failed_poll_is_shown_over_the_last_document() -> None:
+    failure = FetchFailed(FailureKind.UNREACHABLE, "http://sidecar:9400: connection refused", at=NOW + 5)
+    text = screen_text(render_frame(view_of(status_document(), failure), now=NOW + 6))
+    first, second = text.splitlines()[:2]
+    assert "read 6s ago" in first
+    assert second.startswith("unreachable: http://sidecar:9400: connection refused  (retrying every 2 s; below: the "
+                             "status read at ")
+    assert "dp0 cache_type=UnifiedRadixCache  4/4 live" in text
+    fresh = View(TARGET, interval=2.0)
+    assert "connecting to http://sidecar:9400/api/v1/status" in screen_text(render_frame(fresh, now=NOW))
+    fresh.update(failure)
+    lines = screen_text(render_frame(fresh, now=NOW)).splitlines()
+    assert lines[1] == "unreachable: http://sidecar:9400: connection refused  (retrying every 2 s)" and len(lines) == 2
+
+
+def test_a_document_it_cannot_read_is_one_line_not_a_traceback() -> None:
+    doc = status_document()
+    del doc["spread"]
+    text = screen_text(render_frame(view_of(doc), now=NOW))
+    assert "cannot show the status document of http://sidecar:9400/api/v1/status (no field 'spread')" in text
+    other = View(TARGET, interval=2.0)
+    other.update(Fetched({"api_version": 2}, at=NOW, seconds=0.01))
+    assert not other.ok and "speaks api_version 2; this top reads 1" in screen_text(render_frame(other, now=NOW))
+
+
+# --- fetching -------------------------------------------------------------------------------
+
+
+def test_build_target_takes_credentials_from_flags_environment_or_the_url(tmp_path: Path) -> None:
+    password_file = tmp_path / "password"
+    password_file.write_text("from-file\n")
+
+    def credentials(target: Target) -> str:
+        assert target.authorization is not None
+        return base64.b64decode(target.authorization.removeprefix("Basic ")).decode()
+
+    from_url = build_target("http://prom:p%40ss@host:9400/prefix/", env={})
+    assert from_url.url == "http://host:9400/prefix" and from_url.status_url == "http://host:9400/prefix/api/v1/status"
+    assert credentials(from_url) == "prom:p@ss" and "p@ss" not in from_url.url
+    assert credentials(build_target("http://prom:url@host", env={ENV_PASSWORD: "env"})) == "prom:env"
+    assert credentials(build_target("http://prom:url@host", "ops", password_file, env={ENV_PASSWORD: "env"})) == \
+        "ops:from-file"
+    assert build_target("host:9400", env={}).status_url == "http://host:9400/api/v1/status"
+    assert build_target("http://[::1]:9400", env={}).url == "http://[::1]:9400"
+    assert build_target("http://127.0.0.1:9400", env={}).authorization is None
+    for url, user, said in (("ftp://host", None, "only http:// and https://"),
+                            ("http://host:99999", None, "out of range"),
+                            ("http://host", "prom", "needs a password"),
+                            ("http://:pw@host", None, "no user")):
+        with pytest.raises(HicacheExporterError, match=said):
+            build_target(url, user, env={})
+    with pytest.raises(HicacheExporterError, match="for https:// URLs"):
+        build_target("http://host", insecure=True, env={})
+    with pytest.raises(HicacheExporterError, match="cannot read it"):
+        build_target("http://host", "prom", tmp_path / "absent", env={})
+
+
+def test_a_refused_connection_and_a_silent_server_are_unreachable() -> None:
+    refused = fetch_status(build_target(f"http://127.0.0.1:{free_port()}", env={}), timeout=2)
+    assert isinstance(refused, FetchFailed) and refused.kind is FailureKind.UNREACHABLE
+    assert refused.line.endswith(": connection refused")
+    with socket.socket() as silent:  # accepts (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        hung = fetch_status(build_target(f"http://127.0.0.1:{silent.getsockname()[1]}", env={}), timeout=0.3)
+    assert isinstance(hung, FetchFailed) and hung.kind is FailureKind.UNREACHABLE
+    assert hung.line.endswith("no answer within 0.3 s")
+
+
+@pytest.fixture
+def answering() -> Iterator[tuple[str, list[bytes]]]:
+    """A one-route HTTP server that sends whatever raw response the test queues (and keeps the requests)."""
+    responses: list[bytes] = []
+    REQUESTS.clear()
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                REQUESTS.append(conn.recv(65536))
+                conn.sendall(responses.pop(0))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}", responses
+    server.close()
+    thread.join(5)
+
+
+REQUESTS: list[bytes] = []
+
+
+def _response(status: str, body: bytes, *headers: str) -> bytes:
+    head = "\r\n".join([f"HTTP/1.1 {status}", f"Content-Length: {len(body)}", "Connection: close", *headers])
+    return head.encode() + b"\r\n\r\n" + body
+
+
+def test_answers_that_are_not_a_status_say_what_they_are(answering: tuple[str, list[bytes]]) -> None:
+    url, responses = answering
+    target = build_target(url, env={})
+    responses.append(_response("200 OK", b"<html>a proxy's page</html>"))
+    result = fetch_status(target, timeout=5)
+    assert isinstance(result, FetchFailed) and result.kind is FailureKind.INVALID and "did not send JSON" in result.line
+    responses.append(_response("302 Found", b"", "Location: http://elsewhere/login"))
+    result = fetch_status(build_target(url, "prom", env={ENV_PASSWORD: "pw"}), timeout=5)
+    assert isinstance(result, FetchFailed) and "redirects (HTTP 302) to http://elsewhere/login; not followed" in result.line
+    responses.append(_response("503 Service Unavailable", b""))
+    result = fetch_status(target, timeout=5)
+    assert isinstance(result, FetchFailed) and result.line.endswith("answered HTTP 503")
+    responses.append(_response("200 OK", b'{"api_version": 1}'))
+    assert isinstance(fetch_status(target, timeout=5), Fetched)
+
+
+def test_gzip_is_asked_for_and_inflated_within_the_size_limit(answering: tuple[str, list[bytes]]) -> None:
+    url, responses = answering
+    target = build_target(url, env={})
+    document = status_document()
+    responses.append(_response("200 OK", gzip.compress(json.dumps(document).encode()), "Content-Encoding: gzip"))
+    result = fetch_status(target, timeout=5)
+    assert isinstance(result, Fetched) and result.document == document
+    assert b"\r\nAccept-Encoding: gzip\r\n" in REQUESTS[-1]
+    bomb = gzip.compress(b" " * (MAX_DOCUMENT_BYTES + 1024))  # about 33 KB that inflate past the limit
+    responses.append(_response("200 OK", bomb, "Content-Encoding: gzip"))
+    result = fetch_status(target, timeout=5)
+    assert isinstance(result, FetchFailed) and f"sent more than {MAX_DOCUMENT_BYTES} bytes" in result.line
+    responses.append(_response("200 OK", gzip.compress(b'{"api_version": 1}')[:-12], "Content-Encoding: gzip"))
+    result = fetch_status(target, timeout=5)
+    assert isinstance(result, FetchFailed) and "sent broken gzip" in result.line
+
+
+def test_basic_auth_against_a_real_sidecar(socket_dir: Path) -> None:
+    hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()
+    running = SidecarThread(sidecar_config(socket_dir / "m.sock", http={"basic_auth_users": {"prom": hashed}})).start()
+    try:
+        bare = fetch_status(build_target(running.url, env={}), timeout=5)
+        assert isinstance(bare, FetchFailed) and bare.kind is FailureKind.UNAUTHORIZED
+        assert "needs credentials (HTTP 401): pass --web.user" in bare.line
+        wrong = fetch_status(build_target(running.url, "prom", env={ENV_PASSWORD: "wrong"}), timeout=5)
+        assert isinstance(wrong, FetchFailed) and wrong.kind is FailureKind.UNAUTHORIZED
+        assert "refused user 'prom' (HTTP 401): check the password" in wrong.line
+        url = running.url.replace("http://", "http://prom:s3cret@")
+        good = fetch_status(build_target(url, env={}), timeout=5)
+        assert isinstance(good, Fetched), good
+        validate_status(good.document)
+    finally:
+        running.stop()
+
+
+def test_tls_is_verified_against_the_ca_file_or_skipped_with_insecure(tmp_path: Path, socket_dir: Path) -> None:
+    openssl = shutil.which("openssl")
+    assert openssl, "openssl is needed to make a test certificate"
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    tls = {"tls_server_config": {"cert_file": str(cert), "key_file": str(key)}}
+    running = SidecarThread(sidecar_config(socket_dir / "m.sock", http=tls)).start()
+    try:
+        url = running.url.replace("http://", "https://")
+        unverified = fetch_status(build_target(url, env={}), timeout=5)
+        assert isinstance(unverified, FetchFailed) and unverified.kind is FailureKind.UNREACHABLE
+        assert "TLS: self-signed certificate" in unverified.line and "(pass --ca-file, or --insecure)" in unverified.line
+        verified = fetch_status(build_target(url, ca_file=cert, env={}), timeout=5)
+        assert isinstance(verified, Fetched), verified
+        validate_status(verified.document)
+        assert isinstance(fetch_status(build_target(url, insecure=True, env={}), timeout=5), Fetched)
+        plain = fetch_status(build_target(running.url, env={}), timeout=5)  # http:// to a TLS port
+        assert isinstance(plain, FetchFailed) and plain.kind is FailureKind.UNREACHABLE
+        assert plain.line.endswith("(does it serve https://?)"), plain.line
+    finally:
+        running.stop()
+    bare = SidecarThread(sidecar_config(socket_dir / "n.sock")).start()
+    try:
+        mistaken = fetch_status(build_target(bare.url.replace("http://", "https://"), insecure=True, env={}), timeout=5)
+        assert isinstance(mistaken, FetchFailed) and mistaken.line.endswith("(does it serve plain http://?)")
+    finally:
+        bare.stop()
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def test_once_against_a_down_sidecar_prints_unreachable_and_exits_1() -> None:
+    port = free_port()
+    result = subprocess.run([*CLI, "top", "--once", "--url", f"http://127.0.0.1:{port}", "--interval", "1"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1, result.stderr
+    assert f"unreachable: http://127.0.0.1:{port}: connection refused" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--url", "ftp://host"], "only http:// and https://"),
+    (["--web.user", "prom"], "needs a password"),
+    (["--interval", "0"], "must be positive"),
+    (["--ca-file", "/x.pem"], "for https:// URLs"),
+])
+def test_bad_flags_are_one_line_and_exit_2(args: list[str], said: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != ENV_PASSWORD}
+    result = subprocess.run([*CLI, "top", "--once", *args], capture_output=True, text=True, timeout=30, env=env)
+    assert result.returncode == 2 and said in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stdout == ""
+
+
+def test_without_rich_it_says_what_to_install_and_the_sidecar_never_imports_it() -> None:
+    hide_rich = ("import sys; sys.modules['rich'] = None\n"  # as if the `top` extra were not installed
+                 "from exporter.cli import main\n"
+                 "sys.exit(main(['top', '--once']))")
+    result = subprocess.run([sys.executable, "-c", hide_rich], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "hicache-exporter: error: top needs the rich library: pip install 'hicache-exporter[top]'"
+    imports = ("import sys, exporter.cli, exporter.sidecar.runner, exporter.sidecar.app, exporter.top.fetch\n"
+               "print(sorted(m for m in sys.modules if m == 'rich' or m.startswith('rich.')))")
+    loaded = subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True, timeout=30, check=True)
+    assert loaded.stdout.strip() == "[]"
+
+
+def test_help_lists_top_and_its_flags() -> None:
+    result = subprocess.run([*CLI, "top", "--help"], capture_output=True, text=True, timeout=30)
+    for flag in ("--url", "--interval", "--once", "--web.user", "--web.password-file", ENV_PASSWORD, "--ca-file",
+                 "--insecure", "http://127.0.0.1:9400"):
+        assert flag in result.stdout
+    assert "top" in subprocess.run([*CLI, "--help"], capture_output=True, text=True, timeout=30).stdout

@@ -3,7 +3,7 @@
 The first screen (before the first `## `) says whom the project is for, the three ways to connect
 an engine with a link to each section, the one-line semantics and the two make commands. Every
 relative link points at a file of the repository (and, with `#anchor`, at a heading there); the
-config examples load with the sidecar's strict loader; every `serve` and `demo` flag is documented.
+config examples load with the sidecar's strict loader; every `serve`, `demo` and `top` flag is documented.
 """
 
 from __future__ import annotations
@@ -97,12 +97,13 @@ def test_nothing_refers_to_files_outside_the_repository() -> None:
         assert "/work/" not in body and "shared/" not in body
 
 
-def test_the_placeholder_for_the_status_page_follows_the_routes() -> None:
+def test_the_status_page_and_top_follow_the_routes() -> None:
     readme = text(README)
     running = readme.index("\n## Running the sidecar\n")
-    placeholder = readme.index("<!-- status-page-and-top -->")
-    assert readme.count("<!-- status-page-and-top -->") == 1
-    assert running < readme.index("/api/v1/ranks", running) < placeholder < readme.index("\n## Deploying on Kubernetes\n")
+    page = readme.index("\n### The status page and the JSON API\n")
+    top = readme.index("\n### `hicache-exporter top`")
+    assert running < readme.index("/api/v1/status", running) < page < top < readme.index("\n## Deploying on Kubernetes\n")
+    assert "docs/api.md" in readme[page:top] and "docs/api/v1.schema.json" in readme[page:top]
 
 
 def test_config_examples_load_with_the_sidecars_strict_loader() -> None:
@@ -116,14 +117,14 @@ def test_config_examples_load_with_the_sidecars_strict_loader() -> None:
             assert {u.label for u in config.upstreams} == {"engine", "engine-dir"}
 
 
-def test_every_serve_and_demo_flag_is_documented() -> None:
+def test_every_serve_demo_and_top_flag_is_documented() -> None:
     import argparse
 
     from exporter.cli import build_parser
 
     documented = "\n".join(text(page) for page in PAGES)
     (subparsers,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    missing = [f"{name} {flag}" for name in ("serve", "demo") for action in subparsers.choices[name]._actions
+    missing = [f"{name} {flag}" for name in ("serve", "demo", "top") for action in subparsers.choices[name]._actions
                for flag in action.option_strings if flag not in ("-h", "--help") and flag not in documented]
     assert not missing, f"flags documented nowhere in README.md or docs/: {missing}"
 

@@ -359,3 +359,31 @@ def test_reads_by_their_values_alone_leave_the_state_the_parser_and_the_slow_pat
         assert _state(fast_h, fast, fast_result) == _state(slow_h, slow, slow_result)
         fast_h.clock.advance(1)
         slow_h.clock.advance(1)
+
+
+def test_an_answer_longer_than_the_bound_is_refused_not_read() -> None:
+    import asyncio
+
+    from exporter.sidecar.upstream import UpstreamScraper
+
+    engine = Engine()
+    for tp in range(8):
+        engine.rank(tp, tokens=1, moved=1)
+    http = EngineHTTP(engine)
+    h = Harness()
+    up = feed(h, url=http.url)
+    scraper = UpstreamScraper(up.config, up)
+
+    async def two_reads() -> tuple[object, object]:
+        await scraper.start()  # the first read: within the bound
+        scraper.max_body_bytes = len(engine.text()) // 2
+        refused = await scraper.scrape_once()
+        await scraper.stop()
+        return len(h.state.ranks), refused
+
+    try:
+        ranks, refused = asyncio.run(two_reads())
+    finally:
+        http.stop()
+    assert ranks == 8 and refused is None
+    assert not up.health.up and up.health.errors == {"too_large": 1}

@@ -91,12 +91,14 @@ def parse_exposition(text: str, openmetrics: bool) -> list[Metric]:
         raise ValueError(f"{type(err).__name__}: {err}") from None
 
 
-def read_multiprocess_dir(directory: Path) -> Reading:
-    """Each process's families from a prometheus_client multiprocess directory, read apart, oldest first.
+def read_multiprocess_dir(directory: Path, merged: bool = True) -> Reading:
+    """Each process's families from a prometheus_client multiprocess directory, read apart, oldest
+    first, then (with `merged`) every process's merged, for the families passed through.
 
     prometheus_client's own reader (`MultiProcessCollector.merge`, the code the engine's /metrics
     runs) is given one process's files at a time, so one process's values are never summed with
-    another's. A process's age is its files' latest modification time.
+    another's. A process's age is its files' latest modification time. The merged reading is
+    about half the work, and only families passed through come from it.
     """
     by_pid: dict[str, list[str]] = {}
     for path in glob.glob(os.path.join(directory, "*.db")):
@@ -111,8 +113,9 @@ def read_multiprocess_dir(directory: Path) -> Reading:
             continue
         processes.append((pid, mtime, list(MultiProcessCollector.merge(sorted(files), accumulate=True))))
     processes.sort(key=lambda process: (process[1], process[0]))
-    every = sorted(path for _, files in by_pid.items() for path in files if os.path.exists(path))
-    processes.append((MERGED, 0.0, list(MultiProcessCollector.merge(every, accumulate=True))))
+    if merged:
+        every = sorted(path for _, files in by_pid.items() for path in files if os.path.exists(path))
+        processes.append((MERGED, 0.0, list(MultiProcessCollector.merge(every, accumulate=True))))
     return processes
 
 
@@ -640,7 +643,7 @@ class UpstreamScraper:
             directory = self.config.multiprocess_dir
             if not directory.is_dir():
                 raise _ReadError("read", f"{directory} is not a directory")
-            return await asyncio.wait_for(asyncio.to_thread(read_multiprocess_dir, directory),
+            return await asyncio.wait_for(asyncio.to_thread(read_multiprocess_dir, directory, self.config.pass_through),
                                           self.config.timeout_seconds)
         assert self._session is not None and self.config.url is not None
         openmetrics = self.config.format == "openmetrics"

@@ -387,3 +387,24 @@ def test_an_answer_longer_than_the_bound_is_refused_not_read() -> None:
         http.stop()
     assert ranks == 8 and refused is None
     assert not up.health.up and up.health.errors == {"too_large": 1}
+
+
+def test_a_directory_read_without_pass_through_skips_the_merged_reading_and_feeds_the_same(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from exporter.sidecar.upstream import MERGED, read_multiprocess_dir
+
+    labels = ["cache_type", "tp_rank", "pp_rank", "dp_rank"]
+    for pid, tp in (("101", "0"), ("102", "1")):  # two rank processes' files, written by prometheus_client's writer
+        values = MmapedDict(str(tmp_path / f"counter_{pid}.db"))
+        family = "sglang:load_back_bytes"  # (a family, and the name of its sample)
+        values.write_value(mmap_key(family, family + "_total", labels, ["c", tp, "0", "0"], "bytes"), 100.0 * (int(tp) + 1), 0.0)
+        values.write_value(mmap_key("sglang:num_requests", "sglang:num_requests_total", ["m"], ["x"], "r"), 1.0, 0.0)
+        values.close()
+    assert [pid for pid, _, _ in read_multiprocess_dir(tmp_path)] == ["101", "102", MERGED]
+    assert [pid for pid, _, _ in read_multiprocess_dir(tmp_path, merged=False)] == ["101", "102"]
+    both, apart = Harness(), Harness()
+    feed(both, pass_through=False).apply(read_multiprocess_dir(tmp_path), wall=1.0)
+    feed(apart, pass_through=False).apply(read_multiprocess_dir(tmp_path, merged=False), wall=1.0)
+    assert rollup(apart, "load_back_bytes_total") == 300 == rollup(both, "load_back_bytes_total")
+    assert [r.values for r in apart.state.ranks.values()] == [r.values for r in both.state.ranks.values()]

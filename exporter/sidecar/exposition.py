@@ -177,10 +177,11 @@ class SidecarCollector(Collector):
         rolled_rows = _by_family(rolled.items())
         for name, (per_rank_family, rollup_family) in self.families.bandwidth.items():
             names = self._labels[name]
-            metric = new_metric(per_rank_family)
-            for rank, values, value in rank_rows.get(name, ()):
-                metric.add_sample(metric.name, _labels(names, values, rank_labels[id(rank)]), value)
-            yield metric
+            if self.per_rank_series:  # a per-rank series of a catalog family, as the per-rank values are
+                metric = new_metric(per_rank_family)
+                for rank, values, value in rank_rows.get(name, ()):
+                    metric.add_sample(metric.name, _labels(names, values, rank_labels[id(rank)]), value)
+                yield metric
             rollup = new_metric(rollup_family)
             for (_, static, values), bw in rolled_rows.get(name, ()):
                 rollup.add_sample(rollup.name, _labels(names, values, dict(static)), bw.value)

@@ -132,3 +132,25 @@ def test_a_non_default_layout_is_exposed_rolled_up_and_gives_bandwidth(caplog: p
     for tp in range(3):  # bandwidth reads the sum, whatever the layout: every rank has it
         assert scrape.value("sglang_load_back_active_bandwidth_bytes_per_second", tp_rank=str(tp)) == 4000.0
     assert scrape.value("sglang_rollup_load_back_active_bandwidth_bytes_per_second") == 6000.0 / 1.5
+
+
+def test_rollups_only_shows_no_per_rank_catalog_series_and_both_renderers_agree() -> None:
+    """per_rank_series: false leaves out every per-rank series derived from the catalog (the
+    per-rank bandwidth too); the sidecar's own per-rank health (rank_up, ...) stays."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    renderer, stats = golden_state()
+    collector = SidecarCollector(renderer.state, stats, "sglang_", per_rank_series=False)
+    fast = Scrape(TextRenderer(collector).render().decode())
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    reference = Scrape(generate_latest(registry).decode())
+    for scrape in (fast, reference):
+        ranked = {s.name for s in scrape.samples if "tp_rank" in s.labels}
+        assert ranked == {"hicache_exporter_rank_up", "hicache_exporter_rank_last_push_timestamp_seconds",
+                          "hicache_exporter_rank_restarts_total"}
+        assert "# TYPE sglang_load_back_active_bandwidth_bytes_per_second" not in scrape.text
+        assert scrape.value("sglang_rollup_load_back_active_bandwidth_bytes_per_second") > 0
+    assert {(s.name, tuple(sorted(s.labels.items()))) for s in fast.samples if not s.name.startswith("hicache_exporter_")} \
+        == {(s.name, tuple(sorted(s.labels.items()))) for s in reference.samples if not s.name.startswith("hicache_exporter_")}

@@ -6,15 +6,20 @@ its parsers; the state runs on the harness's fake clock.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 from exporter.config import RanksConfig, UpstreamConfig
 from exporter.sidecar.registry import RankStatus
 from exporter.sidecar.stats import UpstreamHealth
-from exporter.sidecar.upstream import UpstreamFeed, parse_exposition
+from exporter.sidecar.upstream import TextReading, UpstreamFeed, _Families, parse_exposition
 from tests.exporter.sidecar.harness import Harness
+from tests.exporter.sidecar.upstream_texts import read_sequences
 
 RADIX = ("cache_type", "tp_rank", "pp_rank", "dp_rank")
 
@@ -159,6 +164,77 @@ def test_the_engines_openmetrics_quirk_parses_to_the_same_ranks() -> None:
     assert [r.values for r in by_om.state.ranks.values()] == [r.values for r in by_text.state.ranks.values()]
 
 
+def test_a_gauge_that_goes_down_is_not_a_restart() -> None:
+    h, registry = Harness(), CollectorRegistry()
+    used = Gauge("sglang:hicache_host_used_tokens", "used", ["model_name", "tp_rank", "pp_rank", "dp_rank"],
+                 registry=registry)
+    used.labels("m", "0", "0", "0").set(100)
+    up = feed(h)
+    up.apply(read(generate_latest(registry).decode()))
+    used.labels("m", "0", "0", "0").set(40)  # the host pool freed tokens
+    assert up.apply(read(generate_latest(registry).decode())).resets == 0
+    (rank,) = h.state.ranks.values()
+    assert rank.restarts == 0 and rank.values[("hicache_host_used_tokens", ())] == 40
+
+
+def test_histogram_counts_or_bounds_that_are_no_numbers_refuse_that_series_not_the_read() -> None:
+    h = Harness()
+    up = feed(h)
+    labels = 'cache_type="c",tp_rank="0",pp_rank="0",dp_rank="0"'
+    for count, bound in (("NaN", "0.1"), ("+Inf", "0.1"), ("1", "a tenth")):
+        text = ("# TYPE sglang:load_back_duration_seconds histogram\n"
+                f'sglang:load_back_duration_seconds_bucket{{{labels},le="{bound}"}} {count}\n'
+                f'sglang:load_back_duration_seconds_bucket{{{labels},le="+Inf"}} 1\n'
+                "# TYPE sglang:load_back_bytes_total counter\n"
+                f"sglang:load_back_bytes_total{{{labels}}} 5\n")
+        result = up.apply(read(text))  # the released code raised here, which ended the scraper's loop
+        assert result.rejected == 1 and rollup(h, "load_back_bytes_total") == 5
+    assert not h.state.ledger.histograms
+
+
+def test_a_text_the_parser_overflows_on_is_a_parse_error() -> None:
+    import pytest
+
+    with pytest.raises(ValueError):
+        parse_exposition("x 1 1" + "0" * 400 + "\n", False)  # a timestamp too large for a float
+    up = feed(Harness())
+    with pytest.raises(ValueError):
+        up.read_text("x 1 1" + "0" * 400 + "\n", False)
+
+
+def test_a_read_with_the_last_reads_shape_is_read_by_its_values_and_any_other_by_the_parser() -> None:
+    h, engine = Harness(), Engine()
+    engine.rank(0, tokens=10, moved=100, seconds=0.05)
+    up = feed(h)
+    first = up.read_text(engine.text(), False)
+    assert first.parsed
+    up.apply(first)
+    engine.rank(0, tokens=5, moved=50, seconds=0.5)
+    again = up.read_text(engine.text(), False)
+    assert not again.parsed
+    up.apply(again)
+    assert rollup(h, "load_back_bytes_total") == 150 and rollup(h, "load_back_tokens_total", pool="kv") == 15
+    (duration,) = h.state.ledger.histograms.values()
+    assert list(duration.counts) == [0, 1, 2] and duration.sum == 0.55
+    engine.rank(1, tokens=1)  # a new rank's series: a new shape
+    assert up.read_text(engine.text(), False).parsed
+    text = engine.text()
+    up.apply(up.read_text(text, False))
+    assert up.read_text(text.replace("# HELP sglang:load_back_bytes_total bytes",
+                                     "# HELP sglang:load_back_bytes_total other bytes"), False).parsed
+    assert up.read_text(text, False).parsed  # back to the old HELP: parsed again, then known
+    assert not up.read_text(text, False).parsed
+
+
+def test_no_layout_is_kept_for_a_text_beyond_the_series_budget() -> None:
+    h, engine = Harness(ranks_config=RanksConfig(max_series_total=2)), Engine()
+    for tp in range(4):
+        engine.rank(tp, tokens=10, moved=100, seconds=0.05)
+    up = feed(h)
+    assert up.layout_lines < sum(len(f.samples) for f in parse_exposition(engine.text(), False))
+    assert up.read_text(engine.text(), False).parsed and up.read_text(engine.text(), False).parsed
+
+
 # --- the scraper inside a real sidecar, over real HTTP ---
 
 
@@ -237,3 +313,98 @@ def test_rollups_only_leave_out_the_per_rank_series_and_the_json_view_lists_rank
     finally:
         sidecar.stop()
         http.stop()
+
+
+# --- reads by their values alone (the text layout) give what the parser gives ---
+
+
+def _state(h: Harness, up: UpstreamFeed, result: Any) -> Any:
+    """Everything a read leaves behind: ranks (values, positions, epochs), rollups, HELP texts, what
+    is passed through (as prometheus_client writes it) and what the read reported."""
+    ranks = {identity: (r.epoch, r.restarts, r.seq, r.status, r.values, r.positions, r.bucket_positions,
+                        r.layout_conflicts, r.last_push_wall) for identity, r in h.state.ranks.items()}
+    ledger = h.state.ledger
+    rollups = (ledger.counters, {k: (v.bounds, v.counts, v.sum) for k, v in ledger.histograms.items()},
+               {g: {k: (getattr(m, "value", None), getattr(m, "counts", None), getattr(m, "sum", None))
+                    for k, m in marks.items()} for g, marks in ledger.watermarks.items()},
+               ledger.gauges(h.state.ranks.values()), ledger.layout_conflicts)
+    passed = generate_latest(_Families(up.pass_through)).decode()  # type: ignore[arg-type]
+    report = None if result is None else (result.samples, result.ranks, result.resets, result.rejected,
+                                          result.unranked, result.cp_colliding, result.clashes)
+    return ranks, rollups, dict(h.state.help), passed, report, up.health.unranked, up.health.cp_colliding
+
+
+@settings(max_examples=250, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sequence=read_sequences(), openmetrics=st.booleans(), quirk=st.booleans())
+def test_reads_by_their_values_alone_leave_the_state_the_parser_and_the_slow_path_leave(
+    sequence: list[Any], openmetrics: bool, quirk: bool,
+) -> None:
+    """For every read of a sequence, the feed that reads texts by their layout where it can ends in
+    the same state as a feed given prometheus_client's parse of every text."""
+    fast_h, slow_h = Harness(), Harness()
+    fast, slow = feed(fast_h), feed(slow_h)
+    for exposition in sequence:
+        text = exposition.text(openmetrics, quirk)
+        try:
+            reading: TextReading | None = fast.read_text(text, openmetrics)
+        except ValueError:
+            reading = None
+        try:
+            families = parse_exposition(text, openmetrics)
+        except ValueError:
+            families = None
+        assert (reading is None) == (families is None), "the two ways of reading disagree on whether the text parses"
+        fast_result = None if reading is None else fast.apply(reading, wall=1.0)
+        slow_result = None if families is None else slow.apply([(None, 0.0, families)], wall=1.0)
+        assert _state(fast_h, fast, fast_result) == _state(slow_h, slow, slow_result)
+        fast_h.clock.advance(1)
+        slow_h.clock.advance(1)
+
+
+def test_an_answer_longer_than_the_bound_is_refused_not_read() -> None:
+    import asyncio
+
+    from exporter.sidecar.upstream import UpstreamScraper
+
+    engine = Engine()
+    for tp in range(8):
+        engine.rank(tp, tokens=1, moved=1)
+    http = EngineHTTP(engine)
+    h = Harness()
+    up = feed(h, url=http.url)
+    scraper = UpstreamScraper(up.config, up)
+
+    async def two_reads() -> tuple[object, object]:
+        await scraper.start()  # the first read: within the bound
+        scraper.max_body_bytes = len(engine.text()) // 2
+        refused = await scraper.scrape_once()
+        await scraper.stop()
+        return len(h.state.ranks), refused
+
+    try:
+        ranks, refused = asyncio.run(two_reads())
+    finally:
+        http.stop()
+    assert ranks == 8 and refused is None
+    assert not up.health.up and up.health.errors == {"too_large": 1}
+
+
+def test_a_directory_read_without_pass_through_skips_the_merged_reading_and_feeds_the_same(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from exporter.sidecar.upstream import MERGED, read_multiprocess_dir
+
+    labels = ["cache_type", "tp_rank", "pp_rank", "dp_rank"]
+    for pid, tp in (("101", "0"), ("102", "1")):  # two rank processes' files, written by prometheus_client's writer
+        values = MmapedDict(str(tmp_path / f"counter_{pid}.db"))
+        family = "sglang:load_back_bytes"  # (a family, and the name of its sample)
+        values.write_value(mmap_key(family, family + "_total", labels, ["c", tp, "0", "0"], "bytes"), 100.0 * (int(tp) + 1), 0.0)
+        values.write_value(mmap_key("sglang:num_requests", "sglang:num_requests_total", ["m"], ["x"], "r"), 1.0, 0.0)
+        values.close()
+    assert [pid for pid, _, _ in read_multiprocess_dir(tmp_path)] == ["101", "102", MERGED]
+    assert [pid for pid, _, _ in read_multiprocess_dir(tmp_path, merged=False)] == ["101", "102"]
+    both, apart = Harness(), Harness()
+    feed(both, pass_through=False).apply(read_multiprocess_dir(tmp_path), wall=1.0)
+    feed(apart, pass_through=False).apply(read_multiprocess_dir(tmp_path, merged=False), wall=1.0)
+    assert rollup(apart, "load_back_bytes_total") == 300 == rollup(both, "load_back_bytes_total")
+    assert [r.values for r in apart.state.ranks.values()] == [r.values for r in both.state.ranks.values()]

@@ -92,11 +92,13 @@ def status_document(
                     "epoch": f"{d:02x}{p:02x}{t:02x}" + "0" * 26, "pid": 4000 + len(ranks), "seq": 90, "restarts": 0,
                     "reconnects": 0, "snapshots": 90, "series": 40, "seconds_since_push": SINCE_PUSH[state],
                     "seconds_since_activity": SINCE_PUSH[state], "last_push_time": NOW - SINCE_PUSH[state],
+                    "world": None,
                 })
         groups.append({
             "id": _group_id(d, labels), "dp_rank": d, "labels": labels, "members": [m for m, _ in members],
             "size": len(members), "live": sum(1 for _, s in members if s == "live"), "pp_ranks": list(range(pp)),
             "tp_ranks": list(range(tp)), "attn_cp_ranks": [],
+            "expected": None, "world_conflict": False, "missing": [], "missing_count": 0,
         })
     by_state = {state: sum(1 for r in ranks if r["state"] == state) for state in SINCE_PUSH}
     catalog = default_catalog()
@@ -164,7 +166,8 @@ def status_document(
                        "ranks_allowed": 1024, "stale_after_seconds": 10.0, "expire_after_seconds": 300.0,
                        "window_seconds": 60.0},
         },
-        "ranks": ranks, "groups": groups, "rollups": rollups, "transfers": transfers,
+        "ranks": ranks, "groups": groups, "missing_groups": [], "missing_totals": {"positions": 0, "groups": 0},
+        "rollups": rollups, "transfers": transfers,
         "bandwidth": {"window_seconds": 60.0, "history_interval_seconds": 5.0, "history_points": history,
                       "families": bandwidth_families},
         "reasons": reasons, "spread": {"threshold": 0.2, "groups": spread_groups}, "upstreams": upstreams or [],

@@ -2,7 +2,8 @@
 
 The numbers are the ones /metrics shows, read through the same computations (exposition.py's
 `rollup_cells`, `window_increases`, the window's bandwidths and spreads): this module only
-reshapes them for people and for `hicache-exporter top`.
+reshapes them for people and for `hicache-exporter top`. What it adds is read off the ranks'
+hellos: the layout their worlds expect, and the positions of it no known rank holds.
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def rank_rows(state: SidecarState) -> list[dict[str, Any]]:
             "series": len(rank.values),
             "seconds_since_activity": round(now - rank.last_activity, 3),
             "last_push_time": rank.last_push_wall,
-            "world": msgspec.structs.asdict(rank.world) if rank.world else None,
+            "world": world_dict(rank.world),
         }
         for rank in sorted(state.ranks.values(), key=exposition_order)
     ]

@@ -2,10 +2,12 @@
 
     python -m bench.status_api [--ranks 256] [--repeats 30] [--http-repeats 20] [--json FILE]
 
-Ranks are laid out tp 8 x pp 2 x dp 16 (16 replica groups of 16), each holding the full catalog as
-the scrape bench builds it (every family and label set with a value). Before each timed round
-every rank pushes a snapshot with every value moved, so nothing a previous round computed or
-rendered can be reused, as between two refreshes of a page that 256 busy ranks push to.
+Ranks are laid out tp 8 x pp 2 x dp 16 (16 replica groups of 16) and say so in their hello's world,
+so the document works out every group's expected layout and missing positions (none missing: the
+work is the same, the listing empty). Each holds the full catalog as the scrape bench builds it
+(every family and label set with a value). Before each timed round every rank pushes a snapshot
+with every value moved, so nothing a previous round computed or rendered can be reused, as
+between two refreshes of a page that 256 busy ranks push to.
 
 In-process (handler time, one core): the sidecar's state fed the client library's exact
 snapshot bytes; timed are `StatusView.encode()` (the whole /api/v1/status body) and
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import socket
 import statistics
@@ -34,8 +37,17 @@ from typing import Any
 from exporter.catalog import default_catalog
 from exporter.client.metrics import MetricSet
 from exporter.config import SidecarConfig
-from exporter.protocol.framing import HEADER, encode_frame, encode_message
-from exporter.protocol.messages import Bye, Welcome, parse_client_message, parse_server_message
+from exporter.protocol.framing import HEADER, encode_frame, encode_message, encode_payload
+from exporter.protocol.messages import (
+    PROTOCOL_VERSION,
+    Bye,
+    Hello,
+    RankId,
+    Welcome,
+    World,
+    parse_client_message,
+    parse_server_message,
+)
 from exporter.sidecar.api import BandwidthHistory, StatusView
 from exporter.sidecar.exposition import SidecarCollector
 from exporter.sidecar.page import render_page
@@ -47,10 +59,10 @@ from exporter.sidecar.stats import SidecarStats
 
 from bench.common import (
     NAMESPACE,
+    STATIC_LABELS,
     Sidecar,
     advance_all,
     full_metric_set,
-    hello_payload,
     percentile,
     progress_printer,
     snapshot_payload,
@@ -64,6 +76,13 @@ TP, PP = 8, 2  # dp follows from the rank count: 256 ranks are dp 16
 def layout(index: int) -> dict[str, int]:
     """Rank keys of the index-th rank of a tp 8 x pp 2 x dp N layout."""
     return {"tp_rank": index % TP, "pp_rank": (index // TP) % PP, "dp_rank": index // (TP * PP)}
+
+
+def hello_payload(index: int, ranks: int) -> bytes:
+    """The hello of the index-th of `ranks` ranks, with a fresh epoch and the layout's world."""
+    world = World(tp_size=TP, pp_size=PP, dp_size=max(1, -(-ranks // (TP * PP))))
+    return encode_payload(Hello(protocol=PROTOCOL_VERSION, epoch=os.urandom(8).hex(), pid=os.getpid(),
+                                rank=RankId(**layout(index)), labels=dict(STATIC_LABELS), world=world))
 
 
 class FeedRanks:
@@ -97,7 +116,7 @@ def measure_in_process(ranks: int, repeats: int, progress: bool) -> dict[str, An
     state = SidecarState(catalog)
     stats = SidecarStats()
     feed = FeedRanks(ranks)
-    rank_states: list[RankState] = [state.hello(object(), parse_client_message(hello_payload(layout(i)))).rank
+    rank_states: list[RankState] = [state.hello(object(), parse_client_message(hello_payload(i, ranks))).rank
                                     for i in range(ranks)]
 
     def push_all() -> None:
@@ -135,6 +154,9 @@ def measure_in_process(ranks: int, repeats: int, progress: bool) -> dict[str, An
     check = json.loads(view.encode())
     if len(check["ranks"]) != ranks or {r["state"] for r in check["ranks"]} != {"live"}:
         raise RuntimeError("the status document does not list every rank as live")
+    unfilled = max(1, -(-ranks // (TP * PP))) * TP * PP - ranks  # the last dp group's, when ranks are not whole groups
+    if any(g["expected"] is None for g in check["groups"]) or check["missing_totals"]["positions"] != unfilled:
+        raise RuntimeError(f"the status document's layout is not the bench's: {check['missing_totals']}")
     return {"metrics_ms": metrics_ms, "status_ms": status_ms, "page_ms": page_ms, "sample_ms": sample_ms,
             "groups": len(check["groups"]), "sizes": sizes}
 
@@ -142,11 +164,11 @@ def measure_in_process(ranks: int, repeats: int, progress: bool) -> dict[str, An
 class _Rank:
     """One raw-protocol rank connection in the bench's layout (hello, then full snapshots)."""
 
-    def __init__(self, socket_path: str, index: int) -> None:
+    def __init__(self, socket_path: str, index: int, ranks: int) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(10)
         self.sock.connect(socket_path)
-        self.sock.sendall(encode_frame(hello_payload(layout(index))))
+        self.sock.sendall(encode_frame(hello_payload(index, ranks)))
         (length,) = HEADER.unpack(self._recv(HEADER.size))
         reply = parse_server_message(self._recv(length))
         if not isinstance(reply, Welcome):
@@ -178,7 +200,7 @@ def measure_http(ranks: int, repeats: int, progress: bool) -> dict[str, Any]:
     feed = FeedRanks(ranks)
     with Sidecar() as sidecar:
         say(f"{ranks} ranks: connecting to a `serve` process ...")
-        conns = [_Rank(sidecar.socket_path, i) for i in range(ranks)]
+        conns = [_Rank(sidecar.socket_path, i, ranks) for i in range(ranks)]
         try:
             pushed = 0
             latencies: dict[str, list[float]] = {"/metrics": [], "/api/v1/status": [], "/": []}

@@ -2,7 +2,8 @@
 
 The numbers are the ones /metrics shows, read through the same computations (exposition.py's
 `rollup_cells`, `window_increases`, the window's bandwidths and spreads): this module only
-reshapes them for people and for `hicache-exporter top`.
+reshapes them for people and for `hicache-exporter top`. What it adds is read off the ranks'
+hellos: the layout their worlds expect, and the positions of it no known rank holds.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import msgspec
 from exporter import __version__
 from exporter.catalog import Catalog
 from exporter.config import SidecarConfig
+from exporter.protocol.messages import World
 from exporter.sidecar.exposition import build_revision, ranks_by_status, rollup_cells, window_increases
 from exporter.sidecar.families import ExposedFamilies
 from exporter.sidecar.registry import RankIdentity, RankState, exposition_order
@@ -134,6 +136,44 @@ class BandwidthHistory:
         return [[t, v] for t, v in self._series.get(family, ())]
 
 
+def world_dict(world: World | None) -> dict[str, int] | None:
+    """A world as the API shows it: tp_size, pp_size, dp_size; None for a rank that gave none."""
+    return None if world is None else {"tp_size": world.tp_size, "pp_size": world.pp_size, "dp_size": world.dp_size}
+
+
+def label_set_worlds(ranks: Iterable[RankState]) -> dict[StaticKey, World | None]:
+    """Each static label set's world: the one its ranks reported, None where they disagree.
+
+    A label set is one server's ranks of one collector (its dp groups differ only by dp_rank), so
+    they were all launched with one world; ranks that say otherwise make every expectation of
+    that label set unknowable. A label set no rank reported a world for is absent.
+    """
+    seen: dict[StaticKey, set[World]] = {}
+    for rank in ranks:
+        if rank.world is not None:
+            seen.setdefault(rank.static, set()).add(rank.world)
+    return {static: next(iter(worlds)) if len(worlds) == 1 else None for static, worlds in seen.items()}
+
+
+def missing_positions(world: World, members: Iterable[RankState], room: int) -> tuple[int, list[dict[str, int]]]:
+    """How many (pp_rank, tp_rank) positions of `world` no member holds at any cp rank, and the first `room` of them.
+
+    The count is exact; the listing visits at most the held positions plus `room`, so a world of
+    65536 x 65536 (the protocol's bounds) costs what a small one does.
+    """
+    held = {(r.pp_rank, r.tp_rank) for r in members if r.pp_rank < world.pp_size and r.tp_rank < world.tp_size}
+    count = world.pp_size * world.tp_size - len(held)
+    listed: list[dict[str, int]] = []
+    if count and room > 0:
+        for pp in range(world.pp_size):
+            for tp in range(world.tp_size):
+                if (pp, tp) not in held:
+                    listed.append({"pp_rank": pp, "tp_rank": tp})
+                    if len(listed) >= room:
+                        return count, listed
+    return count, listed
+
+
 def upstream_sources(upstreams: Iterable[UpstreamScraper]) -> dict[RankIdentity, str]:
     """Which upstream feeds each rank identity it proxies (`upstream:<name>`); pushed ranks are not in it."""
     sources: dict[RankIdentity, str] = {}
@@ -163,7 +203,7 @@ def rank_rows(state: SidecarState) -> list[dict[str, Any]]:
             "series": len(rank.values),
             "seconds_since_activity": round(now - rank.last_activity, 3),
             "last_push_time": rank.last_push_wall,
-            "world": msgspec.structs.asdict(rank.world) if rank.world else None,
+            "world": world_dict(rank.world),
         }
         for rank in sorted(state.ranks.values(), key=exposition_order)
     ]
@@ -212,12 +252,15 @@ class StatusView:
         totals = {name: self._series_total(entries) for name, entries in cells.items()}
         bandwidth = rolled_bandwidth(state, increases, known)
         bw_totals = {name: _total(bw for _, bw in entries) for name, entries in bandwidth.items()}
+        groups, missing_groups, missing_totals = self._groups()
         return {
             "api_version": API_VERSION,
             "generated_at": state.registry.wall_clock(),
             "sidecar": self._sidecar(),
             "ranks": self._ranks(known),
-            "groups": self._groups(),
+            "groups": groups,
+            "missing_groups": missing_groups,
+            "missing_totals": missing_totals,
             "rollups": self._rollups(cells, totals),
             "transfers": self._transfers(totals, bw_totals),
             "bandwidth": self._bandwidth(bandwidth, bw_totals),
@@ -291,14 +334,28 @@ class StatusView:
                 "seconds_since_push": None if rank.last_push_wall is None else round(wall - rank.last_push_wall, 3),
                 "seconds_since_activity": round(now - rank.last_activity, 3),
                 "last_push_time": rank.last_push_wall,
+                "world": world_dict(rank.world),
             }
             for rank in known
         ]
 
-    def _groups(self) -> list[dict[str, Any]]:
-        groups = self.state.registry.groups()
-        return [
-            {
+    def _groups(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
+        """The replica groups with their expected layout and missing positions, the dp groups no rank
+        of an expected layout holds, and the exact totals of both."""
+        state = self.state
+        groups = state.registry.groups()
+        worlds = label_set_worlds(state.ranks.values())
+        # Listings are bounded (counts stay exact): at most max_ranks positions and as many groups,
+        # whatever sizes a rank claims; more than the sidecar could ever track is not worth listing.
+        room = state.config.max_ranks
+        positions = 0
+        out = []
+        for key, members in sorted(groups.items(), key=lambda item: (item[0][1], item[0][0])):
+            world = worlds.get(key[1])
+            count, missing = missing_positions(world, members, room) if world is not None else (0, [])
+            room -= len(missing)
+            positions += count
+            out.append({
                 "id": group_id(key),
                 "dp_rank": key[0],
                 "labels": dict(key[1]),
@@ -308,9 +365,35 @@ class StatusView:
                 "pp_ranks": sorted({rank.pp_rank for rank in members}),
                 "tp_ranks": sorted({rank.tp_rank for rank in members}),
                 "attn_cp_ranks": sorted({rank.attn_cp_rank for rank in members if rank.attn_cp_rank is not None}),
-            }
-            for key, members in sorted(groups.items(), key=lambda item: (item[0][1], item[0][0]))
-        ]
+                "expected": world_dict(world),
+                "world_conflict": key[1] in worlds and world is None,
+                "missing": missing,
+                "missing_count": count,
+            })
+        present: dict[StaticKey, set[int]] = {}
+        for dp_rank, static in groups:
+            present.setdefault(static, set()).add(dp_rank)
+        missing_groups: list[dict[str, Any]] = []
+        absent_groups = 0
+        room = state.config.max_ranks
+        for static, world in sorted(worlds.items()):
+            if world is None:
+                continue
+            dps = present.get(static, set())
+            absent = world.dp_size - sum(1 for dp in dps if dp < world.dp_size)
+            absent_groups += absent
+            positions += absent * world.tp_size * world.pp_size
+            if not absent or room <= 0:
+                continue
+            expected, labels = world_dict(world), dict(static)
+            for dp in range(world.dp_size):  # visits at most the present dp ranks plus `room`
+                if dp not in dps:
+                    missing_groups.append({"id": group_id((dp, static)), "dp_rank": dp, "labels": labels,
+                                           "expected": expected})
+                    room -= 1
+                    if room <= 0:
+                        break
+        return out, missing_groups, {"positions": positions, "groups": absent_groups}
 
     @staticmethod
     def _series_total(entries: list[tuple[RollupKey, float | HistAccumulator]]) -> float:

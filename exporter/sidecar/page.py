@@ -16,6 +16,7 @@ from typing import Any
 REFRESH_MS = 2000  # how often the script fetches /api/v1/status
 NOSCRIPT_REFRESH_SECONDS = 15  # without JavaScript, the browser reloads the page this often
 STATES = ("live", "stale", "departed", "expired")
+MISSING = "missing"  # a grid position, or a dp group, that the ranks' world expects and no known rank holds
 SPARK_WIDTH, SPARK_HEIGHT = 120, 24
 
 
@@ -116,11 +117,42 @@ def _row(*cells: object, cls: str = "") -> str:
 
 def legend() -> str:
     return '<p class="legend">' + "".join(
-        f'<span class="swatch state-{state}">{state}</span>' for state in STATES) + "</p>"
+        f'<span class="swatch state-{state}">{state}</span>' for state in (*STATES, MISSING)) + "</p>"
+
+
+def fmt_world(world: dict[str, int]) -> str:
+    return f"tp {world['tp_size']} × pp {world['pp_size']} × dp {world['dp_size']}"
+
+
+def label_text(labels: dict[str, str]) -> str:
+    return " ".join(f"{name}={value}" for name, value in labels.items()) or "no static labels"
+
+
+def world_conflicts(doc: dict[str, Any]) -> list[str]:
+    """One warning per static label set whose ranks reported different worlds: which worlds, by how many ranks."""
+    lines = []
+    seen: set[tuple[tuple[str, str], ...]] = set()
+    for group in doc["groups"]:
+        key = tuple(group["labels"].items())
+        if not group["world_conflict"] or key in seen:
+            continue
+        seen.add(key)
+        counts: dict[str, int] = {}
+        for rank in doc["ranks"]:
+            if rank["world"] is not None and rank["labels"] == group["labels"]:
+                counts[fmt_world(rank["world"])] = counts.get(fmt_world(rank["world"]), 0) + 1
+        worlds = ", ".join(f"{world} ({n} rank{'' if n == 1 else 's'})" for world, n in counts.items())
+        lines.append(f"world conflict: the ranks with {label_text(group['labels'])} report different parallel sizes: "
+                     f"{worlds}; no missing rank can be worked out for them")
+    return lines
 
 
 def grid(doc: dict[str, Any]) -> str:
-    """The ranks of each replica group as a table: pp stage (× cp rank) rows by tp rank columns."""
+    """The ranks of each replica group as a table: pp stage (× cp rank) rows by tp rank columns.
+
+    Positions the group's world expects and no rank holds are `missing` cells; with cp rows, one
+    cell spans them all (no rank holds that pp and tp at any cp rank). Missing dp groups follow.
+    """
     ranks = {rank["id"]: rank for rank in doc["ranks"]}
     if not doc["groups"]:
         return '<p class="empty">No rank has connected yet.</p>'
@@ -130,14 +162,26 @@ def grid(doc: dict[str, Any]) -> str:
         for member in group["members"]:
             rank = ranks[member]
             at[(rank["pp_rank"], rank["attn_cp_rank"], rank["tp_rank"])] = rank
+        missing = {(m["pp_rank"], m["tp_rank"]) for m in group["missing"]}
         cps: list[int | None] = list(group["attn_cp_ranks"]) or [None]
-        head = "".join(f"<th>tp {esc(tp)}</th>" for tp in group["tp_ranks"])
+        tps = sorted({*group["tp_ranks"], *(tp for _, tp in missing)})
+        pps = sorted({*group["pp_ranks"], *(pp for pp, _ in missing)})
+        head = "".join(f"<th>tp {esc(tp)}</th>" for tp in tps)
         rows = []
-        for pp in group["pp_ranks"]:
-            for cp in cps:
+        for pp in pps:
+            for index, cp in enumerate(cps):
                 label = f"pp {pp}" + ("" if cp is None else f" cp {cp}")
                 cells = []
-                for tp in group["tp_ranks"]:
+                for tp in tps:
+                    if (pp, tp) in missing:
+                        if index == 0:  # the later cp rows are under this cell's rowspan
+                            span = f' rowspan="{len(cps)}"' if len(cps) > 1 else ""
+                            tip = (f"pp {pp} tp {tp} of {group['id']}: expected by the ranks' world, "
+                                   "no known rank holds it")
+                            cells.append(f'<td class="rank state-{MISSING}"{span} data-missing="{esc(f"{pp}/{tp}")}" '
+                                         f'title="{esc(tip)}"><span class="tp">tp {esc(tp)}</span>'
+                                         f'<span class="st">{MISSING}</span></td>')
+                        continue
                     rank = at.get((pp, cp, tp))
                     if rank is None:
                         cells.append('<td class="rank absent">–</td>')
@@ -148,10 +192,22 @@ def grid(doc: dict[str, Any]) -> str:
                                  f'title="{esc(tip)}"><span class="tp">tp {esc(tp)}</span>'
                                  f'<span class="st">{esc(rank["state"])}</span></td>')
                 rows.append(f'<tr><th scope="row">{esc(label)}</th>{"".join(cells)}</tr>')
-        caption = f"{group['id']}: {group['live']} of {group['size']} live"
+        caption = f"{group['id']}: {group['live']} of {group['size']} live" + (
+            f", {group['missing_count']} {MISSING}" if group["missing_count"] else "")
         parts.append(f'<table class="grid" data-group="{esc(group["id"])}"><caption>{esc(caption)}</caption>'
                      f"<thead><tr><th></th>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>")
-    return '<div class="groups">' + "".join(parts) + "</div>"
+    for absent in doc["missing_groups"]:
+        expected = absent["expected"]
+        text = (f"{MISSING}: no rank of this dp group has reported "
+                f"(expected tp {expected['tp_size']} × pp {expected['pp_size']})")
+        parts.append(f'<table class="grid missing-group" data-missing-group="{esc(absent["id"])}">'
+                     f"<caption>{esc(absent['id'])}: {MISSING}</caption>"
+                     f'<tbody><tr><td class="rank state-{MISSING}">{esc(text)}</td></tr></tbody></table>')
+    listed = len(doc["missing_groups"])
+    more = doc["missing_totals"]["groups"] - listed
+    tail = f'<p class="note">and {esc(more)} more missing dp groups</p>' if more > 0 else ""
+    warnings = "".join(f'<p class="warning world-conflict">{esc(line)}</p>' for line in world_conflicts(doc))
+    return warnings + '<div class="groups">' + "".join(parts) + "</div>" + tail
 
 
 def totals(doc: dict[str, Any]) -> str:
@@ -296,5 +352,8 @@ def summary(doc: dict[str, Any]) -> str:
     """The header line: ranks by state, uptime, revision."""
     s = doc["sidecar"]
     states = ", ".join(f"{count} {state}" for state, count in s["ranks_by_state"].items() if count) or "no ranks"
+    missing = doc["missing_totals"]["positions"]
+    if missing:
+        states += f", {missing} {MISSING}"
     ready = "ready" if s["ready"] else "NOT READY"
     return f"{ready} · {states} · up {fmt_seconds(s['uptime_seconds'])} · revision {s['revision'][:12]}"

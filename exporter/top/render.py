@@ -25,6 +25,11 @@ STATES = ("live", "stale", "departed", "expired")
 STATE_STYLE = {"live": "black on green", "stale": "black on yellow", "departed": "white on blue",
                "expired": "white on red"}
 ABSENT_STYLE = "dim"  # a grid position no rank of the group has reported from
+# A position the ranks' world expects and no known rank holds: its own colour, and a mark after the
+# tp number so that it reads without colour too.
+MISSING_STYLE = "bold white on magenta"
+MISSING_MARK = "?"
+MISSING_SHOWN = 8  # positions named per line under the grid; the rest are counted
 SECTION = "bold underline"
 BLOCKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 30
@@ -93,53 +98,127 @@ def body_or_problem(view: View) -> list[RenderableType]:
 
 
 def ranks_section(doc: Mapping[str, Any]) -> list[RenderableType]:
-    """Counts by state (also the legend), a grid per replica group, and the ranks that are not live."""
+    """Counts by state (also the legend), a grid per replica group, and the ranks that are not live or missing."""
     sidecar = doc["sidecar"]
     by_state = sidecar["ranks_by_state"]
+    # Read with .get: a sidecar from before missing ranks were worked out sends none of these.
+    missing_groups = doc.get("missing_groups", [])
+    totals = doc.get("missing_totals", {"positions": 0, "groups": 0})
     head = Text("Ranks", style=SECTION)
     for state in STATES:
         head.append("  ")
         head.append(f" {by_state.get(state, 0)} {state} ", style=STATE_STYLE[state])
+    if missing_groups or any(group.get("expected") for group in doc["groups"]):  # some layout is known
+        head.append("  ")
+        head.append(f" {totals['positions']} missing ", style=MISSING_STYLE)
     limits = sidecar["limits"]
     head.append(f"   {limits['ranks_known']} known, at most {limits['ranks_allowed']}", style="dim")
     ranks = {rank["id"]: rank for rank in doc["ranks"]}
     blocks = [group_block(group, ranks) for group in doc["groups"]]
-    out: list[RenderableType] = [head]
+    blocks += [missing_group_block(absent) for absent in missing_groups]
+    out: list[RenderableType] = [head, *(Text(line, style="bold yellow") for line in world_conflicts(doc))]
     if blocks:
         out.append(Columns(blocks, padding=(0, 3)))
     else:
         out.append(Text("no ranks have connected yet", style="yellow"))
     not_live = [rank for rank in doc["ranks"] if rank["state"] != "live"]
     for rank in not_live[:NOT_LIVE_SHOWN]:
-        line = Text("   ")
-        line.append_text(literal(rank["state"]))
-        line.append(" ")
-        line.stylize(STATE_STYLE.get(rank["state"], "reverse"), 2)  # a chip: " stale " in the grid's colour
-        line.append(" ")
+        line = chip(rank["state"], STATE_STYLE.get(rank["state"], "reverse"))
         line.append_text(literal(rank["id"]))
         since = rank["seconds_since_push"]
         line.append(f"  {duration(since)} since a push" if since is not None else "  never pushed", style="dim")
         out.append(line)
     if len(not_live) > NOT_LIVE_SHOWN:
         out.append(Text(f"   and {len(not_live) - NOT_LIVE_SHOWN} more ranks not live", style="bold"))
+    out.extend(missing_lines(doc["groups"], missing_groups, totals["groups"]))
     return out
 
 
+def chip(word: str, style: str) -> Text:
+    """`   word  `, the word on its state's colour, to start a line naming ranks."""
+    line = Text("   ")
+    line.append_text(literal(word))
+    line.append(" ")
+    line.stylize(style, 2)  # a chip: " stale " in the grid's colour
+    line.append(" ")
+    return line
+
+
+def missing_lines(groups: Sequence[Mapping[str, Any]], missing_groups: Sequence[Mapping[str, Any]],
+                  groups_missing: int) -> list[Text]:
+    """One line per group with missing positions, then per missing dp group; at most NOT_LIVE_SHOWN lines."""
+    lines = []
+    for group in groups:
+        count = group.get("missing_count", 0)
+        if not count:
+            continue
+        line = chip("missing", MISSING_STYLE)
+        line.append_text(group_name(group))
+        shown = group["missing"][:MISSING_SHOWN]
+        line.append(": " + ", ".join(f"pp{m['pp_rank']} tp{m['tp_rank']}" for m in shown))
+        if count > len(shown):
+            line.append(f" and {count - len(shown)} more", style="bold")
+        lines.append(line)
+    for absent in missing_groups:
+        line = chip("missing", MISSING_STYLE)
+        line.append_text(group_name(absent))
+        expected = absent["expected"]
+        line.append(f": the whole dp group (tp {expected['tp_size']} × pp {expected['pp_size']}), no rank has reported")
+        lines.append(line)
+    unlisted = groups_missing - len(missing_groups)  # the sidecar lists a bounded number
+    out = lines[:NOT_LIVE_SHOWN]
+    if len(lines) > NOT_LIVE_SHOWN or unlisted > 0:
+        out.append(Text(f"   and {len(lines) - len(out) + max(unlisted, 0)} more groups with missing ranks",
+                        style="bold"))
+    return out
+
+
+def world_conflicts(doc: Mapping[str, Any]) -> list[str]:
+    """One warning per static label set whose ranks reported different worlds: which worlds, by how many ranks."""
+    lines = []
+    seen: set[tuple[tuple[str, str], ...]] = set()
+    for group in doc["groups"]:
+        key = tuple(group["labels"].items())
+        if not group.get("world_conflict") or key in seen:
+            continue
+        seen.add(key)
+        counts: dict[str, int] = {}
+        for rank in doc["ranks"]:
+            world = rank.get("world")
+            if world is not None and rank["labels"] == group["labels"]:
+                name = f"tp {world['tp_size']} × pp {world['pp_size']} × dp {world['dp_size']}"
+                counts[name] = counts.get(name, 0) + 1
+        worlds = ", ".join(f"{name} ({n} rank{'' if n == 1 else 's'})" for name, n in counts.items())
+        labels = literal(" ".join(f"{k}={v}" for k, v in group["labels"].items()) or "no static labels").plain
+        lines.append(f"world conflict: the ranks with {labels} report different parallel sizes: {worlds}; "
+                     "no missing rank can be worked out for them")
+    return lines
+
+
 def group_block(group: Mapping[str, Any], ranks: Mapping[str, Mapping[str, Any]]) -> RenderableType:
-    """One replica group: pp stage (and cp rank) rows by tp rank columns, each cell its rank's state colour."""
+    """One replica group: pp stage (and cp rank) rows by tp rank columns, each cell its rank's state colour.
+
+    A position the world expects and no rank holds (at any cp rank) is a missing cell, `1?`, on each
+    of its pp stage's cp rows.
+    """
     title = Text(f"dp{group['dp_rank']}", style="bold")
     if group["labels"]:
         title.append(" ")
         title.append_text(labels_text(group["labels"]))
     title.append(f"  {group['live']}/{group['size']} live", style="green" if group["live"] == group["size"] else "yellow")
+    missing = {(m["pp_rank"], m["tp_rank"]) for m in group.get("missing", ())}
+    if group.get("missing_count"):
+        title.append("  ")
+        title.append(f"{group['missing_count']} missing", style=MISSING_STYLE)
     members = [ranks[member] for member in group["members"] if member in ranks]
     at = {(rank["pp_rank"], rank["attn_cp_rank"], rank["tp_rank"]): rank for rank in members}
     cps: list[int | None] = list(group["attn_cp_ranks"]) or [None]
     if any(rank["attn_cp_rank"] is None for rank in members) and None not in cps:
         cps.insert(0, None)
-    tps = sorted({*group["tp_ranks"], *(rank["tp_rank"] for rank in members)})
-    pps = sorted({*group["pp_ranks"], *(rank["pp_rank"] for rank in members)})
-    width = max((len(str(tp)) for tp in tps), default=1)
+    tps = sorted({*group["tp_ranks"], *(rank["tp_rank"] for rank in members), *(tp for _, tp in missing)})
+    pps = sorted({*group["pp_ranks"], *(rank["pp_rank"] for rank in members), *(pp for pp, _ in missing)})
+    # One more column for the mark, in every cell of a group that has one, to keep the columns aligned.
+    width = max((len(str(tp)) for tp in tps), default=1) + (len(MISSING_MARK) if missing else 0)
     grid = Table.grid(padding=(0, 1))
     grid.add_column(no_wrap=True)
     grid.add_column()
@@ -147,12 +226,26 @@ def group_block(group: Mapping[str, Any], ranks: Mapping[str, Mapping[str, Any]]
         for cp in cps:
             cells = []
             for tp in tps:
+                if (pp, tp) in missing:
+                    cells.append(Text(f"{f'{tp}{MISSING_MARK}':>{width}}", style=MISSING_STYLE))
+                    continue
                 rank = at.get((pp, cp, tp))
                 style = STATE_STYLE.get(rank["state"], "reverse") if rank is not None else ABSENT_STYLE
                 cells.append(Text(f"{tp:>{width}}", style=style))
             label = f"pp{pp}" if cp is None else f"pp{pp} cp{cp}"
             grid.add_row(Text(label, style="dim"), CellRow(cells, width))
     return Group(title, grid)
+
+
+def missing_group_block(absent: Mapping[str, Any]) -> RenderableType:
+    """A dp group the world expects and no rank is in: its name, `missing`, and the layout it should have."""
+    title = group_name(absent)
+    title.stylize("bold")
+    title.append("  ")
+    title.append("missing", style=MISSING_STYLE)
+    expected = absent["expected"]
+    return Group(title, Text(f"no rank has reported (tp {expected['tp_size']} × pp {expected['pp_size']} expected)",
+                             style="magenta"))
 
 
 class CellRow:

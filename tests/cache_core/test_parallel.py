@@ -170,7 +170,8 @@ def test_build_rank_on_a_logging_cp_rank(tmp_path: Path) -> None:
         assert scheduler.rank == {"tp_rank": 4, "pp_rank": 0, "dp_rank": 1}  # (1 * 2 + 0) * 2 + 0
         assert scheduler.labels == {"model_name": MODEL_NAME, "engine_type": "unified", "moe_ep_rank": "0",
                                     "model": "tiny"}
-        assert scheduler.world == {"tp_size": 8, "pp_size": 2, "dp_size": 2}
+        # Only attention-TP leaders run this collector: a world would make the other tp ranks read as missing.
+        assert scheduler.world is None and clients.radix.world == {"tp_size": 2, "pp_size": 2, "dp_size": 2}
         assert clients.radix.rank == {"tp_rank": 0, "pp_rank": 0, "dp_rank": 1, "attn_cp_rank": 0}
         # Each cp rank holds half the token slots of every page.
         assert cache.shard.page_tokens == 2 and cache.shard.page_bytes == spec.geometry.shard(0, 2, 0, 2).page_bytes // 2

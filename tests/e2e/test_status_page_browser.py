@@ -2,7 +2,8 @@
 driven by Playwright: a real sidecar fed by rank processes pushing over its Unix socket.
 
 Asserted on the page as a person sees it: the grid shows every rank in its state, a rank that
-hangs turns stale and a killed one departed without a reload, label values with markup are shown
+hangs turns stale and a killed one departed without a reload, a rank its world expects and that
+never started is a `missing` cell (a whole dp group, a missing group) until it starts, label values with markup are shown
 as text (and no script runs from them), the strict Content-Security-Policy blocks nothing the page
 needs, it refreshes behind basic auth, and with JavaScript off the server's page reads the same.
 Screenshots go to test-artifacts/status-page/ (git-ignored).
@@ -27,6 +28,7 @@ import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 from playwright.sync_api import Error as PlaywrightError
 
+from exporter.client import RankClient
 from exporter.sidecar import api, page
 from tests.helpers import SidecarThread, http_get, sidecar_config, wait_until
 
@@ -155,6 +157,19 @@ class Watched:
             out[rank] = state
         return out
 
+    def missing(self) -> dict[str, list[str]]:
+        """Missing cells by group id ("pp/tp" each), and missing dp groups under their id, as the page shows them."""
+        found = self.page.eval_on_selector_all(
+            "table.grid", """tables => tables.map(t => [t.dataset.group || t.dataset.missingGroup,
+                Array.from(t.querySelectorAll('td.state-missing'), c => [c.dataset.missing || '',
+                    (c.querySelector('.st') || c).textContent])])""")
+        out: dict[str, list[str]] = {}
+        for group, cells in found:
+            for position, said in cells:
+                assert said.startswith("missing"), (group, position, said)  # the word, not only the colour
+                out.setdefault(group, []).append(position or "group")
+        return out
+
     def refreshes(self) -> int:
         return int(self.page.evaluate("Number(document.body.dataset.refreshes || 0)"))
 
@@ -247,6 +262,53 @@ def test_hung_rank_turns_stale_and_killed_rank_departs_without_reload(
     finally:
         watched.page.context.close()
         ranks.stop_all()
+
+
+def test_a_never_started_rank_is_missing_until_it_starts_without_reload(
+    fed: tuple[SidecarThread, Ranks], browser: Browser,
+) -> None:
+    sidecar, _ = fed
+    world = {"tp_size": 2, "pp_size": 1, "dp_size": 2}  # said by every rank of model "gaps"; only some start
+
+    def start(tp: int, dp: int, sizes: dict[str, int] = world) -> RankClient:
+        client = RankClient(sidecar.socket_path, rank={"tp_rank": tp, "pp_rank": 0, "dp_rank": dp},
+                            labels={"cache_type": "UnifiedRadixCache", "model": "gaps"}, interval=PUSH_INTERVAL,
+                            world=sizes, preset=False)
+        client.counter("load_back_tokens_total", pool="kv").inc(64)
+        return client.start()
+
+    dp0, dp1 = (f"dp={dp} cache_type=UnifiedRadixCache model=gaps" for dp in range(2))
+    clients = [start(0, 0)]
+    watched = _open(browser, sidecar.url)
+    try:
+        wait_until(lambda: watched.missing() == {dp0: ["0/1"], dp1: ["group"]}, timeout=20)
+        assert watched.page.locator("p.legend .swatch").all_inner_texts()[-1] == "missing"
+        assert watched.page.locator(f'table[data-group="{dp0}"] caption').inner_text().endswith(
+            ": 1 of 1 live, 1 missing")
+        assert watched.page.locator(f'table[data-missing-group="{dp1}"] caption').inner_text() == f"{dp1}: missing"
+        assert ", 3 missing" in watched.page.locator("#summary").inner_text()  # tp 1 of dp 0, dp 1's two positions
+        watched.screenshot("missing")
+        watched.page.evaluate("window.__loadedOnce = true")  # gone if the page reloads
+        clients.append(start(1, 0))  # the rank that was missing starts: its cell turns live
+        wait_until(lambda: watched.cells().get(rank_id(1, 0, 0, "gaps")) == "live", timeout=20)
+        assert watched.missing() == {dp1: ["group"]}
+        clients.append(start(0, 1))  # a rank of the missing group: the group appears, its tp 1 missing
+        wait_until(lambda: watched.missing() == {dp1: ["0/1"]}, timeout=20)
+        assert ", 1 missing" in watched.page.locator("#summary").inner_text()
+        clients.append(start(1, 1, {**world, "tp_size": 4}))  # says another world: nothing can be expected
+        warning = watched.page.locator("p.warning.world-conflict")
+        wait_until(lambda: warning.count() == 1 and watched.missing() == {}, timeout=20)
+        assert warning.inner_text() == (
+            "world conflict: the ranks with cache_type=UnifiedRadixCache model=gaps report different parallel "
+            "sizes: tp 2 × pp 1 × dp 2 (3 ranks), tp 4 × pp 1 × dp 2 (1 rank); no missing rank can be worked out "
+            "for them")
+        watched.screenshot("world-conflict")
+        assert watched.page.evaluate("window.__loadedOnce === true"), "the page reloaded"
+        assert watched.errors == [] and watched.dialogs == []
+    finally:
+        watched.page.context.close()
+        for client in clients:
+            client.close()
 
 
 def test_page_without_javascript_is_readable(fed: tuple[SidecarThread, Ranks], browser: Browser) -> None:

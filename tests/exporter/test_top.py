@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ from exporter.top.fetch import (
     build_target,
     fetch_status,
 )
-from exporter.top.render import BLOCKS, STATE_STYLE, group_block, render_frame, sparkline
+from exporter.top.render import BLOCKS, MISSING_STYLE, STATE_STYLE, group_block, render_frame, sparkline
 from exporter.top.screen import Frame, Scroll
 from exporter.top.view import View
 from tests.helpers import SidecarThread, free_port, sidecar_config
@@ -73,16 +73,28 @@ def status_document(
     labels: Mapping[str, str] = STATIC, diverging: Mapping[int, float] | None = None,
     unfulfilled: Mapping[str, float] | None = None, rejections: Mapping[str, int] | None = None,
     upstreams: list[dict[str, Any]] | None = None, history: int = 40,
+    world: bool = False, missing: Iterable[tuple[int, int, int]] = (), absent_groups: Iterable[int] = (),
+    conflict: bool = False,
 ) -> dict[str, Any]:
     """A schema-valid status of dp × pp × tp ranks, `states` by (dp, pp, tp) and live otherwise."""
     # diverging: a spread ratio by dp group; unfulfilled: tokens by reason; history: bandwidth points.
+    # world: every rank said hello with tp × pp × dp; missing: (dp, pp, tp) of ranks that never came;
+    # absent_groups: dp groups none of whose ranks came; conflict: the last rank said another tp size.
     states = dict(states or {})
     labels = dict(labels)
+    missing, absent = set(missing), set(absent_groups)
+    sizes = {"tp_size": tp, "pp_size": pp, "dp_size": dp} if world or missing or absent or conflict else None
     ranks, groups = [], []
+    missing_groups = []
     for d in range(dp):
+        if d in absent:
+            missing_groups.append({"id": _group_id(d, labels), "dp_rank": d, "labels": labels, "expected": sizes})
+            continue
         members = []
         for p in range(pp):
             for t in range(tp):
+                if (d, p, t) in missing:
+                    continue
                 state = states.get((d, p, t), "live")
                 rank_id = _id(t, p, d, labels)
                 members.append((rank_id, state))
@@ -92,12 +104,23 @@ def status_document(
                     "epoch": f"{d:02x}{p:02x}{t:02x}" + "0" * 26, "pid": 4000 + len(ranks), "seq": 90, "restarts": 0,
                     "reconnects": 0, "snapshots": 90, "series": 40, "seconds_since_push": SINCE_PUSH[state],
                     "seconds_since_activity": SINCE_PUSH[state], "last_push_time": NOW - SINCE_PUSH[state],
+                    "world": sizes,
                 })
         groups.append({
             "id": _group_id(d, labels), "dp_rank": d, "labels": labels, "members": [m for m, _ in members],
-            "size": len(members), "live": sum(1 for _, s in members if s == "live"), "pp_ranks": list(range(pp)),
-            "tp_ranks": list(range(tp)), "attn_cp_ranks": [],
+            "size": len(members), "live": sum(1 for _, s in members if s == "live"),
+            "pp_ranks": sorted({p for p in range(pp) for t in range(tp) if (d, p, t) not in missing}),
+            "tp_ranks": sorted({t for p in range(pp) for t in range(tp) if (d, p, t) not in missing}),
+            "attn_cp_ranks": [], "expected": None if conflict else sizes, "world_conflict": conflict,
+            "missing": [] if conflict else [{"pp_rank": p, "tp_rank": t} for p in range(pp) for t in range(tp)
+                                            if (d, p, t) in missing],
+            "missing_count": 0 if conflict else sum(1 for m in missing if m[0] == d),
         })
+    if conflict:
+        ranks[-1]["world"] = {**(sizes or {}), "tp_size": tp + 1}
+        missing_groups = []
+    missing_totals = {"positions": sum(g["missing_count"] for g in groups) + len(missing_groups) * tp * pp,
+                      "groups": len(missing_groups)}
     by_state = {state: sum(1 for r in ranks if r["state"] == state) for state in SINCE_PUSH}
     catalog = default_catalog()
     reason_families = [spec for spec in catalog.families if "reason" in spec.labels]
@@ -164,7 +187,8 @@ def status_document(
                        "ranks_allowed": 1024, "stale_after_seconds": 10.0, "expire_after_seconds": 300.0,
                        "window_seconds": 60.0},
         },
-        "ranks": ranks, "groups": groups, "rollups": rollups, "transfers": transfers,
+        "ranks": ranks, "groups": groups, "missing_groups": missing_groups, "missing_totals": missing_totals,
+        "rollups": rollups, "transfers": transfers,
         "bandwidth": {"window_seconds": 60.0, "history_interval_seconds": 5.0, "history_points": history,
                       "families": bandwidth_families},
         "reasons": reasons, "spread": {"threshold": 0.2, "groups": spread_groups}, "upstreams": upstreams or [],
@@ -227,6 +251,39 @@ def test_the_grid_colours_every_rank_by_its_state() -> None:
     assert "   expired  tp=0 pp=0 dp=1 cache_type=UnifiedRadixCache  7m00s since a push\n" in text
     assert "   departed  tp=1 pp=1 dp=1 cache_type=UnifiedRadixCache  31s since a push\n" in text
     assert "read 3s ago" in text and "sidecar 0.1.0 (0123456789ab)" in text and "up 3m12s" in text
+
+
+def test_missing_ranks_and_groups_are_marked_in_the_grid_and_counted() -> None:
+    doc = status_document(dp=3, pp=2, tp=2, missing={(0, 1, 1), (1, 0, 0)}, absent_groups={2},
+                          states={(0, 0, 1): "stale"})
+    ranks = {rank["id"]: rank for rank in doc["ranks"]}
+    first, second = doc["groups"]
+    rows = {line[0][0]: line[1:] for line in styled_cells(group_block(first, ranks), width=60)[1:]}
+    assert rows["pp0"] == [(" 0", STATE_STYLE["live"]), (" 1", STATE_STYLE["stale"])]
+    assert rows["pp1"] == [(" 0", STATE_STYLE["live"]), ("1?", MISSING_STYLE)]  # the mark reads without colour
+    rows = {line[0][0]: line[1:] for line in styled_cells(group_block(second, ranks), width=60)[1:]}
+    assert rows["pp0"] == [("0?", MISSING_STYLE), (" 1", STATE_STYLE["live"])]
+    text = screen_text(render_frame(view_of(doc), now=NOW))
+    assert " 6 missing " in text  # one position in each of two groups, and dp 2's four
+    assert "dp0 cache_type=UnifiedRadixCache  2/3 live  1 missing" in text
+    assert "   missing  dp0 cache_type=UnifiedRadixCache: pp1 tp1\n" in text
+    assert "   missing  dp1 cache_type=UnifiedRadixCache: pp0 tp0\n" in text
+    assert "   missing  dp2 cache_type=UnifiedRadixCache: the whole dp group (tp 2 × pp 2), no rank has reported\n" in text
+    assert "dp2 cache_type=UnifiedRadixCache  missing" in text and "no rank has reported" in text
+    styles = {style for line in styled_cells(render_frame(view_of(doc), now=NOW)) for t, style in line if "?" in t}
+    assert styles == {MISSING_STYLE}
+    # Without a world nothing is expected: no count, no mark.
+    plain = screen_text(render_frame(view_of(status_document(dp=1, pp=1, tp=2)), now=NOW))
+    assert "missing" not in plain and "?" not in plain.split("Transfers")[0]
+
+
+def test_a_world_conflict_is_a_warning_and_expects_nothing() -> None:
+    doc = status_document(dp=1, pp=1, tp=2, conflict=True)
+    text = screen_text(render_frame(view_of(doc), now=NOW), width=200)
+    assert ("world conflict: the ranks with cache_type=UnifiedRadixCache report different parallel sizes: "
+            "tp 2 × pp 1 × dp 1 (1 rank), tp 3 × pp 1 × dp 1 (1 rank); no missing rank can be worked out for them"
+            in text)
+    assert " 0 missing " not in text and "?" not in text.split("Transfers")[0]
 
 
 def test_totals_bandwidth_history_occupancy_and_reasons_are_shown() -> None:

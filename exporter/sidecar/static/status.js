@@ -5,6 +5,7 @@
 
 (function () {
   const STATES = ["live", "stale", "departed", "expired"];
+  const MISSING = "missing";  // a position or dp group the ranks' world expects and no known rank holds
   const SPARK_WIDTH = 120;
   const SPARK_HEIGHT = 24;
   const SVG = "http://www.w3.org/2000/svg";
@@ -109,26 +110,69 @@
   // --- sections ---
 
   function legend() {
-    return el("p", { class: "legend" }, STATES.map((s) => text("span", s, { class: `swatch state-${s}` })));
+    return el("p", { class: "legend" }, STATES.concat([MISSING]).map((s) => text("span", s, { class: `swatch state-${s}` })));
+  }
+
+  function fmtWorld(w) {
+    return `tp ${w.tp_size} × pp ${w.pp_size} × dp ${w.dp_size}`;
+  }
+
+  function labelText(labels) {
+    return Object.entries(labels).map(([k, v]) => `${k}=${v}`).join(" ") || "no static labels";
+  }
+
+  function worldConflicts(doc) {
+    const lines = [];
+    const seen = new Set();
+    for (const group of doc.groups) {
+      const key = JSON.stringify(Object.entries(group.labels));
+      if (!group.world_conflict || seen.has(key)) continue;
+      seen.add(key);
+      const counts = new Map();
+      for (const r of doc.ranks) {
+        if (r.world !== null && JSON.stringify(Object.entries(r.labels)) === key) {
+          counts.set(fmtWorld(r.world), (counts.get(fmtWorld(r.world)) || 0) + 1);
+        }
+      }
+      const worlds = Array.from(counts, ([w, n]) => `${w} (${n} rank${n === 1 ? "" : "s"})`).join(", ");
+      lines.push(`world conflict: the ranks with ${labelText(group.labels)} report different parallel sizes: ` +
+        `${worlds}; no missing rank can be worked out for them`);
+    }
+    return lines;
   }
 
   function grid(doc) {
     const ranks = new Map(doc.ranks.map((r) => [r.id, r]));
-    if (doc.groups.length === 0) return text("p", "No rank has connected yet.", { class: "empty" });
+    if (doc.groups.length === 0) return [text("p", "No rank has connected yet.", { class: "empty" })];
+    const out = worldConflicts(doc).map((line) => text("p", line, { class: "warning world-conflict" }));
     const groups = el("div", { class: "groups" });
+    const ascending = (a, b) => a - b;
     for (const group of doc.groups) {
       const at = new Map();
       for (const member of group.members) {
         const r = ranks.get(member);
         if (r) at.set(`${r.pp_rank}/${r.attn_cp_rank}/${r.tp_rank}`, r);
       }
+      const missing = new Set(group.missing.map((m) => `${m.pp_rank}/${m.tp_rank}`));
       const cps = group.attn_cp_ranks.length ? group.attn_cp_ranks : [null];
-      const head = el("tr", {}, [el("th")].concat(group.tp_ranks.map((tp) => text("th", `tp ${tp}`))));
+      const tps = Array.from(new Set(group.tp_ranks.concat(group.missing.map((m) => m.tp_rank)))).sort(ascending);
+      const pps = Array.from(new Set(group.pp_ranks.concat(group.missing.map((m) => m.pp_rank)))).sort(ascending);
+      const head = el("tr", {}, [el("th")].concat(tps.map((tp) => text("th", `tp ${tp}`))));
       const body = el("tbody");
-      for (const pp of group.pp_ranks) {
-        for (const cp of cps) {
+      for (const pp of pps) {
+        cps.forEach((cp, index) => {
           const tr = el("tr", {}, [text("th", `pp ${pp}` + (cp === null ? "" : ` cp ${cp}`), { scope: "row" })]);
-          for (const tp of group.tp_ranks) {
+          for (const tp of tps) {
+            if (missing.has(`${pp}/${tp}`)) {
+              if (index === 0) {  // the later cp rows are under this cell's rowspan
+                tr.appendChild(el("td", {
+                  class: `rank state-${MISSING}`, rowspan: cps.length > 1 ? cps.length : null,
+                  "data-missing": `${pp}/${tp}`,
+                  title: `pp ${pp} tp ${tp} of ${group.id}: expected by the ranks' world, no known rank holds it`,
+                }, [text("span", `tp ${tp}`, { class: "tp" }), text("span", MISSING, { class: "st" })]));
+              }
+              continue;
+            }
             const r = at.get(`${pp}/${cp}/${tp}`);
             if (!r) {
               tr.appendChild(text("td", "–", { class: "rank absent" }));
@@ -141,13 +185,26 @@
             ]));
           }
           body.appendChild(tr);
-        }
+        });
       }
+      const caption = `${group.id}: ${group.live} of ${group.size} live` +
+        (group.missing_count ? `, ${group.missing_count} ${MISSING}` : "");
       groups.appendChild(el("table", { class: "grid", "data-group": group.id }, [
-        text("caption", `${group.id}: ${group.live} of ${group.size} live`), el("thead", {}, [head]), body,
+        text("caption", caption), el("thead", {}, [head]), body,
       ]));
     }
-    return groups;
+    for (const absent of doc.missing_groups) {
+      const e = absent.expected;
+      const note = `${MISSING}: no rank of this dp group has reported (expected tp ${e.tp_size} × pp ${e.pp_size})`;
+      groups.appendChild(el("table", { class: "grid missing-group", "data-missing-group": absent.id }, [
+        text("caption", `${absent.id}: ${MISSING}`),
+        el("tbody", {}, [el("tr", {}, [text("td", note, { class: `rank state-${MISSING}` })])]),
+      ]));
+    }
+    out.push(groups);
+    const more = doc.missing_totals.groups - doc.missing_groups.length;
+    if (more > 0) out.push(text("p", `and ${more} more missing dp groups`, { class: "note" }));
+    return out;
   }
 
   function totals(doc) {
@@ -256,13 +313,15 @@
 
   function summary(doc) {
     const s = doc.sidecar;
-    const states = Object.entries(s.ranks_by_state).filter(([, n]) => n > 0).map(([st, n]) => `${n} ${st}`).join(", ");
-    return `${s.ready ? "ready" : "NOT READY"} · ${states || "no ranks"} · up ${fmtSeconds(s.uptime_seconds)} · ` +
+    let states = Object.entries(s.ranks_by_state).filter(([, n]) => n > 0).map(([st, n]) => `${n} ${st}`).join(", ");
+    states = states || "no ranks";
+    if (doc.missing_totals.positions) states += `, ${doc.missing_totals.positions} ${MISSING}`;
+    return `${s.ready ? "ready" : "NOT READY"} · ${states} · up ${fmtSeconds(s.uptime_seconds)} · ` +
       `revision ${s.revision.slice(0, 12)}`;
   }
 
   const SECTIONS = {
-    grid: (doc) => [legend(), grid(doc)],
+    grid: (doc) => [legend(), ...grid(doc)],
     totals, bandwidth, reasons, spread, health, ranks: rankTable, upstreams,
   };
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import html
 import json
+import time
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 from exporter.catalog import MetricType, default_catalog
 from exporter.client import RankClient
 from exporter.config import RanksConfig, SidecarConfig, config_from_data
+from exporter.protocol.messages import Hello, RankId, World
 from exporter.sidecar import app as app_module
 from exporter.sidecar.api import SPREAD_THRESHOLD, TRANSFERS, BandwidthHistory, StatusView
 from exporter.sidecar.page import render_page
@@ -114,6 +116,10 @@ def test_status_is_valid_against_the_schema_and_names_every_source(proxied: tupl
         assert pushed["members"] == [r["id"] for r in doc["ranks"] if r["labels"].get("model") == HOSTILE]
         assert (pushed["size"], pushed["live"], pushed["tp_ranks"], pushed["pp_ranks"]) == (2, 2, [0, 1], [0])
         assert {r["group"] for r in doc["ranks"]} == set(groups)
+        # No rank here said hello with a world (the proxy never invents one): nothing is expected, nothing missing.
+        assert all(r["world"] is None for r in doc["ranks"])
+        assert all(g["expected"] is None and g["missing"] == [] and not g["world_conflict"] for g in groups.values())
+        assert doc["missing_groups"] == [] and doc["missing_totals"] == {"positions": 0, "groups": 0}
         # Hostile label values come back exactly, as JSON strings.
         assert all(r["labels"]["model"] == HOSTILE for r in doc["ranks"] if r["source"] == "push")
         assert_valid("ranks_response", get_json(sidecar.url + "/api/v1/ranks"))
@@ -328,3 +334,145 @@ def test_status_and_page_are_gzipped_when_accepted(sidecar: SidecarThread) -> No
         assert zipped[2]["Vary"] == "Accept-Encoding" and zipped[2]["Content-Type"] == plain[2]["Content-Type"]
         body = gzip.decompress(zipped[1])
         assert json.loads(body)["api_version"] == 1 if path != "/" else body.startswith(b"<!doctype html>")
+
+
+# --- the ranks that should be there but are not ---
+
+GAP_LABELS = {"cache_type": "UnifiedRadixCache"}
+
+
+def world_client(socket_path: str, tp: int, pp: int, dp: int, world: dict[str, int],
+                 labels: dict[str, str] = GAP_LABELS) -> RankClient:
+    """A rank that says hello with `world` and pushes one counter."""
+    client = RankClient(socket_path, rank={"tp_rank": tp, "pp_rank": pp, "dp_rank": dp}, labels=labels,
+                        interval=0.1, world=world, preset=False)
+    client.counter("load_back_tokens_total", pool="kv").inc(64)
+    return client.start()
+
+
+def test_a_rank_that_never_started_is_missing_from_its_group(sidecar: SidecarThread) -> None:
+    world = {"tp_size": 2, "pp_size": 2, "dp_size": 2}
+    never_started = (1, 0, 1)  # tp 1, pp 0, dp 1
+    clients = [world_client(sidecar.socket_path, tp, pp, dp, world)
+               for dp in range(2) for pp in range(2) for tp in range(2) if (tp, pp, dp) != never_started]
+    try:
+        wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["ranks"]) == 7)
+        doc = get_json(sidecar.url + "/api/v1/status")
+        assert_valid("status", doc)
+        assert {json.dumps(r["world"], sort_keys=True) for r in doc["ranks"]} == {json.dumps(world, sort_keys=True)}
+        groups = {g["dp_rank"]: g for g in doc["groups"]}
+        assert groups[0]["expected"] == world and groups[1]["expected"] == world
+        assert not groups[0]["world_conflict"] and not groups[1]["world_conflict"]
+        assert groups[0]["missing"] == [] and groups[0]["missing_count"] == 0
+        assert groups[1]["missing"] == [{"pp_rank": 0, "tp_rank": 1}] and groups[1]["missing_count"] == 1
+        assert doc["missing_groups"] == [] and doc["missing_totals"] == {"positions": 1, "groups": 0}
+        page = render_page(doc)
+        assert page.count('class="rank state-missing"') == 1 and ">missing</span>" in page
+        # The rank starts after all: its position is held, nothing is missing any more.
+        late = world_client(sidecar.socket_path, *never_started, world)
+        clients.append(late)
+        wait_until(lambda: get_json(sidecar.url + "/api/v1/status")["missing_totals"]["positions"] == 0)
+        doc = get_json(sidecar.url + "/api/v1/status")
+        assert_valid("status", doc)
+        assert all(g["missing"] == [] for g in doc["groups"]) and 'class="rank state-missing"' not in render_page(doc)
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_a_dp_group_with_no_rank_is_a_missing_group(sidecar: SidecarThread) -> None:
+    world = {"tp_size": 1, "pp_size": 2, "dp_size": 4}
+    clients = [world_client(sidecar.socket_path, 0, pp, dp, world) for dp in (0, 1, 3) for pp in range(2)]
+    other = {"cache_type": "HiRadixCache"}  # another label set with no world: nothing is expected of it
+    clients.append(world_client(sidecar.socket_path, 0, 0, 0, {}, labels=other))
+    try:
+        wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["ranks"]) == 7)
+        doc = get_json(sidecar.url + "/api/v1/status")
+        assert_valid("status", doc)
+        assert doc["missing_groups"] == [{"id": "dp=2 cache_type=UnifiedRadixCache", "dp_rank": 2,
+                                          "labels": GAP_LABELS, "expected": world}]
+        assert doc["missing_totals"] == {"positions": 2, "groups": 1}  # the missing group's tp 1 x pp 2 positions
+        unknown = next(g for g in doc["groups"] if g["labels"] == other)
+        assert unknown["expected"] is None and unknown["missing"] == [] and not unknown["world_conflict"]
+        page = render_page(doc)
+        assert 'data-missing-group="dp=2 cache_type=UnifiedRadixCache"' in page
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_ranks_that_disagree_on_the_world_expect_nothing(sidecar: SidecarThread) -> None:
+    clients = [world_client(sidecar.socket_path, 0, 0, 0, {"tp_size": 2, "pp_size": 1, "dp_size": 1}),
+               world_client(sidecar.socket_path, 1, 0, 0, {"tp_size": 4, "pp_size": 1, "dp_size": 1})]
+    try:
+        wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["ranks"]) == 2)
+        doc = get_json(sidecar.url + "/api/v1/status")
+        assert_valid("status", doc)
+        (group,) = doc["groups"]
+        assert group["world_conflict"] and group["expected"] is None
+        assert group["missing"] == [] and group["missing_count"] == 0  # tp 2 or tp 4: no position is known missing
+        assert doc["missing_totals"] == {"positions": 0, "groups": 0}
+        page = render_page(doc)
+        assert '<p class="warning world-conflict">' in page
+        assert "tp 2 × pp 1 × dp 1 (1 rank)" in page and "tp 4 × pp 1 × dp 1 (1 rank)" in page
+    finally:
+        for client in clients:
+            client.close()
+
+
+def world_hello(h: Harness, tp: int, world: World, pp: int = 0, dp: int = 0, cp: int | None = None,
+                labels: dict[str, str] = STATIC) -> tuple[object, Any]:
+    """A hello with `world` on a fresh connection token; (connection, rank)."""
+    conn = object()
+    msg = Hello(protocol=1, epoch=f"e-{tp}-{pp}-{dp}-{cp}", pid=1, labels=dict(labels), world=world,
+                rank=RankId(tp_rank=tp, pp_rank=pp, dp_rank=dp, attn_cp_rank=cp))
+    return conn, h.state.hello(conn, msg).rank
+
+
+def test_a_position_is_missing_only_when_no_cp_rank_holds_it() -> None:
+    h = Harness()
+    world = World(tp_size=3, pp_size=1, dp_size=1)
+    for tp, cp in ((0, 0), (0, 1), (1, 0)):  # tp 1 has only cp 0: not missing, the grid shows cp 1 absent
+        world_hello(h, tp, world, cp=cp)
+    doc = json.loads(view_of(h).encode())
+    assert_valid("status", doc)
+    (group,) = doc["groups"]
+    assert group["missing"] == [{"pp_rank": 0, "tp_rank": 2}] and group["missing_count"] == 1
+    assert group["attn_cp_ranks"] == [0, 1]
+    page = render_page(doc)
+    assert '<td class="rank state-missing" rowspan="2" data-missing="0/2"' in page  # one cell over both cp rows
+    assert page.count('class="rank absent"') == 1  # (cp 1, tp 1)
+
+
+def test_a_forgotten_identity_leaves_its_position_missing() -> None:
+    h = Harness(ranks_config=RanksConfig(max_ranks=2, stale_after_seconds=1.0, expire_after_seconds=2.0))
+    world = World(tp_size=2, pp_size=1, dp_size=1)
+    _, kept = world_hello(h, 0, world)
+    conn, gone = world_hello(h, 1, world)
+    h.state.disconnect(conn, gone)
+    h.clock.advance(3.0)
+    h.push(kept, tokens(64))
+    doc = view_of(h).document()
+    (group,) = doc["groups"]
+    assert [r["state"] for r in doc["ranks"]] == ["live", "expired"] and group["missing"] == []  # still known
+    h.hello(tp=0, labels={"cache_type": "HiRadixCache"})  # the registry is full: the expired identity is forgotten
+    doc = view_of(h).document()
+    group = next(g for g in doc["groups"] if g["labels"] == STATIC)
+    assert group["members"] == ["tp=0 pp=0 dp=0 cache_type=UnifiedRadixCache"]
+    assert group["missing"] == [{"pp_rank": 0, "tp_rank": 1}] and doc["missing_totals"]["positions"] == 1
+
+
+def test_sizes_at_the_protocol_bounds_count_exactly_and_list_boundedly() -> None:
+    h = Harness(ranks_config=RanksConfig(max_ranks=64))
+    most = 1 << 16  # the protocol's largest world size
+    world_hello(h, 5, World(tp_size=most, pp_size=most, dp_size=most), dp=3)
+    started = time.perf_counter()
+    doc = json.loads(view_of(h).encode())
+    assert time.perf_counter() - started < 1.0  # what 64 entries cost, not 2**48
+    assert_valid("status", doc)
+    (group,) = doc["groups"]
+    assert group["missing_count"] == most * most - 1 and len(group["missing"]) == 64
+    assert group["missing"][:6] == [{"pp_rank": 0, "tp_rank": tp} for tp in (0, 1, 2, 3, 4, 6)]
+    assert [g["dp_rank"] for g in doc["missing_groups"]] == [*range(3), *range(4, 65)]
+    assert doc["missing_totals"] == {"positions": most * most - 1 + (most - 1) * most * most, "groups": most - 1}
+    assert "and 65471 more missing dp groups" in render_page(doc)

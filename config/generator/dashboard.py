@@ -4,7 +4,8 @@ The rule (README, "Which series to read"): one pod, its sidecar's rollups; a fle
 spanning pods, the `cluster:` recording rules. So the dashboard has exactly two kinds of rows:
 fleet rows, whose cache panels read only recording rules (never a sidecar rollup, never a
 per-rank series), and pod rows, whose every series is selected by `instance="$instance"`, a
-single-valued variable, so nothing there is ever summed over pods.
+single-valued variable, so nothing there is ever summed over pods. A pod row's rate of a
+rollup leaves out the windows that span a sidecar restart (`RESTART_GUARD`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,19 @@ POD = 'instance="$instance"'
 RANKS = 'instance="$instance", dp_rank=~"$dp_rank"'
 RATE = "$__rate_interval"
 
+# A sidecar restart (OOM kill, upgrade: it is a native sidecar, restartPolicy Always) starts its
+# rollups again from the sum of the ranks' current epochs, which is lower than its last value if
+# a rank restarted before: Prometheus reads a counter reset and counts the whole new value, a
+# phantom spike. The sidecar's own process collector (prometheus_client, same /metrics, so the
+# same job and instance) gives its start time; a rate window in which that start time changed
+# holds samples of both processes, and is left out. Same range as the rate, so exactly the
+# windows that span a restart go: no gap after a first start, and no rollup rate at all if
+# process_start_time_seconds is not scraped (a metric_relabel_configs dropping process_*).
+SIDECAR_START = "process_start_time_seconds"
+RESTART_NOTE = ("The rollup line is left out for one rate window after a sidecar restart, when its rollups may "
+                "drop once (a false counter reset); the per-rank lines and the fleet rows are exact across it.")
+RESTART_GUARD = f"and on (job, instance) (changes({SIDECAR_START}{{{POD}}}[{RATE}]) == 0)"
+
 # The four transfer tiers: (bytes family, tokens family, label).
 TIERS = (
     ("load_back_bytes_total", "load_back_tokens_total", "L2→L1 load-back"),
@@ -30,6 +44,11 @@ TIERS = (
 
 FLEET_ROW_PREFIX = "Fleet"
 POD_ROW_PREFIX = "Pod"
+
+
+def pod_rollup_rate(ns: str, family: str, function: str = "rate") -> str:
+    """`rate()` (or `increase()`) of one pod's rollup, blank in every window that spans a sidecar restart."""
+    return f"{function}({ns}rollup_{family}{{{POD}}}[{RATE}]) {RESTART_GUARD}"
 
 
 def _target(ref: str, expr: str, legend: str) -> dict[str, Any]:
@@ -137,15 +156,16 @@ def pod_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
             f"{label} tokens/s in this pod",
             f"Rollup: {ns}rollup_{tokens} of this pod's sidecar (the furthest replica of each dp group, groups "
             "summed). Per rank: the replicas of one dp group count the same tokens, so their lines lie on top "
-            "of each other. If this pod holds only part of a TP group, use the fleet rows.",
+            "of each other. If this pod holds only part of a TP group, use the fleet rows. " + RESTART_NOTE,
             [(f"sum without (pool) (rate({ns}{tokens}{{{RANKS}}}[{RATE}]))", "tp{{tp_rank}} pp{{pp_rank}} dp{{dp_rank}}"),
-             (f"sum without (pool) (rate({ns}rollup_{tokens}{{{POD}}}[{RATE}]))", "rollup {{cache_type}}")], width=6))
+             (f"sum without (pool) ({pod_rollup_rate(ns, tokens)})", "rollup {{cache_type}}")], width=6))
     for bytes_name, _, label in TIERS:
         panels.append(_timeseries(
             f"{label} bytes/s in this pod",
-            f"Rollup: {ns}rollup_{bytes_name}, every rank of this pod summed. Per rank: each rank's own shard.",
+            f"Rollup: {ns}rollup_{bytes_name}, every rank of this pod summed. Per rank: each rank's own shard. "
+            + RESTART_NOTE,
             [(f"rate({ns}{bytes_name}{{{RANKS}}}[{RATE}])", "tp{{tp_rank}} pp{{pp_rank}} dp{{dp_rank}}"),
-             (f"rate({ns}rollup_{bytes_name}{{{POD}}}[{RATE}])", "rollup {{cache_type}}")], unit="Bps", width=6))
+             (pod_rollup_rate(ns, bytes_name), "rollup {{cache_type}}")], unit="Bps", width=6))
     for bytes_fam, _ in catalog.bandwidth_pairs():
         label = next(tier_label for b, _, tier_label in TIERS if b == bytes_fam.name)
         panels.append(_timeseries(

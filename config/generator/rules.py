@@ -19,6 +19,13 @@ from .yamltext import Folded, Key
 # (job, namespace, server, cache_type, static labels, the family's own labels) is kept.
 TARGET_LABELS = ("instance", "pod")
 REPLICA_AXES = ("tp_rank", "pp_rank", "attn_cp_rank")
+# Static labels that are a function of a rank axis, so they go with it: the scheduler collector's
+# moe_ep_rank is derived from the global tp_rank (sglang 0.5.23 data_parallel_controller.py
+# 754-762). Kept, it splits the cluster: sum per EP rank (one series per dp group under DP
+# attention), and where several ranks of one dp group log scheduler metrics
+# (--enable-metrics-for-all-schedulers) it keeps their replicas apart, so a group counts once
+# per EP rank.
+RANK_DERIVED = ("moe_ep_rank",)
 RATE_WINDOW = "5m"
 
 GROUP_PER_SHARD = "hicache-per-shard"
@@ -68,7 +75,7 @@ def _rule(record: str, expr: str, comment: str = "") -> dict[str, Any]:
 
 def recording_groups(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
     """The two recording-rule groups for namespace `ns`."""
-    sum_ranks = "sum " + without(*TARGET_LABELS, *REPLICA_AXES, "dp_rank")
+    sum_ranks = "sum " + without(*TARGET_LABELS, *REPLICA_AXES, *RANK_DERIVED, "dp_rank")
     per_shard: list[dict[str, Any]] = []
     for i, fam in enumerate(counters(catalog, Semantics.PER_SHARD)):
         per_shard.append(_rule(bytes_rate(ns, fam), f"{sum_ranks} (rate({ns}{fam.name}[{RATE_WINDOW}]))", "" if i else """
@@ -99,7 +106,7 @@ def recording_groups(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
             sample at all. Kept in this group, after its inputs, so both come from the same evaluation.
             """))
 
-    one_replica = "max " + without(*TARGET_LABELS, *REPLICA_AXES)
+    one_replica = "max " + without(*TARGET_LABELS, *REPLICA_AXES, *RANK_DERIVED)
     replicated: list[dict[str, Any]] = []
     for fam in counters(catalog, Semantics.REPLICATED):
         replicated.append(_rule(dp_group_rate(ns, fam), f"{one_replica} (rate({ns}{fam.name}[{RATE_WINDOW}]))"))
@@ -147,7 +154,8 @@ def recording_header(ns: str) -> str:
         The set is derived from the catalog by config/generate.py, which wrote this file.
 
         Every `without` clause removes only the per-pod target labels `instance` and `pod` (plus
-        rank labels). Everything else is kept: job, namespace, server, cache_type, static labels and
+        rank labels, and `moe_ep_rank`, which the scheduler derives from its tp rank). Everything
+        else is kept: job, namespace, server, cache_type, static labels and
         the family's own labels (pool, reason). If your scrape config attaches other per-pod target
         labels (node, pod_template_hash, ...), drop them at relabel time, or the rollups stay split
         per pod.

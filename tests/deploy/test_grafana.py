@@ -135,9 +135,11 @@ def referenced_names(expr: str) -> tuple[set[str], set[str]]:
     metrics, functions = set(), set()
     for match in re.finditer(r"(?<![\w:.])([A-Za-z_:][\w:]*)(\s*\()?", stripped):
         word, call = match.group(1), match.group(2)
+        if word in PROMQL_KEYWORDS:
+            continue  # `and (...)`, `bool`, `offset`: operators, neither metric nor function
         if call:
             functions.add(word)
-        elif word not in PROMQL_KEYWORDS:
+        else:
             metrics.add(word)
     return metrics, functions
 
@@ -150,6 +152,8 @@ def test_name_extraction() -> None:
     )
     assert metrics == {"a_bucket", "b:c:rate5m", "c", "sglang:d_total"}
     assert functions == {"histogram_quantile", "sum", "rate", "max"}
+    metrics, functions = referenced_names('rate(a[5m]) and on (job) (changes(b[5m]) == 0)')
+    assert metrics == {"a", "b"} and functions == {"rate", "changes"}
 
 
 @cache
@@ -217,6 +221,17 @@ def test_catalog_derivation_matches_the_collector(ns: str) -> None:
 
 
 @cache
+def process_names() -> frozenset[str]:
+    """The process_* samples the sidecar serves on the same /metrics (prometheus_client's ProcessCollector,
+    exporter/sidecar/runner.py): its start time is what the pod rows' restart guard reads."""
+    from prometheus_client.process_collector import ProcessCollector
+
+    names = frozenset(sample.name for metric in ProcessCollector(registry=None).collect() for sample in metric.samples)
+    assert "process_start_time_seconds" in names, "the process collector reads /proc: run the tests on Linux"
+    return names
+
+
+@cache
 def recording_rule_names(ns: str = DEFAULT_NAMESPACE) -> frozenset[str]:
     data = yaml.safe_load(outputs(ns)["prometheus/recording_rules.yml"])
     return frozenset(r["record"] for g in data["groups"] for r in g["rules"] if "record" in r)
@@ -224,7 +239,8 @@ def recording_rule_names(ns: str = DEFAULT_NAMESPACE) -> frozenset[str]:
 
 def unknown_names(names: set[str], ns: str = DEFAULT_NAMESPACE) -> set[str]:
     return {name for name in names
-            if name not in exported_names(ns) and name not in recording_rule_names(ns) and name not in PROMETHEUS_SERIES}
+            if name not in exported_names(ns) and name not in recording_rule_names(ns) and name not in PROMETHEUS_SERIES
+            and name not in process_names()}
 
 
 def is_rollup(name: str, ns: str) -> bool:
@@ -342,7 +358,7 @@ def pod_violations(expr: str, ns: str) -> set[str]:
         name, matchers = match.group(1), match.group(2) or ""
         if name.startswith(RECORD_LEVELS):
             bad.add(name)
-        elif name in exported_names(ns) and 'instance="$instance"' not in matchers:
+        elif (name in exported_names(ns) or name in process_names()) and 'instance="$instance"' not in matchers:
             bad.add(name)
     return bad
 
@@ -355,6 +371,8 @@ def test_the_rule_checks_can_fail() -> None:
     assert pod_violations('rate(sglang_rollup_load_back_bytes_total{instance=~"$instance"}[5m])', ns)
     assert pod_violations("sum(cluster:sglang_load_back_bytes:rate5m)", ns)
     assert not pod_violations('rate(sglang_rollup_load_back_bytes_total{instance="$instance"}[5m])', ns)
+    assert pod_violations('rate(sglang_rollup_load_back_bytes_total{instance="$instance"}[5m]) '
+                          'and on (job, instance) (changes(process_start_time_seconds[5m]) == 0)', ns)
 
 
 @pytest.mark.parametrize("ns", NAMESPACES)

@@ -145,6 +145,7 @@ class SidecarCollector(Collector):
         names = {f.name for f in self.families.per_rank.values()} | {f.name for f in self.families.rollup.values()}
         names |= {f.name for pair in self.families.bandwidth.values() for f in pair}
         names |= {f.name for f in self.families.spread.values()} | set(SELF_FAMILIES)
+        names |= {metric.name for collector in self.extra for metric in collector.collect()}  # process_*, say
         return names
 
     def _per_rank(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:

@@ -615,8 +615,8 @@ class UpstreamScraper:
             await self.stop()
             raise ConfigError(
                 f"upstream {self.health.name}: families {sorted(result.clashes)} are passed through and are also "
-                "families the sidecar makes; set metrics.namespace to another prefix, or pass_through: false "
-                "on this upstream"
+                "families the sidecar makes (its rollups, self-metrics and process_* metrics); set "
+                "metrics.namespace to another prefix, or pass_through: false on this upstream"
             )
         self._task = asyncio.create_task(self._loop())
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -264,19 +265,19 @@ def proxy_config(socket_dir, url: str, **metrics: object):  # type: ignore[no-un
     }, "test")
 
 
-def test_a_pass_through_family_that_clashes_stops_start_up_with_a_message(socket_dir) -> None:  # type: ignore[no-untyped-def]
-    import pytest
-
+@pytest.mark.parametrize("name, said", [("sglang_rollup_load_back_bytes_total", "sglang_rollup_load_back_bytes"),
+                                         ("process_cpu_seconds_total", "process_cpu_seconds")])
+def test_a_pass_through_family_that_clashes_stops_start_up_with_a_message(socket_dir, name, said) -> None:  # type: ignore[no-untyped-def]
     from exporter.errors import ConfigError
     from tests.helpers import SidecarThread
 
     engine = Engine()
     engine.rank(0, tokens=1)
-    Counter("sglang_rollup_load_back_bytes_total", "a clash", registry=engine.registry).inc()
+    Counter(name, "a clash", registry=engine.registry).inc()  # the sidecar's rollup, or its own process metrics
     http = EngineHTTP(engine)
     thread = SidecarThread(proxy_config(socket_dir, http.url))
     try:
-        with pytest.raises(ConfigError, match=r"sglang_rollup_load_back_bytes'\] are passed through and are also "
+        with pytest.raises(ConfigError, match=rf"{said}'\] are passed through and are also "
                                               "families the sidecar makes"):
             thread.start()
     finally:

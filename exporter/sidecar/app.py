@@ -190,7 +190,7 @@ async def _ranks(request: web.Request) -> web.Response:
 
 
 async def _status(request: web.Request) -> web.Response:
-    # About 190 KB at 256 ranks, a tenth of that gzipped: a page left open fetches it every 2 s, and
+    # Sized by ranks, not series (docs/reliability.md): a page left open fetches it every 2 s, and
     # viewers within one housekeeping tick share one encoded copy (api.EncodedStatus).
     gzipped = accepts_gzip(request.headers.get("Accept-Encoding", ""))
     headers = {"Content-Type": "application/json; charset=utf-8", "Cache-Control": "no-store",

@@ -8,6 +8,8 @@ hellos: the layout their worlds expect, and the positions of it no known rank ho
 
 from __future__ import annotations
 
+import gzip
+import math
 import platform
 import time
 from collections import deque
@@ -34,6 +36,12 @@ API_VERSION = 1
 SPREAD_THRESHOLD = 0.2  # the HiCacheReplicaSpreadHigh alert's threshold (config/prometheus/alerting_rules.yml)
 HISTORY_INTERVAL_SECONDS = 5.0  # bandwidth history: one point per interval, sampled by housekeeping
 HISTORY_POINTS = 60  # five minutes of points at 5 s: a few KiB whatever the number of ranks
+# Listings that a rank's label values can grow are cut to their largest entries; the counts and
+# sums beside them stay exact (docs/api.md). Every catalog family's own rollup series are on /metrics.
+REASONS_LISTED = 20  # per reason family, after its preset reasons
+BANDWIDTH_SERIES_LISTED = 20  # per bytes family
+SPREAD_SERIES_LISTED = 5  # per replica group (the page shows the widest, top the widest three)
+ENCODED_MAX_AGE_SECONDS = 1.0  # one housekeeping tick: viewers within it share one encoded document
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,17 +74,42 @@ def unit_of(name: str) -> str | None:
     return next((unit for suffix, unit in _UNITS if name.endswith(suffix)), None)
 
 
+def quoted_labels(static: StaticKey) -> tuple[str, ...]:
+    """Static labels as Prometheus writes them, `name="value"` with backslash, quote and newline
+    escaped: unambiguous, so two label sets never read alike (`a="1 b=2"` is not `a="1" b="2"`)."""
+    return tuple(f'{name}="{_escaped(value)}"' for name, value in static)
+
+
+def _escaped(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def group_id(key: GroupKey) -> str:
-    """A replica group's id: `dp=<n>`, then its static labels."""
+    """A replica group's id: `dp=<n>`, then its static labels, quoted."""
     dp_rank, static = key
-    return " ".join((f"dp={dp_rank}", *(f"{name}={value}" for name, value in static)))
+    return " ".join((f"dp={dp_rank}", *quoted_labels(static)))
+
+
+def identity_id(tp_rank: int, pp_rank: int, dp_rank: int, attn_cp_rank: int | None, static: StaticKey) -> str:
+    """A rank identity's id: its axes, then its static labels, quoted (unique: these are its identity)."""
+    cp = () if attn_cp_rank is None else (f"cp={attn_cp_rank}",)
+    return " ".join((f"tp={tp_rank}", f"pp={pp_rank}", f"dp={dp_rank}", *cp, *quoted_labels(static)))
 
 
 def rank_id(rank: RankState) -> str:
-    """A rank's id: its axes, then its static labels (unique: these are its identity)."""
-    cp = () if rank.attn_cp_rank is None else (f"cp={rank.attn_cp_rank}",)
-    return " ".join((f"tp={rank.tp_rank}", f"pp={rank.pp_rank}", f"dp={rank.dp_rank}", *cp,
-                     *(f"{name}={value}" for name, value in rank.static)))
+    """A rank's id (`identity_id`)."""
+    return identity_id(rank.tp_rank, rank.pp_rank, rank.dp_rank, rank.attn_cp_rank, rank.static)
+
+
+def rate(bw: Bandwidth | None) -> float | None:
+    """A bandwidth as the API shows it: bytes per second, or None when the window saw no transfer
+    time or the quotient is not a finite number (bytes over a duration sum so small that it overflows,
+    say 2**62 bytes in 1e-300 s). /metrics keeps such a gauge at +Inf, which its format can say and
+    JSON cannot; every bandwidth the API shows goes through here."""
+    if bw is None or bw.seconds_delta <= 0:
+        return None
+    value = bw.value
+    return value if math.isfinite(value) else None
 
 
 def _labels(names: tuple[str, ...], values: LabelValues, static: StaticKey) -> dict[str, str]:
@@ -128,8 +161,7 @@ class BandwidthHistory:
         known, increases = window_increases(state)
         rolled = rolled_bandwidth(state, increases, known)
         for name, points in self._series.items():
-            total = _total(bw for _, bw in rolled.get(name, ()))
-            points.append((wall, total.value if total.seconds_delta > 0 else None))
+            points.append((wall, rate(_total(bw for _, bw in rolled.get(name, ())))))
 
     def history(self, family: str) -> list[list[float | None]]:
         """A family's points, oldest first, as [time, bytes per second] pairs."""
@@ -403,13 +435,6 @@ class StatusView:
                  totals: dict[str, float]) -> list[dict[str, Any]]:
         out = []
         for spec in self.catalog:
-            series: list[dict[str, Any]] = []
-            for (_, static, values), value in cells.get(spec.name, ()):
-                labels = _labels(spec.labels, values, static)
-                if isinstance(value, HistAccumulator):
-                    series.append({"labels": labels, "value": value.counts[-1], "sum": value.sum})
-                else:
-                    series.append({"labels": labels, "value": value})
             out.append({
                 "family": spec.name,
                 "exported": self.families.rollup[spec.name].name,
@@ -418,7 +443,7 @@ class StatusView:
                 "attempt_level": spec.attempt_level,
                 "unit": unit_of(spec.name),
                 "total": totals.get(spec.name, 0.0),
-                "series": series,
+                "series_count": len(cells.get(spec.name, ())),
             })
         return out
 
@@ -435,7 +460,7 @@ class StatusView:
                 "tokens": totals.get(transfer.tokens_family, 0.0) if transfer.tokens_family in catalog else None,
                 "bytes_family": transfer.bytes_family if transfer.bytes_family in catalog else None,
                 "bytes": totals.get(transfer.bytes_family, 0.0) if transfer.bytes_family in catalog else None,
-                "bytes_per_second": bw.value if bw is not None and bw.seconds_delta > 0 else None,
+                "bytes_per_second": rate(bw),
             })
         return out
 
@@ -444,16 +469,20 @@ class StatusView:
         families = []
         for bytes_spec, duration_spec in self.pairs:
             total = bw_totals.get(bytes_spec.name, Bandwidth(0.0, 0.0))
+            moving = [(key, value) for key, value in
+                      ((key, rate(bw)) for key, bw in bandwidth.get(bytes_spec.name, ())) if value is not None]
+            listed = sorted(moving, key=lambda item: -item[1])[:BANDWIDTH_SERIES_LISTED]
             families.append({
                 "family": bytes_spec.name,
                 "exported": self.families.bandwidth[bytes_spec.name][1].name,
                 "duration_family": duration_spec.name,
                 "transfer": self.transfer_of.get(bytes_spec.name),
-                "bytes_per_second": total.value if total.seconds_delta > 0 else None,
+                "bytes_per_second": rate(total),
                 "bytes_delta": total.bytes_delta,
                 "seconds_delta": total.seconds_delta,
-                "series": [{"labels": _labels(bytes_spec.labels, values, static), "bytes_per_second": bw.value}
-                           for (_, static, values), bw in bandwidth.get(bytes_spec.name, ())],
+                "series": [{"labels": _labels(bytes_spec.labels, values, static), "bytes_per_second": value}
+                           for (_, static, values), value in listed],
+                "series_count": len(moving),
                 "history": self.history.history(bytes_spec.name),
             })
         return {
@@ -475,13 +504,18 @@ class StatusView:
                     by_reason[values[at]] += amount
                 else:
                     found[values[at]] = found.get(values[at], 0.0) + amount
-            by_reason.update(sorted(found.items()))
+            # The largest pushed reasons, ties alphabetically; the rest only counted and summed.
+            largest = sorted(found.items(), key=lambda item: (-item[1], item[0]))
+            rest = largest[REASONS_LISTED:]
+            by_reason.update(sorted(largest[:REASONS_LISTED]))
             out.append({
                 "family": spec.name,
                 "semantics": spec.semantics.value,
                 "attempt_level": spec.attempt_level,
-                "total": sum(by_reason.values()),
+                "total": sum(by_reason.values()) + sum(value for _, value in rest),
                 "by_reason": [{"reason": reason, "value": value} for reason, value in by_reason.items()],
+                "other_reasons": len(rest),
+                "other_value": sum(value for _, value in rest),
             })
         return out
 
@@ -502,7 +536,46 @@ class StatusView:
                 "max_ratio": top,
                 "diverging": top > SPREAD_THRESHOLD,
                 "series": [{"family": family, "labels": dict(zip(self.specs[family].labels, values)), "ratio": ratio}
-                           for family, values, ratio in entries],
+                           for family, values, ratio in entries[:SPREAD_SERIES_LISTED]],
+                "series_count": len(entries),
             })
         return {"threshold": SPREAD_THRESHOLD, "groups": groups}
 
+
+
+class EncodedStatus:
+    """The status document as served: encoded once per `max_age` (one housekeeping tick) and shared by
+    every request until then, with its gzipped form made on first demand; one copy of each is held.
+
+    Without it each request built its own copy: four viewers of a sidecar whose series were all
+    escape-heavy labels held four documents at once (998 MB at the peak, before the listings were
+    bounded). A frame, a connection or an upstream read since the build makes it stale at once, so a
+    reader polling for a change sees it on its next request.
+    """
+
+    def __init__(self, view: StatusView, max_age: float = ENCODED_MAX_AGE_SECONDS) -> None:
+        self.view = view
+        self.max_age = max_age
+        self._built_at = float("-inf")
+        self._token: tuple[int, ...] = ()
+        self._plain = b""
+        self._gzipped: bytes | None = None
+
+    def _change_token(self) -> tuple[int, ...]:
+        stats = self.view.stats
+        return (stats.frames_received, stats.connections_accepted, stats.connections_open,
+                *(health.scrapes for health in stats.upstreams.values()))
+
+    def body(self, gzipped: bool) -> bytes:
+        """The current document's JSON, gzipped (level 1) if asked."""
+        now = self.view.state.clock()
+        token = self._change_token()
+        if now - self._built_at >= self.max_age or token != self._token:
+            self._plain, self._gzipped = b"", None  # let the old copy go before the new one is built
+            self._plain = self.view.encode()
+            self._built_at, self._token = now, token
+        if not gzipped:
+            return self._plain
+        if self._gzipped is None:
+            self._gzipped = gzip.compress(self._plain, compresslevel=1)
+        return self._gzipped

@@ -19,7 +19,7 @@ from aiohttp.typedefs import Handler, Middleware
 from prometheus_client.exposition import choose_encoder
 
 from exporter.config import SidecarConfig
-from exporter.sidecar.api import StatusView, rank_rows, upstream_rows
+from exporter.sidecar.api import EncodedStatus, StatusView, rank_rows, upstream_rows
 from exporter.sidecar.listener import IngestServer
 from exporter.sidecar.page import render_page
 from exporter.sidecar.render import TextRenderer
@@ -35,6 +35,7 @@ STATS: web.AppKey[SidecarStats] = web.AppKey("stats", SidecarStats)
 RENDERER: web.AppKey[TextRenderer] = web.AppKey("renderer", TextRenderer)
 INGEST: web.AppKey[IngestServer] = web.AppKey("ingest", IngestServer)
 VIEW: web.AppKey[StatusView] = web.AppKey("view", StatusView)
+ENCODED: web.AppKey[EncodedStatus] = web.AppKey("encoded", EncodedStatus)
 STATIC: web.AppKey[dict[str, tuple[bytes, str]]] = web.AppKey("static", dict)
 STATIC_FILES = {"status.js": "text/javascript", "status.css": "text/css"}
 # The page loads only its own script and style sheet and fetches only the API (docs/api.md).
@@ -85,6 +86,7 @@ def build_app(
     app[RENDERER] = renderer
     app[INGEST] = ingest
     app[VIEW] = StatusView(config, state, stats, upstreams or [])
+    app[ENCODED] = EncodedStatus(app[VIEW])
     app[STATIC] = _static_files()
     app.cleanup_ctx.append(_ingest_listener)
     app.cleanup_ctx.append(_housekeeping)
@@ -188,9 +190,14 @@ async def _ranks(request: web.Request) -> web.Response:
 
 
 async def _status(request: web.Request) -> web.Response:
-    # About 190 KB at 256 ranks, a tenth of that gzipped: a page left open fetches it every 2 s.
-    return _negotiated(request, request.app[VIEW].encode(),
-                       {"Content-Type": "application/json; charset=utf-8", "Cache-Control": "no-store"})
+    # Sized by ranks, not series (docs/reliability.md): a page left open fetches it every 2 s, and
+    # viewers within one housekeeping tick share one encoded copy (api.EncodedStatus).
+    gzipped = accepts_gzip(request.headers.get("Accept-Encoding", ""))
+    headers = {"Content-Type": "application/json; charset=utf-8", "Cache-Control": "no-store",
+               "Vary": "Accept-Encoding"}
+    if gzipped:
+        headers["Content-Encoding"] = "gzip"
+    return web.Response(body=request.app[ENCODED].body(gzipped), headers=headers)
 
 
 async def _status_page(request: web.Request) -> web.Response:

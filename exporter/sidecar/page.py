@@ -9,6 +9,7 @@ the two must agree (tests/e2e/test_status_page_browser.py reads both). Every val
 from __future__ import annotations
 
 import html
+import math
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -82,15 +83,17 @@ def fmt_ratio(value: float) -> str:
 
 
 def sparkline_path(history: Sequence[Sequence[float | None]], points: int) -> str:
-    """SVG path data of a bandwidth history, right-aligned in `points` slots; a null breaks the line."""
-    values = [v for _, v in history if v is not None]
+    """SVG path data of a bandwidth history, right-aligned in `points` slots; a null breaks the line,
+    and so does a value that is not a finite number (the API sends none, but a path with `nan` in it
+    is not drawn at all)."""
+    values = [v for _, v in history if v is not None and math.isfinite(v)]
     top = max(values, default=0.0) or 1.0
     first = points - len(history)
     step = SPARK_WIDTH / max(points - 1, 1)
     parts: list[str] = []
     pen_down = False
     for index, (_, value) in enumerate(history):
-        if value is None:
+        if value is None or not math.isfinite(value):
             pen_down = False
             continue
         x = (first + index) * step
@@ -163,7 +166,9 @@ def grid(doc: dict[str, Any]) -> str:
             rank = ranks[member]
             at[(rank["pp_rank"], rank["attn_cp_rank"], rank["tp_rank"])] = rank
         missing = {(m["pp_rank"], m["tp_rank"]) for m in group["missing"]}
-        cps: list[int | None] = list(group["attn_cp_ranks"]) or [None]
+        cps: list[int | None] = list(group["attn_cp_ranks"])
+        if not cps or any(ranks[member]["attn_cp_rank"] is None for member in group["members"]):
+            cps.insert(0, None)  # a rank without a cp axis gets a row of its own (as `top` draws it)
         tps = sorted({*group["tp_ranks"], *(tp for _, tp in missing)})
         pps = sorted({*group["pp_ranks"], *(pp for pp, _ in missing)})
         head = "".join(f"<th>tp {esc(tp)}</th>" for tp in tps)
@@ -242,8 +247,10 @@ def reasons(doc: dict[str, Any]) -> str:
                 f'<td><meter min="0" max="{esc(top)}" value="{esc(r["value"])}"></meter></td></tr>'
                 for r in family["by_reason"])
         note = " (attempt-level: not a final cache-miss count)" if family["attempt_level"] else ""
+        more = (f'<p class="note">and {esc(fmt_number(family["other_reasons"]))} more reasons, '
+                f'{esc(fmt_number(family["other_value"]))} tokens</p>') if family["other_reasons"] else ""
         parts.append(f'<h3>{esc(family["family"])}</h3><p class="note">total {esc(fmt_number(family["total"]))} tokens'
-                     f"{esc(note)}</p>" + _table(("reason", "tokens", ""), rows, "none yet", 3))
+                     f"{esc(note)}</p>" + _table(("reason", "tokens", ""), rows, "none yet", 3) + more)
     return "".join(parts) or '<p class="empty">No family with a reason label.</p>'
 
 

@@ -65,7 +65,16 @@ def rank_process(socket_path: str, tp: int, pp: int, dp: int, model: str) -> Non
 
 
 def rank_id(tp: int, pp: int, dp: int, model: str) -> str:
-    return f"tp={tp} pp={pp} dp={dp} cache_type=UnifiedRadixCache model={model}"
+    return api.identity_id(tp, pp, dp, None, (("cache_type", "UnifiedRadixCache"), ("model", model)))
+
+
+def group_id(dp: int, model: str) -> str:
+    return api.group_id((dp, (("cache_type", "UnifiedRadixCache"), ("model", model))))
+
+
+def css(value: str) -> str:
+    """`value` inside a double-quoted CSS attribute selector."""
+    return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
 @dataclass
@@ -196,7 +205,7 @@ def test_grid_shows_every_rank_live_and_refreshes(fed: tuple[SidecarThread, Rank
         wait_until(lambda: watched.cells() == dict.fromkeys(_steady_ids(), "live"), timeout=20)
         # The grid lays each dp group out as pp rows by tp columns.
         captions = watched.page.locator("table.grid caption").all_inner_texts()
-        assert sorted(captions) == sorted(f"dp={dp} cache_type=UnifiedRadixCache model={model}: 4 of 4 live"
+        assert sorted(captions) == sorted(f"{group_id(dp, model)}: 4 of 4 live"
                                           for dp, model in MODELS.items())
         for group in watched.page.locator("table.grid").all():
             assert group.locator("thead th").all_inner_texts() == ["", "tp 0", "tp 1"]
@@ -223,8 +232,8 @@ def test_label_markup_is_shown_as_text(fed: tuple[SidecarThread, Ranks], browser
         hostile = rank_id(0, 0, 1, HOSTILE)
         wait_until(lambda: hostile in watched.cells(), timeout=20)
         assert watched.page.locator("img").count() == 0  # the markup made no element
-        assert HOSTILE in watched.page.locator("#ranks-body").inner_text()
-        assert any(HOSTILE in caption for caption in watched.page.locator("table.grid caption").all_inner_texts())
+        assert hostile in watched.page.locator("#ranks-body").inner_text()  # quoted as in the id: `model="...\\"'..."`
+        assert any(group_id(1, HOSTILE) in caption for caption in watched.page.locator("table.grid caption").all_inner_texts())
         watched.page.wait_for_timeout(1000)  # two more refreshes, each rebuilding the DOM from the JSON
         assert watched.page.locator("img").count() == 0
         assert watched.dialogs == [] and watched.errors == []
@@ -277,15 +286,15 @@ def test_a_never_started_rank_is_missing_until_it_starts_without_reload(
         client.counter("load_back_tokens_total", pool="kv").inc(64)
         return client.start()
 
-    dp0, dp1 = (f"dp={dp} cache_type=UnifiedRadixCache model=gaps" for dp in range(2))
+    dp0, dp1 = (group_id(dp, "gaps") for dp in range(2))
     clients = [start(0, 0)]
     watched = _open(browser, sidecar.url)
     try:
         wait_until(lambda: watched.missing() == {dp0: ["0/1"], dp1: ["group"]}, timeout=20)
         assert watched.page.locator("p.legend .swatch").all_inner_texts()[-1] == "missing"
-        assert watched.page.locator(f'table[data-group="{dp0}"] caption').inner_text().endswith(
+        assert watched.page.locator(f'table[data-group="{css(dp0)}"] caption').inner_text().endswith(
             ": 1 of 1 live, 1 missing")
-        assert watched.page.locator(f'table[data-missing-group="{dp1}"] caption').inner_text() == f"{dp1}: missing"
+        assert watched.page.locator(f'table[data-missing-group="{css(dp1)}"] caption').inner_text() == f"{dp1}: missing"
         assert ", 3 missing" in watched.page.locator("#summary").inner_text()  # tp 1 of dp 0, dp 1's two positions
         watched.screenshot("missing")
         watched.page.evaluate("window.__loadedOnce = true")  # gone if the page reloads
@@ -322,7 +331,7 @@ def test_page_without_javascript_is_readable(fed: tuple[SidecarThread, Ranks], b
         table = {r.locator("td").nth(0).inner_text(): r.locator("td").nth(2).inner_text() for r in rows}
         assert set(table) >= _steady_ids()
         assert set(watched.cells()) >= _steady_ids()
-        assert HOSTILE in watched.page.locator("#ranks-body").inner_text()
+        assert rank_id(0, 0, 1, HOSTILE) in watched.page.locator("#ranks-body").inner_text()
         assert watched.page.locator("img").count() == 0 and watched.dialogs == []
         assert "JavaScript is off" in watched.page.locator("header").inner_text()
         assert watched.page.locator("#totals-body tbody tr").count() == 4

@@ -132,7 +132,8 @@ def status_document(
                   for r in preset}
         reasons.append({"family": spec.name, "semantics": spec.semantics.value,
                         "attempt_level": spec.name == "storage_prefetch_unfulfilled_tokens_total",
-                        "total": sum(values.values()), "by_reason": [{"reason": r, "value": v} for r, v in values.items()]})
+                        "total": sum(values.values()), "by_reason": [{"reason": r, "value": v} for r, v in values.items()],
+                        "other_reasons": 0, "other_value": 0.0})
     load_back_rate = 1.5 * GiB
     curve = [None if i % 7 == 6 else load_back_rate * (i + 1) / history for i in range(history)]
     bandwidth_families = []
@@ -155,22 +156,23 @@ def status_document(
                                                                                         "_active_bandwidth_bytes_per_second"),
             "duration_family": duration_family, "transfer": name, "bytes_per_second": rate,
             "bytes_delta": rate * 6 if rate else 0, "seconds_delta": 6.0 if rate else 0,
-            "series": [{"labels": labels, "bytes_per_second": rate}] if rate else [],
+            "series": [{"labels": labels, "bytes_per_second": rate}] if rate else [], "series_count": 1 if rate else 0,
             "history": [[NOW - 5 * (history - i), v] for i, v in enumerate(points)],
         })
     rollups = [
         {"family": "hicache_host_used_tokens", "exported": "sglang_rollup_hicache_host_used_tokens", "type": "gauge",
          "semantics": "replicated", "attempt_level": False, "unit": "tokens", "total": 3000.0 * dp,
-         "series": [{"labels": labels, "value": 3000.0 * dp}]},
+         "series_count": 1},
         {"family": "hicache_host_total_tokens", "exported": "sglang_rollup_hicache_host_total_tokens", "type": "gauge",
          "semantics": "replicated", "attempt_level": False, "unit": "tokens", "total": 12000.0 * dp,
-         "series": [{"labels": labels, "value": 12000.0 * dp}]},
+         "series_count": 1},
     ]
     spread_groups = []
     for d in range(dp):
         ratio = (diverging or {}).get(d, 0.01)
         spread_groups.append({"group": _group_id(d, labels), "max_ratio": ratio, "diverging": ratio > 0.2,
-                              "series": [{"family": "load_back_tokens_total", "labels": {"pool": "kv"}, "ratio": ratio}]})
+                              "series": [{"family": "load_back_tokens_total", "labels": {"pool": "kv"}, "ratio": ratio}],
+                              "series_count": 1})
     all_rejections = {code.value: 0 for code in ErrorCode} | dict(rejections or {})
     document = {
         "api_version": 1, "generated_at": NOW,

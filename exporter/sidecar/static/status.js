@@ -87,15 +87,17 @@
     return `${(v * 100).toFixed(1)}%`;
   }
 
+  // A null breaks the line, and so does a value that is not a finite number (the API sends none,
+  // but a path with NaN in it is not drawn at all).
   function sparklinePath(history, points) {
-    const values = history.map((p) => p[1]).filter((v) => v !== null);
+    const values = history.map((p) => p[1]).filter((v) => Number.isFinite(v));
     const top = values.length ? Math.max(...values) || 1 : 1;
     const first = points - history.length;
     const step = SPARK_WIDTH / Math.max(points - 1, 1);
     const parts = [];
     let penDown = false;
     history.forEach(([, value], index) => {
-      if (value === null) {
+      if (!Number.isFinite(value)) {
         penDown = false;
         return;
       }
@@ -154,7 +156,9 @@
         if (r) at.set(`${r.pp_rank}/${r.attn_cp_rank}/${r.tp_rank}`, r);
       }
       const missing = new Set(group.missing.map((m) => `${m.pp_rank}/${m.tp_rank}`));
-      const cps = group.attn_cp_ranks.length ? group.attn_cp_ranks : [null];
+      const cps = group.attn_cp_ranks.slice();
+      // a rank without a cp axis gets a row of its own (as page.py and `top` draw it)
+      if (!cps.length || group.members.some((m) => ranks.has(m) && ranks.get(m).attn_cp_rank === null)) cps.unshift(null);
       const tps = Array.from(new Set(group.tp_ranks.concat(group.missing.map((m) => m.tp_rank)))).sort(ascending);
       const pps = Array.from(new Set(group.pp_ranks.concat(group.missing.map((m) => m.pp_rank)))).sort(ascending);
       const head = el("tr", {}, [el("th")].concat(tps.map((tp) => text("th", `tp ${tp}`))));
@@ -249,6 +253,10 @@
       const note = family.attempt_level ? " (attempt-level: not a final cache-miss count)" : "";
       out.push(text("h3", family.family), text("p", `total ${fmtNumber(family.total)} tokens${note}`, { class: "note" }),
         table(["reason", "tokens", ""], rows, "none yet", 3));
+      if (family.other_reasons) {
+        out.push(text("p", `and ${fmtNumber(family.other_reasons)} more reasons, ${fmtNumber(family.other_value)} tokens`,
+          { class: "note" }));
+      }
     }
     return out;
   }

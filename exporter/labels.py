@@ -11,6 +11,10 @@ RANK_KEYS: tuple[str, str, str] = ("tp_rank", "pp_rank", "dp_rank")
 # (the engine's radix series carry no attn_cp_rank, its storage series do).
 OPTIONAL_RANK_KEYS: tuple[str] = ("attn_cp_rank",)
 RANK_AXES: tuple[str, ...] = (*RANK_KEYS, *OPTIONAL_RANK_KEYS)
+# Labels that are functions of the rank axes: SGLang derives `moe_ep_rank` from the global tp rank,
+# so replicas of one dp group carry different values. Kept on per-rank series; left out of
+# replica groups and rollups, which would otherwise count such a group once per value.
+DERIVED_LABELS: frozenset[str] = frozenset({"moe_ep_rank"})
 LABEL_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 # Names Prometheus gives meaning to, or that the exposition adds itself.
 RESERVED_LABEL_NAMES: frozenset[str] = frozenset({"le", "quantile", "__name__", *RANK_AXES})

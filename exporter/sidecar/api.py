@@ -183,7 +183,7 @@ def label_set_worlds(ranks: Iterable[RankState]) -> dict[StaticKey, World | None
     seen: dict[StaticKey, set[World]] = {}
     for rank in ranks:
         if rank.world is not None:
-            seen.setdefault(rank.static, set()).add(rank.world)
+            seen.setdefault(rank.shared, set()).add(rank.world)
     return {static: next(iter(worlds)) if len(worlds) == 1 else None for static, worlds in seen.items()}
 
 

@@ -162,7 +162,7 @@ class RollupLedger:
         for rank in sorted((r for r in ranks if r.current and r.gauge_keys), key=lambda r: r.order):
             values = rank.values
             for key in rank.gauge_keys:
-                rollup_key = (key[0], rank.static, key[1])
+                rollup_key = (key[0], rank.shared, key[1])
                 if not per_shard[key[0]]:
                     if (rank.dp_rank, rollup_key) in taken:
                         continue

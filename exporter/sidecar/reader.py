@@ -245,7 +245,7 @@ class SampleReader:
         if (name, label_values) not in rank.values:
             self._check_series_room(rank)  # before anything is interned or indexed for it
         intern = self._intern
-        route = intern(SeriesRoute(plan, intern((name, label_values)), intern((name, rank.static, label_values))))
+        route = intern(SeriesRoute(plan, intern((name, label_values)), intern((name, rank.shared, label_values))))
         # Labels in the catalog's order (as the client library sends them) map one-to-one to
         # series, so the index is bounded like the rank's series; other orders are not kept.
         if tuple(labels) == plan.labels and len(rank.routes) < self.config.max_series_per_rank:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, TypeVar
 from exporter.catalog import Catalog
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode, ProtocolError
-from exporter.labels import label_name_problem
+from exporter.labels import DERIVED_LABELS, label_name_problem
 from exporter.protocol.messages import Hello, World
 from exporter.sidecar.series import GroupKey, Layout, SeriesBudget, SeriesKey, StaticKey, Value, static_key
 from exporter.sidecar.window import Positions, WindowHistory
@@ -74,6 +74,10 @@ class RankState:
     routes: dict[SampleIdent, SeriesRoute] = field(default_factory=dict)
     by_place: list[tuple[str, dict[str, str], SeriesRoute]] = field(default_factory=list)
     replaced_epochs: deque[str] = field(default_factory=lambda: deque(maxlen=REPLACED_EPOCHS_KEPT))
+    shared: StaticKey = ()  # the static labels its replica group and rollups carry (derived ones left out)
+
+    def __post_init__(self) -> None:
+        self.shared = tuple(item for item in self.static if item[0] not in DERIVED_LABELS)
 
     @property
     def identity(self) -> RankIdentity:
@@ -81,7 +85,7 @@ class RankState:
 
     @property
     def replica_group(self) -> GroupKey:
-        return (self.dp_rank, self.static)
+        return (self.dp_rank, self.shared)
 
     @property
     def order(self) -> tuple[int, int, int]:

@@ -113,7 +113,7 @@ class Window:
                 moved = max(moved, 0.0)
                 if not rank.expired:
                     per_rank.append((bytes_spec, rank, labels, Bandwidth(moved, seconds)))
-                acc = rolled.setdefault((bytes_spec.name, rank.static, labels), [0.0, 0.0])
+                acc = rolled.setdefault((bytes_spec.name, rank.shared, labels), [0.0, 0.0])
                 acc[0] += moved
                 acc[1] += seconds
         return per_rank, {key: Bandwidth(b, s) for key, (b, s) in rolled.items() if s > 0}

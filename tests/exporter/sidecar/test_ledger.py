@@ -633,3 +633,15 @@ def test_context_parallel_peers_count_tokens_once_and_sum_bytes(h: Harness) -> N
     assert h.counter(BYTES) == 4006.0
     h.push(peers[3], tokens(350.0))  # the last CP peer runs ahead
     assert h.counter(TOKENS, "kv") == 350.0
+
+
+def test_a_label_derived_from_the_tp_rank_does_not_split_a_replica_group(h: Harness) -> None:
+    """SGLang derives moe_ep_rank from the global tp rank: four replicas of one dp group under two
+    expert-parallel ranks are still one group, for counters and gauges alike."""
+    ranks = [h.hello(tp=tp, labels={**STATIC, "moe_ep_rank": str(tp // 2)})[1] for tp in range(4)]
+    for rank in ranks:
+        h.push(rank, tokens(100.0), used(30.0))
+    assert h.counter(TOKENS, "kv") == 100.0  # not 200: one replica per dp group
+    assert h.gauges()[rollup_key(USED)] == 30.0
+    assert {dict(r.static)["moe_ep_rank"] for r in ranks} == {"0", "1"}  # per-rank series keep the label
+    assert len(h.state.registry.groups()) == 1

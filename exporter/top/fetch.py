@@ -52,6 +52,7 @@ class FailureKind(str, Enum):
     UNAUTHORIZED = "unauthorized"  # 401: credentials missing or wrong
     HTTP = "http"  # another HTTP status (404 from an older sidecar, 429, 5xx)
     INVALID = "invalid"  # an answer that is not a status document
+    ERROR = "error"  # the poll itself raised: a bug in top, said on screen instead of ending the polls
 
 
 @dataclass(frozen=True)
@@ -192,8 +193,11 @@ def fetch_status(target: Target, timeout: float, clock: Callable[[], float] = ti
                            at=clock())
     try:
         document = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        return FetchFailed(FailureKind.INVALID, f"{target.status_url} did not send JSON ({err})", at=clock())
+    except RecursionError:  # [[[[... past the decoder's depth: not a status, whatever else it is
+        return FetchFailed(FailureKind.INVALID, f"{target.status_url} sent JSON nested too deeply to read", at=clock())
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's 4,300 digits
+        return FetchFailed(FailureKind.INVALID, f"{target.status_url} did not send JSON ({str(err)[:200]})",
+                           at=clock())
     if not isinstance(document, dict):
         return FetchFailed(FailureKind.INVALID, f"{target.status_url} sent JSON that is not an object", at=clock())
     return Fetched(document, at=clock(), seconds=seconds)

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -760,6 +761,18 @@ def _hostile_body(mode: str) -> bytes:
     return json.dumps(doc).encode()
 
 
+@pytest.mark.parametrize("mode, said", [
+    ("hugeint", "did not send JSON"), ("deep", "nested too deeply"), ("deepobj", "nested too deeply"),
+    ("toplist", "JSON that is not an object"),
+])
+def test_a_body_json_cannot_read_is_one_failure_line(answering: tuple[str, list[bytes]], mode: str, said: str) -> None:
+    url, responses = answering
+    responses.append(_response("200 OK", _hostile_body(mode)))
+    result = fetch_status(build_target(url, env={}), timeout=5)
+    assert isinstance(result, FetchFailed) and result.kind is FailureKind.INVALID, result
+    assert said in result.line and "\n" not in result.line and len(result.line) < 400, result.line
+
+
 @pytest.mark.parametrize("mode, broken", [
     ("inf_uptime", ()), ("nan_uptime", ()), ("bigint", ("Sidecar",)), ("inf_total", ("Transfers",)),
     ("wrongtype", ("Ranks",)), ("sidecar_list", ("Ranks", "Sidecar")),
@@ -783,4 +796,36 @@ def test_values_it_cannot_show_break_one_section_in_one_red_line(
     assert cannot == set(broken), lines  # once by each of the two prints
     for section in {"Ranks", "Transfers", "Reasons", "Replica spread", "Upstreams", "Sidecar"} - set(broken):
         assert any(line.startswith(section) for line in lines), (section, lines)
+
+
+def test_the_poller_reports_whatever_a_poll_raises_and_keeps_polling(monkeypatch: pytest.MonkeyPatch) -> None:
+    from exporter.top import screen
+
+    calls: list[int] = []
+
+    def fetch(target: Target, timeout: float) -> Fetched:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RecursionError("maximum recursion depth exceeded")
+        return Fetched({"api_version": 1}, at=NOW, seconds=0.0)
+
+    monkeypatch.setattr(screen, "fetch_status", fetch)
+    wake_read, wake_write = os.pipe()
+    poller = screen.Poller(TARGET, 0.01, 1.0, wake_write)
+    seen: list[Any] = []
+    try:
+        poller.start()
+        deadline = time.monotonic() + 5
+        while len(seen) < 2 and time.monotonic() < deadline:
+            result = poller.take()
+            if result is not None:
+                seen.append(result)
+            time.sleep(0.005)
+    finally:
+        poller.stop()
+        poller.join(2)
+        os.close(wake_read)
+        os.close(wake_write)
+    assert isinstance(seen[0], FetchFailed) and "RecursionError" in seen[0].line, seen
+    assert isinstance(seen[1], Fetched), "it polls on after a poll that raised"
 

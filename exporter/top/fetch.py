@@ -31,6 +31,8 @@ STATUS_PATH = "/api/v1/status"
 DEFAULT_URL = "http://127.0.0.1:9400"
 ENV_PASSWORD = "HICACHE_EXPORTER_PASSWORD"
 MAX_DOCUMENT_BYTES = 32 * 1024 * 1024  # a status of thousands of ranks is a few MiB; past this it is not a status
+PASSWORD_IN_URL_WARNING = (f"warning: the password in --url is in the process list for every user of this host to "
+                           f"read; pass --web.password-file FILE or ${ENV_PASSWORD} instead")
 CREDENTIAL_HINT = f"pass --web.user with --web.password-file or ${ENV_PASSWORD}, or http://USER:PASSWORD@HOST:PORT"
 
 
@@ -43,6 +45,7 @@ class Target:
     user: str | None = None
     authorization: str | None = None
     ssl_context: ssl.SSLContext | None = None
+    password_in_url: bool = False  # http://USER:PASSWORD@HOST: the password is in the process list
 
 
 class FailureKind(str, Enum):
@@ -129,7 +132,7 @@ def build_target(
     netloc = host if port is None else f"{host}:{port}"
     base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
     return Target(url=base, status_url=base + STATUS_PATH, user=user or None, authorization=authorization,
-                  ssl_context=context)
+                  ssl_context=context, password_in_url=url_password is not None)
 
 
 def _client_ssl_context(insecure: bool, ca_file: Path | None, cert_file: Path | None, key_file: Path | None) -> ssl.SSLContext:

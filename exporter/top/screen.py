@@ -25,7 +25,7 @@ from rich.segment import Segment
 from rich.text import Text
 
 from exporter.errors import HicacheExporterError
-from exporter.top.fetch import FailureKind, FetchFailed, FetchResult, Target, fetch_status
+from exporter.top.fetch import PASSWORD_IN_URL_WARNING, FailureKind, FetchFailed, FetchResult, Target, fetch_status
 from exporter.top.render import UNSHOWABLE, body_or_problem, problem, render_frame, render_header
 from exporter.top.view import View
 
@@ -42,6 +42,8 @@ SCROLL_KEYS = {
 def run_top(target: Target, interval: float, timeout: float, once: bool) -> int:
     """Watch `target` until q, Ctrl-C or SIGTERM (0); with `once`, print one frame (0 when it was read, else 1)."""
     view = View(target, interval)
+    if target.password_in_url:
+        print(f"hicache-exporter: {PASSWORD_IN_URL_WARNING}", file=sys.stderr)
     if once:
         result = fetch_status(target, timeout)
         view.update(result)

@@ -829,3 +829,13 @@ def test_the_poller_reports_whatever_a_poll_raises_and_keeps_polling(monkeypatch
     assert isinstance(seen[0], FetchFailed) and "RecursionError" in seen[0].line, seen
     assert isinstance(seen[1], Fetched), "it polls on after a poll that raised"
 
+
+def test_a_password_in_the_url_is_warned_about_on_stderr() -> None:
+    port = free_port()
+    said = subprocess.run([*CLI, "top", "--once", "--url", f"http://prom:s3cret@127.0.0.1:{port}"],
+                          capture_output=True, text=True, timeout=30)
+    warnings = [line for line in said.stderr.splitlines() if "process list" in line]
+    assert len(warnings) == 1 and "s3cret" not in said.stderr and ENV_PASSWORD in warnings[0], said.stderr
+    quiet = subprocess.run([*CLI, "top", "--once", "--url", f"http://127.0.0.1:{port}"],
+                           capture_output=True, text=True, timeout=30)
+    assert "process list" not in quiet.stderr

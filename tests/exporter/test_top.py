@@ -494,6 +494,8 @@ def answering() -> Iterator[tuple[str, list[bytes]]]:
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.getsockname()[1]}", responses
+    with contextlib.suppress(OSError):
+        server.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone leaves it blocked until the join's timeout)
     server.close()
     thread.join(5)
 

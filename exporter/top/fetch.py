@@ -31,6 +31,8 @@ STATUS_PATH = "/api/v1/status"
 DEFAULT_URL = "http://127.0.0.1:9400"
 ENV_PASSWORD = "HICACHE_EXPORTER_PASSWORD"
 MAX_DOCUMENT_BYTES = 32 * 1024 * 1024  # a status of thousands of ranks is a few MiB; past this it is not a status
+PASSWORD_IN_URL_WARNING = (f"warning: the password in --url is in the process list for every user of this host to "
+                           f"read; pass --web.password-file FILE or ${ENV_PASSWORD} instead")
 CREDENTIAL_HINT = f"pass --web.user with --web.password-file or ${ENV_PASSWORD}, or http://USER:PASSWORD@HOST:PORT"
 
 
@@ -43,6 +45,7 @@ class Target:
     user: str | None = None
     authorization: str | None = None
     ssl_context: ssl.SSLContext | None = None
+    password_in_url: bool = False  # http://USER:PASSWORD@HOST: the password is in the process list
 
 
 class FailureKind(str, Enum):
@@ -52,6 +55,7 @@ class FailureKind(str, Enum):
     UNAUTHORIZED = "unauthorized"  # 401: credentials missing or wrong
     HTTP = "http"  # another HTTP status (404 from an older sidecar, 429, 5xx)
     INVALID = "invalid"  # an answer that is not a status document
+    ERROR = "error"  # the poll itself raised: a bug in top, said on screen instead of ending the polls
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,7 @@ def build_target(
     netloc = host if port is None else f"{host}:{port}"
     base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
     return Target(url=base, status_url=base + STATUS_PATH, user=user or None, authorization=authorization,
-                  ssl_context=context)
+                  ssl_context=context, password_in_url=url_password is not None)
 
 
 def _client_ssl_context(insecure: bool, ca_file: Path | None, cert_file: Path | None, key_file: Path | None) -> ssl.SSLContext:
@@ -192,8 +196,11 @@ def fetch_status(target: Target, timeout: float, clock: Callable[[], float] = ti
                            at=clock())
     try:
         document = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        return FetchFailed(FailureKind.INVALID, f"{target.status_url} did not send JSON ({err})", at=clock())
+    except RecursionError:  # [[[[... past the decoder's depth: not a status, whatever else it is
+        return FetchFailed(FailureKind.INVALID, f"{target.status_url} sent JSON nested too deeply to read", at=clock())
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's 4,300 digits
+        return FetchFailed(FailureKind.INVALID, f"{target.status_url} did not send JSON ({str(err)[:200]})",
+                           at=clock())
     if not isinstance(document, dict):
         return FetchFailed(FailureKind.INVALID, f"{target.status_url} sent JSON that is not an object", at=clock())
     return Fetched(document, at=clock(), seconds=seconds)

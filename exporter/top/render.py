@@ -1,15 +1,19 @@
 """The status document as rich renderables: a pure function of the View and the time, no I/O.
 
 Everything from the document is put on screen as `Text`, never as markup, so a label value such
-as `[bold]x[/bold]` shows as written; control characters in it are shown escaped, so a label
-cannot move the cursor or recolour the terminal.
+as `[bold]x[/bold]` shows as written. No value of the document reaches a `Text` but through one of
+the accessors at the end: `literal` for what is shown as written (control characters escaped, so a
+label cannot move the cursor, retitle the window or recolour the terminal), and `count`,
+`integer`, `duration`, `size` for numbers, which refuse anything that is not a finite number in
+range (a hostile sidecar's `"\x1b]0;..."` where a count belongs, 1e999, a 400-digit integer).
+A section that meets such a value is one red line saying so; the others are still shown.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rich.columns import Columns
@@ -50,9 +54,10 @@ def render_header(view: View, now: float) -> RenderableType:
     sidecar = doc.get("sidecar") if doc is not None else None
     if isinstance(sidecar, dict):  # read with .get: the header stays up even over a document it cannot show
         title.append("  sidecar ")
-        title.append_text(literal(f"{sidecar.get('version', '?')} ({str(sidecar.get('revision', '?'))[:12]})"))
-        if isinstance(sidecar.get("uptime_seconds"), (int, float)):
-            title.append(f"  up {duration(sidecar['uptime_seconds'])}")
+        title.append_text(literal(f"{sidecar.get('version', '?')} ({str(sidecar.get('revision', '?'))[:12]})"[:80]))
+        uptime = sidecar.get("uptime_seconds")
+        if shows_as_number(uptime):  # else left out: the header is never the line that breaks
+            title.append(f"  up {duration(uptime)}")
         if sidecar.get("ready") is not None:
             title.append("  ")
             title.append(*(("ready", "green") if sidecar["ready"] else ("NOT READY", "bold red")))
@@ -70,28 +75,51 @@ def render_header(view: View, now: float) -> RenderableType:
         problem.append(")", style="red")
         lines.append(problem)
     elif doc is None:
-        lines.append(Text(f"connecting to {view.target.status_url} ...", style="yellow"))
+        lines.append(literal(f"connecting to {view.target.status_url} ...", style="yellow"))
     return Group(*lines)
 
 
+# What a document that does not follow the schema raises while a section reads it: a field absent
+# (KeyError), of the wrong type (TypeError, AttributeError, Unshowable), out of range (ArithmeticError).
+UNSHOWABLE = (LookupError, TypeError, ValueError, AttributeError, ArithmeticError, RecursionError)
+
+
 def render_body(view: View) -> list[RenderableType]:
-    """The sections of the last document read, dimmed while the sidecar cannot be read; none before the first."""
+    """The sections of the last document read, dimmed while the sidecar cannot be read; none before the first.
+
+    Each section stands alone: one that cannot read its part of the document is one red line.
+    """
     doc = view.document
     if doc is None:
         return []
-    sections = [ranks_section(doc), transfers_section(doc), reasons_section(doc), spread_section(doc),
-                upstreams_section(doc), sidecar_section(doc)]
-    body = [part for section in sections for part in (Text(""), *section)]
+    body: list[RenderableType] = []
+    for name, section in SECTIONS:
+        body.append(Text(""))
+        body.extend(section_or_problem(name, section, doc))
     return body if view.failure is None else [Styled(Group(*body), "dim")]
 
 
+def section_or_problem(name: str, section: Callable[[Mapping[str, Any]], list[RenderableType]],
+                       doc: Mapping[str, Any]) -> list[RenderableType]:
+    """`section(doc)`, or one red line naming the section and what it could not read (never a traceback)."""
+    try:
+        return section(doc)
+    except UNSHOWABLE as err:
+        return [problem(f"cannot show the {name} section", err)]
+
+
+def problem(what: str, err: BaseException) -> Text:
+    """`what (why)` in bold red, on one line, the why escaped (it may quote the document)."""
+    why = f"no field {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
+    return literal(f"{what} ({why})"[:300], style="bold red")
+
+
 def body_or_problem(view: View) -> list[RenderableType]:
-    """render_body, or one line naming what the document lacks (never a traceback on screen)."""
+    """render_body, or one line saying why not (never a traceback on screen)."""
     try:
         return render_body(view)
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
-        what = f"no field {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
-        return [Text(f"cannot show the status document of {view.target.status_url} ({what})", style="bold red")]
+    except UNSHOWABLE as err:
+        return [problem(f"cannot show the status document of {view.target.status_url}", err)]
 
 
 # --- ranks ---------------------------------------------------------------------------------
@@ -107,16 +135,16 @@ def ranks_section(doc: Mapping[str, Any]) -> list[RenderableType]:
     head = Text("Ranks", style=SECTION)
     for state in STATES:
         head.append("  ")
-        head.append(f" {by_state.get(state, 0)} {state} ", style=STATE_STYLE[state])
+        head.append(f" {count(by_state.get(state, 0))} {state} ", style=STATE_STYLE[state])
     if missing_groups or any(group.get("expected") for group in doc["groups"]):  # some layout is known
         head.append("  ")
-        head.append(f" {totals['positions']} missing ", style=MISSING_STYLE)
+        head.append(f" {count(totals['positions'])} missing ", style=MISSING_STYLE)
     limits = sidecar["limits"]
-    head.append(f"   {limits['ranks_known']} known, at most {limits['ranks_allowed']}", style="dim")
+    head.append(f"   {count(limits['ranks_known'])} known, at most {count(limits['ranks_allowed'])}", style="dim")
     ranks = {rank["id"]: rank for rank in doc["ranks"]}
     blocks = [group_block(group, ranks) for group in doc["groups"]]
     blocks += [missing_group_block(absent) for absent in missing_groups]
-    out: list[RenderableType] = [head, *(Text(line, style="bold yellow") for line in world_conflicts(doc))]
+    out: list[RenderableType] = [head, *(literal(line, style="bold yellow") for line in world_conflicts(doc))]
     if blocks:
         out.append(Columns(blocks, padding=(0, 3)))
     else:
@@ -130,7 +158,7 @@ def ranks_section(doc: Mapping[str, Any]) -> list[RenderableType]:
         out.append(line)
     if len(not_live) > NOT_LIVE_SHOWN:
         out.append(Text(f"   and {len(not_live) - NOT_LIVE_SHOWN} more ranks not live", style="bold"))
-    out.extend(missing_lines(doc["groups"], missing_groups, totals["groups"]))
+    out.extend(missing_lines(doc["groups"], missing_groups, integer(totals["groups"])))
     return out
 
 
@@ -149,21 +177,22 @@ def missing_lines(groups: Sequence[Mapping[str, Any]], missing_groups: Sequence[
     """One line per group with missing positions, then per missing dp group; at most NOT_LIVE_SHOWN lines."""
     lines = []
     for group in groups:
-        count = group.get("missing_count", 0)
-        if not count:
+        missing = integer(group.get("missing_count", 0))
+        if not missing:
             continue
         line = chip("missing", MISSING_STYLE)
         line.append_text(group_name(group))
         shown = group["missing"][:MISSING_SHOWN]
-        line.append(": " + ", ".join(f"pp{m['pp_rank']} tp{m['tp_rank']}" for m in shown))
-        if count > len(shown):
-            line.append(f" and {count - len(shown)} more", style="bold")
+        line.append(": " + ", ".join(f"pp{integer(m['pp_rank'])} tp{integer(m['tp_rank'])}" for m in shown))
+        if missing > len(shown):
+            line.append(f" and {count(missing - len(shown))} more", style="bold")
         lines.append(line)
     for absent in missing_groups:
         line = chip("missing", MISSING_STYLE)
         line.append_text(group_name(absent))
         expected = absent["expected"]
-        line.append(f": the whole dp group (tp {expected['tp_size']} × pp {expected['pp_size']}), no rank has reported")
+        line.append(f": the whole dp group (tp {integer(expected['tp_size'])} × pp {integer(expected['pp_size'])}), "
+                    "no rank has reported")
         lines.append(line)
     unlisted = groups_missing - len(missing_groups)  # the sidecar lists a bounded number
     out = lines[:NOT_LIVE_SHOWN]
@@ -186,7 +215,8 @@ def world_conflicts(doc: Mapping[str, Any]) -> list[str]:
         for rank in doc["ranks"]:
             world = rank.get("world")
             if world is not None and rank["labels"] == group["labels"]:
-                name = f"tp {world['tp_size']} × pp {world['pp_size']} × dp {world['dp_size']}"
+                name = (f"tp {integer(world['tp_size'])} × pp {integer(world['pp_size'])} × "
+                        f"dp {integer(world['dp_size'])}")
                 counts[name] = counts.get(name, 0) + 1
         worlds = ", ".join(f"{name} ({n} rank{'' if n == 1 else 's'})" for name, n in counts.items())
         labels = literal(" ".join(f"{k}={v}" for k, v in group["labels"].items()) or "no static labels").plain
@@ -201,22 +231,22 @@ def group_block(group: Mapping[str, Any], ranks: Mapping[str, Mapping[str, Any]]
     A position the world expects and no rank holds (at any cp rank) is a missing cell, `1?`, on each
     of its pp stage's cp rows.
     """
-    title = Text(f"dp{group['dp_rank']}", style="bold")
-    if group["labels"]:
-        title.append(" ")
-        title.append_text(labels_text(group["labels"]))
-    title.append(f"  {group['live']}/{group['size']} live", style="green" if group["live"] == group["size"] else "yellow")
-    missing = {(m["pp_rank"], m["tp_rank"]) for m in group.get("missing", ())}
+    title = group_name(group)
+    title.stylize("bold")
+    live, size = integer(group["live"]), integer(group["size"])
+    title.append(f"  {live}/{size} live", style="green" if live == size else "yellow")
+    missing = {(integer(m["pp_rank"]), integer(m["tp_rank"])) for m in group.get("missing", ())}
     if group.get("missing_count"):
         title.append("  ")
-        title.append(f"{group['missing_count']} missing", style=MISSING_STYLE)
+        title.append(f"{integer(group['missing_count'])} missing", style=MISSING_STYLE)
     members = [ranks[member] for member in group["members"] if member in ranks]
-    at = {(rank["pp_rank"], rank["attn_cp_rank"], rank["tp_rank"]): rank for rank in members}
-    cps: list[int | None] = list(group["attn_cp_ranks"]) or [None]
+    at = {(integer(rank["pp_rank"]), optional_integer(rank["attn_cp_rank"]), integer(rank["tp_rank"])): rank
+          for rank in members}
+    cps: list[int | None] = [integer(cp) for cp in group["attn_cp_ranks"]] or [None]
     if any(rank["attn_cp_rank"] is None for rank in members) and None not in cps:
         cps.insert(0, None)
-    tps = sorted({*group["tp_ranks"], *(rank["tp_rank"] for rank in members), *(tp for _, tp in missing)})
-    pps = sorted({*group["pp_ranks"], *(rank["pp_rank"] for rank in members), *(pp for pp, _ in missing)})
+    tps = sorted({*map(integer, group["tp_ranks"]), *(tp for _, _, tp in at), *(tp for _, tp in missing)})
+    pps = sorted({*map(integer, group["pp_ranks"]), *(pp for pp, _, _ in at), *(pp for pp, _ in missing)})
     # One more column for the mark, in every cell of a group that has one, to keep the columns aligned.
     width = max((len(str(tp)) for tp in tps), default=1) + (len(MISSING_MARK) if missing else 0)
     grid = Table.grid(padding=(0, 1))
@@ -244,8 +274,8 @@ def missing_group_block(absent: Mapping[str, Any]) -> RenderableType:
     title.append("  ")
     title.append("missing", style=MISSING_STYLE)
     expected = absent["expected"]
-    return Group(title, Text(f"no rank has reported (tp {expected['tp_size']} × pp {expected['pp_size']} expected)",
-                             style="magenta"))
+    return Group(title, Text(f"no rank has reported (tp {integer(expected['tp_size'])} × "
+                             f"pp {integer(expected['pp_size'])} expected)", style="magenta"))
 
 
 class CellRow:
@@ -305,13 +335,13 @@ def host_occupancy(rollups: Sequence[Mapping[str, Any]]) -> Text | None:
     totals = {rollup["family"]: rollup["total"] for rollup in rollups if rollup["family"] in OCCUPANCY}
     if set(totals) != set(OCCUPANCY) or not totals[OCCUPANCY[1]]:
         return None
-    used, capacity = totals[OCCUPANCY[0]], totals[OCCUPANCY[1]]
+    used, capacity = number(totals[OCCUPANCY[0]]), number(totals[OCCUPANCY[1]])
     return Text(f"L2 host pool: {count(used)} of {count(capacity)} tokens in use ({100 * used / capacity:.0f}%)")
 
 
 def sparkline(values: Sequence[float | None], width: int = SPARK_WIDTH) -> Text:
     """The last `width` values as block characters scaled to their maximum; a gap where nothing moved."""
-    shown = list(values)[-width:]
+    shown = [None if value is None else number(value) for value in list(values)[-width:]]
     peak = max((v for v in shown if v is not None), default=0.0)
     line = Text(style="cyan")
     for value in shown:
@@ -336,9 +366,10 @@ def reasons_section(doc: Mapping[str, Any]) -> list[RenderableType]:
         if family["attempt_level"]:
             line.append(" (attempt-level)", style="dim")
         line.append(f"  {count(family['total'])}")
-        nonzero = sorted((r for r in family["by_reason"] if r["value"]), key=lambda r: -r["value"])
-        zeros = len(family["by_reason"]) - len(nonzero)
-        if not family["by_reason"]:
+        by_reason = family.get("by_reason") or []  # a capped listing may list fewer than the family has
+        nonzero = sorted((r for r in by_reason if number(r["value"])), key=lambda r: -number(r["value"]))
+        zeros = len(by_reason) - len(nonzero)
+        if not by_reason:
             line.append("  (no reason reported yet)", style="dim")
         elif not nonzero:
             line.append(f"  ({zeros} reasons, all at 0)", style="dim")
@@ -361,14 +392,15 @@ def spread_section(doc: Mapping[str, Any]) -> list[RenderableType]:
     spread = doc["spread"]
     groups = {group["id"]: group for group in doc["groups"]}
     out: list[RenderableType] = [Text("Replica spread", style=SECTION).append(
-        f"   (max - min) / max of the replicas' increases; diverging above {spread['threshold']:g}", style="dim")]
-    ordered = sorted(spread["groups"], key=lambda g: (not g["diverging"], -g["max_ratio"]))
+        f"   (max - min) / max of the replicas' increases; diverging above {number(spread['threshold']):g}",
+        style="dim")]
+    ordered = sorted(spread["groups"], key=lambda g: (not g["diverging"], -number(g["max_ratio"])))
     for entry in ordered[:SPREAD_SHOWN]:
         group = groups.get(entry["group"])
         line = group_name(group) if group is not None else literal(entry["group"])
         if entry["diverging"]:
-            line.append(f"  DIVERGING {entry['max_ratio']:.2f}", style="bold white on red")
-            worst = sorted(entry["series"], key=lambda s: -s["ratio"])[:3]
+            line.append(f"  DIVERGING {number(entry['max_ratio']):.2f}", style="bold white on red")
+            worst = sorted(entry["series"], key=lambda s: -number(s["ratio"]))[:3]
             for series in worst:
                 line.append("  ")
                 line.append_text(literal(series["family"]))
@@ -376,9 +408,9 @@ def spread_section(doc: Mapping[str, Any]) -> list[RenderableType]:
                     line.append("{")
                     line.append_text(labels_text(series["labels"]))
                     line.append("}")
-                line.append(f" {series['ratio']:.2f}", style="bold red")
+                line.append(f" {number(series['ratio']):.2f}", style="bold red")
         else:
-            line.append(f"  agree ({entry['max_ratio']:.2f})", style="green")
+            line.append(f"  agree ({number(entry['max_ratio']):.2f})", style="green")
         out.append(line)
     if len(ordered) > SPREAD_SHOWN:
         rest = ordered[SPREAD_SHOWN:]
@@ -391,7 +423,7 @@ def spread_section(doc: Mapping[str, Any]) -> list[RenderableType]:
 
 def group_name(group: Mapping[str, Any]) -> Text:
     """`dp0 cache_type=...`: a replica group as its dp rank and static labels."""
-    name = Text(f"dp{group['dp_rank']}")
+    name = Text(f"dp{integer(group['dp_rank'])}")
     if group["labels"]:
         name.append(" ")
         name.append_text(labels_text(group["labels"]))
@@ -406,12 +438,12 @@ def upstreams_section(doc: Mapping[str, Any]) -> list[RenderableType]:
     for name in ("upstream", "source", "state", "ranks", "samples", "last read", "errors", "last error"):
         table.add_column(name, overflow="fold")
     for upstream in doc["upstreams"]:
-        errors = sum(upstream["errors"].values())
+        errors = sum(number(n) for n in upstream["errors"].values())
         took = upstream["last_scrape_duration_seconds"]
         table.add_row(literal(upstream["name"]), literal(upstream["source"]),
                       Text("up", style="green") if upstream["up"] else Text("DOWN", style="bold red"),
                       Text(count(upstream["ranks"])), Text(count(upstream["samples"])),
-                      Text(f"{took * 1000:.0f} ms" if took is not None else "never"),
+                      Text(f"{number(took) * 1000:.0f} ms" if took is not None else "never"),
                       Text(count(errors), style="red" if errors else ""),
                       literal(upstream["last_error"] or ""))
     return [Text("Upstreams", style=SECTION), table]
@@ -431,15 +463,16 @@ def sidecar_section(doc: Mapping[str, Any]) -> list[RenderableType]:
     traffic = Text(f"received: frames {count(sidecar['frames_received'])} · snapshots "
                    f"{count(sidecar['snapshots_applied'])} applied of {count(sidecar['snapshots_received'])}"
                    f" · samples {count(sidecar['samples_applied'])}")
-    full = limits["series_allowed"] and limits["series_used"] >= limits["series_allowed"]
+    full = number(limits["series_allowed"]) and number(limits["series_used"]) >= number(limits["series_allowed"])
     limit_line = Text(f"limits: series {count(limits['series_used'])} of {count(limits['series_allowed'])}",
                       style="bold red" if full else "")
     limit_line.append(f" · stale after {duration(limits['stale_after_seconds'])}, expired after "
                       f"{duration(limits['expire_after_seconds'])} · window {duration(limits['window_seconds'])}"
-                      f" · namespace {sidecar['namespace']!r}")
+                      " · namespace ")
+    limit_line.append_text(literal(repr(sidecar["namespace"])))
     rejected = Text(f"rejections {count(sidecar['rejections_total'])}",
                     style="bold red" if sidecar["rejections_total"] else "green")
-    nonzero = sorted(((reason, n) for reason, n in sidecar["rejections"].items() if n), key=lambda item: -item[1])
+    nonzero = sorted(((reason, n) for reason, n in sidecar["rejections"].items() if number(n)), key=lambda item: -item[1])
     for reason, n in nonzero:
         rejected.append("  ")
         rejected.append_text(literal(reason))
@@ -456,15 +489,21 @@ def sidecar_section(doc: Mapping[str, Any]) -> list[RenderableType]:
     return out
 
 
+SECTIONS: tuple[tuple[str, Callable[[Mapping[str, Any]], list[RenderableType]]], ...] = (
+    ("Ranks", ranks_section), ("Transfers", transfers_section), ("Reasons", reasons_section),
+    ("Replica spread", spread_section), ("Upstreams", upstreams_section), ("Sidecar", sidecar_section),
+)
+
+
 # --- text and numbers -----------------------------------------------------------------------
 
 
-def literal(value: object) -> Text:
+def literal(value: object, style: str = "") -> Text:
     """`value` as plain text: no markup, control characters shown as escapes (\\x1b), never sent to the terminal."""
     text = str(value)
     if not text.isprintable():
         text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
-    return Text(text)
+    return Text(text, style=style)
 
 
 def labels_text(labels: Mapping[str, str]) -> Text:
@@ -479,27 +518,75 @@ def labels_text(labels: Mapping[str, str]) -> Text:
     return out
 
 
-def count(value: float) -> str:
+LARGEST = 1e24  # past any real count, byte total or duration; its digits still fit on a line
+
+
+class Unshowable(ValueError):
+    """A document value that cannot be shown where the schema puts a number: wrong type, not finite, out of range."""
+
+
+def number(value: object) -> float:
+    """`value` if it is a finite number within ±LARGEST (not a bool); else Unshowable, quoting it escaped."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Unshowable(f"{glimpse(value)} where a number belongs")
+    if not -LARGEST <= value <= LARGEST:  # an int compares exactly, NaN compares False: both land here
+        raise Unshowable(f"{glimpse(value)} is out of range")
+    return value
+
+
+def integer(value: object) -> int:
+    """`value` if it is an integer within ±LARGEST (a rank, a size); else Unshowable."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise Unshowable(f"{glimpse(value)} where an integer belongs")
+    number(value)
+    return value
+
+
+def optional_integer(value: object) -> int | None:
+    return None if value is None else integer(value)
+
+
+def shows_as_number(value: object) -> bool:
+    """Whether `number(value)` would take it."""
+    try:
+        number(value)
+    except Unshowable:
+        return False
+    return True
+
+
+def glimpse(value: object) -> str:
+    """A short, escaped quotation of a value for a one-line complaint."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > LARGEST:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = literal(repr(value)).plain
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def count(value: object) -> str:
     """12,080; a fraction keeps two places."""
-    return f"{int(value):,}" if float(value).is_integer() else f"{value:,.2f}"
+    shown = number(value)
+    return f"{shown:,}" if isinstance(shown, int) else f"{int(shown):,}" if shown.is_integer() else f"{shown:,.2f}"
 
 
-def size(value: float) -> str:
+def size(value: object) -> str:
     """Bytes in binary units: 118.0 MiB."""
+    shown = number(value)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
+        if abs(shown) < 1024 or unit == "TiB":
+            return f"{shown:.0f} B" if unit == "B" else f"{shown:.1f} {unit}"
+        shown /= 1024
     raise AssertionError("unreachable")
 
 
-def speed(bytes_per_second: float | None) -> str:
+def speed(bytes_per_second: object) -> str:
     """An active bandwidth, or `idle` when the window saw no transfer."""
     return "idle" if bytes_per_second is None else size(bytes_per_second) + "/s"
 
 
-def duration(seconds: float) -> str:
+def duration(value: object) -> str:
     """45s, 3m12s, 2h05m, 1d02h."""
+    seconds = number(value)
     whole = int(seconds)
     if seconds < 10 and not float(seconds).is_integer():
         return f"{seconds:.1f}s"

@@ -25,8 +25,8 @@ from rich.segment import Segment
 from rich.text import Text
 
 from exporter.errors import HicacheExporterError
-from exporter.top.fetch import FetchResult, Target, fetch_status
-from exporter.top.render import body_or_problem, render_frame, render_header
+from exporter.top.fetch import PASSWORD_IN_URL_WARNING, FailureKind, FetchFailed, FetchResult, Target, fetch_status
+from exporter.top.render import UNSHOWABLE, body_or_problem, problem, render_frame, render_header
 from exporter.top.view import View
 
 REDRAW_SECONDS = 1.0  # the header's "read N s ago" moves on even while no poll lands
@@ -42,6 +42,8 @@ SCROLL_KEYS = {
 def run_top(target: Target, interval: float, timeout: float, once: bool) -> int:
     """Watch `target` until q, Ctrl-C or SIGTERM (0); with `once`, print one frame (0 when it was read, else 1)."""
     view = View(target, interval)
+    if target.password_in_url:
+        print(f"hicache-exporter: {PASSWORD_IN_URL_WARNING}", file=sys.stderr)
     if once:
         result = fetch_status(target, timeout)
         view.update(result)
@@ -65,13 +67,21 @@ class Poller(threading.Thread):
     def run(self) -> None:
         while not self._stopping.is_set():
             started = time.monotonic()
-            result = fetch_status(self.target, self.timeout)
+            result = self._poll()
             with self._lock:
                 self._latest = result
             if self._stopping.is_set():
                 return
             _wake(self.wake_fd)
             self._stopping.wait(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def _poll(self) -> FetchResult:
+        """One fetch; whatever it raises is a failure on screen, and the next poll comes as usual."""
+        try:
+            return fetch_status(self.target, self.timeout)
+        except Exception as err:  # noqa: BLE001 (a poller that dies leaves a screen that never changes)
+            message = f"{self.target.status_url}: the poll failed ({type(err).__name__}: {err})"
+            return FetchFailed(FailureKind.ERROR, message[:300], at=time.time())
 
     def take(self) -> FetchResult | None:
         """The result that landed since the last take, if any."""
@@ -129,7 +139,10 @@ class Frame:
         height = options.height or console.height
         unbounded = options.update(height=None)
         header = console.render_lines(render_header(self.view, time.time()), unbounded, pad=False)
-        body = console.render_lines(Group(*body_or_problem(self.view)), unbounded, pad=False)
+        try:
+            body = console.render_lines(Group(*body_or_problem(self.view)), unbounded, pad=False)
+        except UNSHOWABLE as err:  # the sections read the document as they are built; this is a last guard
+            body = console.render_lines(problem("cannot show the status document", err), unbounded, pad=False)
         scroll = self.scroll
         scroll.lines = len(body)
         scroll.room = max(1, height - len(header) - 1)  # one line for the scroll position when it overflows

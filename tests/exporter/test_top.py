@@ -9,21 +9,27 @@ The pseudo-terminal test against a live sidecar is tests/exporter/test_top_pty.p
 from __future__ import annotations
 
 import base64
+import contextlib
+import copy
 import gzip
 import io
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import bcrypt
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 from rich.cells import cell_len
 from rich.console import Console, RenderableType
@@ -417,7 +423,8 @@ def test_a_document_it_cannot_read_is_one_line_not_a_traceback() -> None:
     doc = status_document()
     del doc["spread"]
     text = screen_text(render_frame(view_of(doc), now=NOW))
-    assert "cannot show the status document of http://sidecar:9400/api/v1/status (no field 'spread')" in text
+    assert "\ncannot show the Replica spread section (no field 'spread')\n" in text
+    assert "dp0 cache_type=UnifiedRadixCache  4/4 live" in text and "\nUpstreams" in text, "the others are shown"
     other = View(TARGET, interval=2.0)
     other.update(Fetched({"api_version": 2}, at=NOW, seconds=0.01))
     assert not other.ok and "speaks api_version 2; this top reads 1" in screen_text(render_frame(other, now=NOW))
@@ -489,6 +496,8 @@ def answering() -> Iterator[tuple[str, list[bytes]]]:
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.getsockname()[1]}", responses
+    with contextlib.suppress(OSError):
+        server.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone leaves it blocked until the join's timeout)
     server.close()
     thread.join(5)
 
@@ -627,3 +636,210 @@ def test_help_lists_top_and_its_flags() -> None:
                  "--insecure", "http://127.0.0.1:9400"):
         assert flag in result.stdout
     assert "top" in subprocess.run([*CLI, "--help"], capture_output=True, text=True, timeout=30).stdout
+
+
+# --- a hostile or broken sidecar --------------------------------------------------------------
+
+SGR = re.compile(r"\x1b\[[0-9;]*m")  # the only escape sequences rich itself sends for a frame: colours
+# What a hostile string may try: an OSC title, CSI screen clearing, their C1 forms, lone controls,
+# a bidi override; and values of the wrong type or out of range where the schema says a number.
+CONTROLS = ("\x1b]0;PWNED\x07", "\x1b[2J", "\x1b[31mRED", "\x9b2J", "\x9d0;x\x9c", "\x1b", "\x07", "\r", "\x08",
+            "\x00", "\x7f", "\x85", "\u202e", "\t", "[bold]x[/bold]")
+WRONG = (None, True, False, [], {}, ["\x1b[2J"], {"\x1b]0;k\x07": "\x1b[2J"}, 10 ** 400, -(10 ** 30), float("inf"),
+         float("-inf"), float("nan"), -1, 1e308, 0.5, "", "12", "\x1b[2J")
+HOSTILE = st.one_of(st.lists(st.one_of(st.sampled_from(CONTROLS), st.text(max_size=3)), min_size=1, max_size=4)
+                    .map("".join), st.sampled_from(WRONG))
+
+
+def assert_terminal_safe(raw: str) -> None:
+    """Nothing in `raw` but text, newlines and rich's own colour sequences: no OSC, no other CSI, no lone control."""
+    rest = SGR.sub("", raw)
+    bad = sorted({ch for ch in rest if (ord(ch) < 0x20 and ch != "\n") or 0x7F <= ord(ch) <= 0x9F})
+    assert not bad, f"control characters {bad!r} reach the terminal:\n{raw!r}"
+
+
+def frame_bytes(view: View, width: int = 160) -> str:
+    """A frame as the terminal receives it, printed (as --once does) and drawn (as the screen does)."""
+    out = console(width)
+    out.print(render_frame(view, now=NOW + 1))
+    out.print(Frame(view, Scroll()))
+    file = out.file
+    assert isinstance(file, io.StringIO)
+    return file.getvalue()
+
+
+def hostile_base() -> dict[str, Any]:
+    upstream = {"name": "engine", "source": "http://127.0.0.1:30000/metrics", "up": True, "last_scrape_time": NOW,
+                "last_scrape_duration_seconds": 0.012, "samples": 10, "scrapes": 4, "ranks": 2,
+                "pass_through_families": 0, "errors": {"connect": 1}, "last_error": "connect: refused",
+                "unranked_families": [], "cp_colliding_families": []}
+    doc = status_document(dp=3, pp=2, tp=2, history=3, states={(0, 0, 1): "stale"}, missing={(1, 1, 1)},
+                          absent_groups={2}, diverging={0: 0.5}, unfulfilled={"deadline": 64},
+                          rejections={"duplicate_rank": 2}, upstreams=[upstream])
+    doc["sidecar"]["rollup_layout_conflicts"] = {"load_back_duration_seconds": 2}
+    validate_status(doc)
+    return doc
+
+
+def places(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], str]]:
+    """Every leaf (`value`) and every object key (`key`) of a document, by path."""
+    if isinstance(node, dict):
+        for key, child in node.items():
+            yield (*path, key), "key"
+            yield from places(child, (*path, key))
+    elif isinstance(node, list):
+        for i, child in enumerate(node):
+            yield from places(child, (*path, i))
+    else:
+        yield path, "value"
+
+
+HOSTILE_BASE = hostile_base()
+HOSTILE_PLACES = [place for place in places(HOSTILE_BASE) if place[0] != ("api_version",)]
+
+
+def replaced(doc: dict[str, Any], path: tuple[Any, ...], how: str, value: Any) -> None:
+    parent = doc
+    for step in path[:-1]:
+        parent = parent[step]
+    if how == "value":
+        parent[path[-1]] = value
+    else:  # the key itself: `value` in its place when it is a string, the entry gone otherwise
+        child = parent.pop(path[-1])
+        if isinstance(value, str):
+            parent[value] = child
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(HOSTILE_PLACES), HOSTILE), min_size=1, max_size=3))
+def test_hostile_values_anywhere_in_the_document_never_reach_the_terminal(
+        changes: list[tuple[tuple[tuple[Any, ...], str], Any]]) -> None:
+    doc = copy.deepcopy(HOSTILE_BASE)
+    for (path, how), value in changes:
+        with contextlib.suppress(KeyError, IndexError, TypeError):  # an earlier change took its parent away
+            replaced(doc, path, how, value)
+    raw = frame_bytes(view_of(doc))
+    assert_terminal_safe(raw)
+    assert SGR.sub("", raw).startswith("hicache-exporter top  http://sidecar:9400")
+    assert "Traceback" not in raw
+
+
+def test_every_number_shown_is_checked_as_a_number_and_every_string_escaped() -> None:
+    # The fields a review found shown without escaping, each holding an OSC title and a screen clear.
+    evil = "\x1b]0;PWNED\x07\x1b[2J\x1b[31mRED"
+    for path in (("groups", 0, "dp_rank"), ("groups", 0, "live"), ("groups", 0, "tp_ranks", 0),
+                 ("sidecar", "limits", "ranks_known"), ("sidecar", "ranks_by_state", "live"),
+                 ("missing_totals", "positions"), ("spread", "threshold"), ("sidecar", "namespace")):
+        doc = copy.deepcopy(HOSTILE_BASE)
+        replaced(doc, path, "value", evil)
+        raw = frame_bytes(view_of(doc))
+        assert_terminal_safe(raw)
+        text = SGR.sub("", raw)
+        assert "Transfers" in text and "Reasons" in text, f"{path}: one field takes one section, not the frame"
+
+
+# Bodies as a hostile or broken sidecar would send them, from the review's fake sidecar.
+def _hostile_body(mode: str) -> bytes:
+    doc = copy.deepcopy(HOSTILE_BASE)
+    text = json.dumps(doc)
+    if mode == "inf_uptime":
+        return text.replace('"uptime_seconds": 192.0', '"uptime_seconds": 1e999').encode()
+    if mode == "nan_uptime":
+        doc["sidecar"]["uptime_seconds"] = float("nan")
+    elif mode == "bigint":  # 400 digits: json reads it; float() of it overflows
+        return text.replace('"frames_received": 1234', '"frames_received": ' + "9" * 400).encode()
+    elif mode == "hugeint":  # 5,000 digits: past Python's int conversion limit, json.loads raises ValueError
+        return text.replace('"frames_received": 1234', '"frames_received": ' + "9" * 5000).encode()
+    elif mode == "deep":
+        return b"[" * 200_000 + b"]" * 200_000
+    elif mode == "deepobj":
+        return b'{"api_version": 1, "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    elif mode == "inf_total":
+        doc["rollups"][0]["total"] = float("inf")
+    elif mode == "wrongtype":
+        doc["ranks"] = "abc"
+    elif mode == "sidecar_list":
+        doc["sidecar"] = []
+    elif mode == "toplist":
+        return b"[1, 2]"
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize("mode, said", [
+    ("hugeint", "did not send JSON"), ("deep", "nested too deeply"), ("deepobj", "nested too deeply"),
+    ("toplist", "JSON that is not an object"),
+])
+def test_a_body_json_cannot_read_is_one_failure_line(answering: tuple[str, list[bytes]], mode: str, said: str) -> None:
+    url, responses = answering
+    responses.append(_response("200 OK", _hostile_body(mode)))
+    result = fetch_status(build_target(url, env={}), timeout=5)
+    assert isinstance(result, FetchFailed) and result.kind is FailureKind.INVALID, result
+    assert said in result.line and "\n" not in result.line and len(result.line) < 400, result.line
+
+
+@pytest.mark.parametrize("mode, broken", [
+    ("inf_uptime", ()), ("nan_uptime", ()), ("bigint", ("Sidecar",)), ("inf_total", ("Transfers",)),
+    ("wrongtype", ("Ranks",)), ("sidecar_list", ("Ranks", "Sidecar")),
+])
+def test_values_it_cannot_show_break_one_section_in_one_red_line(
+        answering: tuple[str, list[bytes]], mode: str, broken: tuple[str, ...]) -> None:
+    url, responses = answering
+    responses.append(_response("200 OK", _hostile_body(mode)))
+    result = fetch_status(build_target(url, env={}), timeout=5)
+    assert isinstance(result, Fetched), result
+    view = View(build_target(url, env={}), interval=2.0)
+    view.update(result)
+    raw = frame_bytes(view)
+    assert_terminal_safe(raw)
+    lines = SGR.sub("", raw).splitlines()
+    assert lines[0].startswith("hicache-exporter top  http://127.0.0.1:") and "read " in lines[0]
+    if not broken:  # the header leaves out what it cannot show
+        assert " up " not in lines[0]
+    cannot = {line.split(" section")[0].removeprefix("cannot show the ") for line in lines
+              if line.startswith("cannot show")}
+    assert cannot == set(broken), lines  # once by each of the two prints
+    for section in {"Ranks", "Transfers", "Reasons", "Replica spread", "Upstreams", "Sidecar"} - set(broken):
+        assert any(line.startswith(section) for line in lines), (section, lines)
+
+
+def test_the_poller_reports_whatever_a_poll_raises_and_keeps_polling(monkeypatch: pytest.MonkeyPatch) -> None:
+    from exporter.top import screen
+
+    calls: list[int] = []
+
+    def fetch(target: Target, timeout: float) -> Fetched:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RecursionError("maximum recursion depth exceeded")
+        return Fetched({"api_version": 1}, at=NOW, seconds=0.0)
+
+    monkeypatch.setattr(screen, "fetch_status", fetch)
+    wake_read, wake_write = os.pipe()
+    poller = screen.Poller(TARGET, 0.01, 1.0, wake_write)
+    seen: list[Any] = []
+    try:
+        poller.start()
+        deadline = time.monotonic() + 5
+        while len(seen) < 2 and time.monotonic() < deadline:
+            result = poller.take()
+            if result is not None:
+                seen.append(result)
+            time.sleep(0.005)
+    finally:
+        poller.stop()
+        poller.join(2)
+        os.close(wake_read)
+        os.close(wake_write)
+    assert isinstance(seen[0], FetchFailed) and "RecursionError" in seen[0].line, seen
+    assert isinstance(seen[1], Fetched), "it polls on after a poll that raised"
+
+
+def test_a_password_in_the_url_is_warned_about_on_stderr() -> None:
+    port = free_port()
+    said = subprocess.run([*CLI, "top", "--once", "--url", f"http://prom:s3cret@127.0.0.1:{port}"],
+                          capture_output=True, text=True, timeout=30)
+    warnings = [line for line in said.stderr.splitlines() if "process list" in line]
+    assert len(warnings) == 1 and "s3cret" not in said.stderr and ENV_PASSWORD in warnings[0], said.stderr
+    quiet = subprocess.run([*CLI, "top", "--once", "--url", f"http://127.0.0.1:{port}"],
+                           capture_output=True, text=True, timeout=30)
+    assert "process list" not in quiet.stderr

@@ -10,11 +10,14 @@ After each, the shell's own `stty` and `$?` say the terminal is as it was and th
 
 from __future__ import annotations
 
+import http.server
+import json
 import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,7 +29,7 @@ import pyte
 import pytest
 import yaml
 
-from tests.exporter.test_top import validate_status
+from tests.exporter.test_top import status_document, validate_status
 from tests.helpers import free_port, http_get, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -285,3 +288,61 @@ def test_ctrl_c_quits_cleanly_and_a_401_says_to_pass_credentials(
     term.wait_for(lambda text: f"unauthorized: {sidecar.url} needs credentials (HTTP 401): pass --web.user" in text,
                   30, "the 401 line")
     quits_cleanly(term, term.child.sendintr)
+
+
+class ChangingSidecar:
+    """A fake sidecar on a local port whose answer the test changes: a good status, or a hostile body."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.polls = 0
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+                owner.polls += 1
+                body = owner.body
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def test_the_poller_survives_a_body_json_cannot_read_and_recovers(terminal: Callable[[], Terminal]) -> None:
+    good = status_document(dp=2, pp=1, tp=2)
+    evil = json.loads(json.dumps(good))
+    evil["groups"][0]["dp_rank"] = "\x1b]0;PWNED\x07\x1b[2J"  # the title and a clear, were they sent raw
+    fake = ChangingSidecar(json.dumps(good).encode())
+    try:
+        term = terminal()
+        term.run(f"{sys.executable} -m exporter.cli top --url {fake.url} --interval 0.3")
+        term.wait_for(lambda text: "dp1 cache_type=UnifiedRadixCache  2/2 live" in text, 30, "the good status")
+        fake.body = b"[" * 200_000 + b"]" * 200_000
+        term.wait_for(lambda text: "nested too deeply to read  (retrying every 0.3 s; below: the status read at"
+                      in text, 20, "the failure line for a deep body")
+        polls = fake.polls
+        term.wait_for(lambda text: fake.polls >= polls + 3, 10, "polls going on after the deep body")
+        assert b"Traceback" not in term.raw and "Traceback" not in term.text
+        fake.body = json.dumps(evil).encode()
+        term.wait_for(lambda text: "cannot show the Ranks section" in text, 20, "the hostile dp_rank refused")
+        assert b"\x1b]0;PWNED" not in term.raw and b"\x1b[2J" not in term.raw
+        fake.body = json.dumps(good).encode()
+        term.wait_for(lambda text: "nested too deeply" not in text and "cannot show" not in text
+                      and "dp0 cache_type=UnifiedRadixCache  2/2 live" in text, 20, "the good status again")
+        quits_cleanly(term, lambda: term.child.send("q"))
+    finally:
+        fake.stop()

@@ -241,14 +241,14 @@ def test_top_shows_ranks_turn_stale_departed_expired_and_the_sidecar_unreachable
                                        for line in text.splitlines()), 30, "the load-back bandwidth")
 
         # Frozen: still connected, silent past stale_after.
-        frozen = f"tp=1 pp=0 dp=0 cache_type={LABELS['cache_type']}"
+        frozen = f"tp=1 pp=0 dp=0 cache_type=\"{LABELS['cache_type']}\""
         os.kill(ranks[(0, 1)].pid or 0, signal.SIGSTOP)
         term.wait_for(lambda text: _by_id(text, frozen, "stale") and " 1 stale " in text, 20, f"{frozen} stale")
         assert term.cell_backgrounds("dp0 cache_type=HiRadixCache", 2) == ["green", "yellow"]
         assert "dp0 cache_type=HiRadixCache  1/2 live" in term.text
 
         # Killed: its connection closes (departed), and past expire_after it expires.
-        killed = f"tp=0 pp=0 dp=1 cache_type={LABELS['cache_type']}"
+        killed = f"tp=0 pp=0 dp=1 cache_type=\"{LABELS['cache_type']}\""
         ranks[(1, 0)].kill()
         ranks[(1, 0)].join(10)
         term.wait_for(lambda text: _by_id(text, killed, "departed"), 20, f"{killed} departed")

@@ -22,6 +22,7 @@ from tests.helpers import Scrape, free_port, http_get, wait_until
 
 REQUESTS = 120
 RANK_AXES = ("tp_rank", "pp_rank", "dp_rank", "attn_cp_rank")
+DERIVED_LABELS = ("moe_ep_rank",)  # derived from the global tp rank: no group of its own
 # The engine's label names per collector (besides a family's own labels).
 COLLECTOR_LABELS = {
     Collector.RADIX: {"cache_type", "tp_rank", "pp_rank", "dp_rank"},
@@ -55,8 +56,8 @@ def name(family: str) -> str:
 
 
 def group_key(labels: dict[str, str]) -> tuple:
-    """A replica group: dp_rank and every label that is not a rank axis."""
-    return (labels["dp_rank"], *sorted((k, v) for k, v in labels.items() if k not in RANK_AXES))
+    """A replica group: dp_rank and every label that is not a rank axis or derived from one."""
+    return (labels["dp_rank"], *sorted((k, v) for k, v in labels.items() if k not in RANK_AXES and k not in DERIVED_LABELS))
 
 
 def check_rollups(scrape: Scrape) -> None:
@@ -80,7 +81,8 @@ def check_rollups(scrape: Scrape) -> None:
                     expected[rest] += values.pop()  # one replica per dp group, the groups summed
             else:
                 for sample in scrape.find(stem + suffix):
-                    expected[tuple(sorted((k, v) for k, v in sample.labels.items() if k not in RANK_AXES))] += sample.value
+                    expected[tuple(sorted((k, v) for k, v in sample.labels.items()
+                                          if k not in RANK_AXES and k not in DERIVED_LABELS))] += sample.value
             got = {tuple(sorted(s.labels.items())): s.value for s in scrape.find(rollup_stem + suffix)}
             assert set(got) == set(expected), (spec.name, suffix)
             for labels, value in expected.items():
@@ -170,12 +172,27 @@ def test_demo_with_context_parallelism_counts_tokens_once() -> None:
     assert scheduler == {"0", "4"}  # tp_rank = (dp * cp + 0) * attn_tp + 0
 
 
+def _group_members(group: int) -> list[tuple[int, str]]:
+    """(pid, state) of every process in process group `group`, from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while listed
+        if int(fields[2]) == group:
+            members.append((int(stat.parent.name), fields[0]))
+    return members
+
+
 def _l3_bytes_stopped(group: int, l3: Path) -> int:
     """Bytes of stored pages (a page being written is a `.tmp-` file until it is renamed), listed
     while the demo's processes are stopped: a listing is not atomic, and a page evicted and
-    replaced while it runs would be counted with its replacement."""
+    replaced while it runs would be counted with its replacement. SIGSTOP is delivered
+    asynchronously, so the listing waits until every process of the group shows it stopped (or dead)."""
     os.killpg(group, signal.SIGSTOP)
     try:
+        wait_until(lambda: all(state in "TtZX" for _, state in _group_members(group)), timeout=10, interval=0.005)
         return sum(f.stat().st_size for f in l3.glob("*/??/*") if not f.name.startswith(".tmp-"))
     finally:
         os.killpg(group, signal.SIGCONT)

@@ -251,6 +251,22 @@ def test_the_scheduler_collector_pushes_its_hicache_families_and_keeps_the_rest_
         "Number of tokens currently used in the host KV cache.")
 
 
+def test_schedulers_of_one_dp_group_under_different_moe_ep_ranks_count_it_once(ranks, integration, sidecar, push_to):
+    """With --enable-metrics-for-all-schedulers and expert parallelism, every scheduler of a dp group
+    logs the group's prefill tokens under its own moe_ep_rank (derived from its tp rank)."""
+    push_to(sidecar)
+    base = {"model_name": "qwen", "engine_type": "unified", "pp_rank": 0, "priority": "", "dp_rank": 0}
+    loggers = integration.stat_loggers()
+    run_processes(ranks.run_scheduler, [(loggers, {**base, "tp_rank": tp, "moe_ep_rank": tp // 2}) for tp in range(4)],
+                  receive=True)
+    scrape = sidecar.scrape()
+    assert_nothing_rejected(scrape)
+    assert {s.labels["moe_ep_rank"] for s in scrape.find("sglang_prefill_effective_tokens_total")} == {"0", "1"}
+    for mode, tokens in {"input": 100, "device_hit": 40, "host_hit": 25, "storage_hit": 10}.items():
+        (rolled,) = scrape.find("sglang_rollup_prefill_effective_tokens_total", mode=mode)
+        assert rolled.value == tokens and "moe_ep_rank" not in rolled.labels  # one replica, not one per EP rank
+
+
 def test_context_parallel_peers_with_identical_radix_labels_are_replicas_of_one_group(ranks, integration, sidecar, push_to):
     push_to(sidecar)
     rank = ranks.Rank(tp_rank=0, dp_rank=0, tp_size=1, dp_size=1)

@@ -84,21 +84,44 @@ def _escaped(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def group_id(key: GroupKey) -> str:
-    """A replica group's id: `dp=<n>`, then its static labels, quoted."""
-    dp_rank, static = key
-    return " ".join((f"dp={dp_rank}", *quoted_labels(static)))
-
-
-def identity_id(tp_rank: int, pp_rank: int, dp_rank: int, attn_cp_rank: int | None, static: StaticKey) -> str:
-    """A rank identity's id: its axes, then its static labels, quoted (unique: these are its identity)."""
+def identity_text(tp_rank: int, pp_rank: int, dp_rank: int, attn_cp_rank: int | None, static: StaticKey) -> str:
+    """A rank identity as people read it: its axes, then its static labels, quoted (unambiguous: these
+    are its identity). The document does not carry it (each rank's labels would be written again):
+    the page and `top` build it from the rank's axes, its label set and its own labels."""
     cp = () if attn_cp_rank is None else (f"cp={attn_cp_rank}",)
     return " ".join((f"tp={tp_rank}", f"pp={pp_rank}", f"dp={dp_rank}", *cp, *quoted_labels(static)))
 
 
-def rank_id(rank: RankState) -> str:
-    """A rank's id (`identity_id`)."""
-    return identity_id(rank.tp_rank, rank.pp_rank, rank.dp_rank, rank.attn_cp_rank, rank.static)
+def own_labels(rank: RankState) -> StaticKey:
+    """The static labels of a rank's identity that its replica group leaves out (derived ones: moe_ep_rank)."""
+    return tuple(item for item in rank.static if item not in rank.shared)
+
+
+def short_rank_id(group: str, rank: RankState) -> str:
+    """A rank's id in the document: its group's id, its axes, and its own labels quoted, if any
+    (`g3/tp=1,pp=0,cp=0`): unique, since the group id stands for dp_rank and the shared labels."""
+    cp = "" if rank.attn_cp_rank is None else f",cp={rank.attn_cp_rank}"
+    own = own_labels(rank)
+    return f"{group}/tp={rank.tp_rank},pp={rank.pp_rank}{cp}" + ("".join(" " + q for q in quoted_labels(own)))
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentIds:
+    """One document's short ids: `s<N>` per static label set and `g<N>` per replica group, numbered in
+    exposition order (static labels, then dp rank). Unique and stable within one document only: a
+    rank arriving or being forgotten renumbers what sorts after it. Every label set is written once,
+    in `label_sets`, and everything else names it by these ids."""
+
+    label_sets: dict[StaticKey, str]
+    groups: dict[GroupKey, str]
+
+    @classmethod
+    def of(cls, groups: Iterable[GroupKey]) -> DocumentIds:
+        keys = sorted(groups, key=lambda key: (key[1], key[0]))
+        label_sets: dict[StaticKey, str] = {}
+        for _, static in keys:
+            label_sets.setdefault(static, f"s{len(label_sets)}")
+        return cls(label_sets, {key: f"g{n}" for n, key in enumerate(keys)})
 
 
 def rate(bw: Bandwidth | None) -> float | None:
@@ -284,12 +307,15 @@ class StatusView:
         totals = {name: self._series_total(entries) for name, entries in cells.items()}
         bandwidth = rolled_bandwidth(state, increases, known)
         bw_totals = {name: _total(bw for _, bw in entries) for name, entries in bandwidth.items()}
-        groups, missing_groups, missing_totals = self._groups()
+        registry_groups = state.registry.groups()
+        ids = DocumentIds.of(registry_groups)
+        groups, missing_groups, missing_totals = self._groups(registry_groups, ids)
         return {
             "api_version": API_VERSION,
             "generated_at": state.registry.wall_clock(),
             "sidecar": self._sidecar(),
-            "ranks": self._ranks(known),
+            "label_sets": [{"id": set_id, "labels": dict(static)} for static, set_id in ids.label_sets.items()],
+            "ranks": self._ranks(known, ids),
             "groups": groups,
             "missing_groups": missing_groups,
             "missing_totals": missing_totals,
@@ -297,7 +323,7 @@ class StatusView:
             "transfers": self._transfers(totals, bw_totals),
             "bandwidth": self._bandwidth(bandwidth, bw_totals),
             "reasons": self._reasons(cells),
-            "spread": self._spread(increases),
+            "spread": self._spread(registry_groups, increases, ids),
             "upstreams": upstream_rows(self.stats),
         }
 
@@ -341,19 +367,19 @@ class StatusView:
             },
         }
 
-    def _ranks(self, known: list[RankState]) -> list[dict[str, Any]]:
+    def _ranks(self, known: list[RankState], ids: DocumentIds) -> list[dict[str, Any]]:
         now = self.state.clock()
         wall = self.state.registry.wall_clock()
         sources = upstream_sources(self.upstreams)
         return [
             {
-                "id": rank_id(rank),
-                "group": group_id(rank.replica_group),
+                "id": short_rank_id(ids.groups[rank.replica_group], rank),
+                "group": ids.groups[rank.replica_group],
                 "tp_rank": rank.tp_rank,
                 "pp_rank": rank.pp_rank,
                 "dp_rank": rank.dp_rank,
                 "attn_cp_rank": rank.attn_cp_rank,
-                "labels": dict(rank.static),
+                "own_labels": dict(own_labels(rank)),
                 "state": rank.status.value,
                 "source": sources.get(rank.identity, "push"),
                 "epoch": rank.epoch,
@@ -371,11 +397,11 @@ class StatusView:
             for rank in known
         ]
 
-    def _groups(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
+    def _groups(self, groups: dict[GroupKey, list[RankState]], ids: DocumentIds
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
         """The replica groups with their expected layout and missing positions, the dp groups no rank
         of an expected layout holds, and the exact totals of both."""
         state = self.state
-        groups = state.registry.groups()
         worlds = label_set_worlds(state.ranks.values())
         # Listings are bounded (counts stay exact): at most max_ranks positions and as many groups,
         # whatever sizes a rank claims; more than the sidecar could ever track is not worth listing.
@@ -388,10 +414,9 @@ class StatusView:
             room -= len(missing)
             positions += count
             out.append({
-                "id": group_id(key),
+                "id": ids.groups[key],
+                "label_set": ids.label_sets[key[1]],
                 "dp_rank": key[0],
-                "labels": dict(key[1]),
-                "members": [rank_id(rank) for rank in members],
                 "size": len(members),
                 "live": sum(1 for rank in members if rank.live),
                 "pp_ranks": sorted({rank.pp_rank for rank in members}),
@@ -417,11 +442,10 @@ class StatusView:
             positions += absent * world.tp_size * world.pp_size
             if not absent or room <= 0:
                 continue
-            expected, labels = world_dict(world), dict(static)
+            expected, label_set = world_dict(world), ids.label_sets[static]
             for dp in range(world.dp_size):  # visits at most the present dp ranks plus `room`
                 if dp not in dps:
-                    missing_groups.append({"id": group_id((dp, static)), "dp_rank": dp, "labels": labels,
-                                           "expected": expected})
+                    missing_groups.append({"label_set": label_set, "dp_rank": dp, "expected": expected})
                     room -= 1
                     if room <= 0:
                         break
@@ -519,9 +543,9 @@ class StatusView:
             })
         return out
 
-    def _spread(self, increases: dict[int, Increases]) -> dict[str, Any]:
+    def _spread(self, registry_groups: dict[GroupKey, list[RankState]], increases: dict[int, Increases],
+                ids: DocumentIds) -> dict[str, Any]:
         state = self.state
-        registry_groups = state.registry.groups()
         # The window's rule: a group is read while at least two of its replicas are current.
         current = {key for key, members in registry_groups.items() if sum(1 for r in members if r.current) >= 2}
         per_group: dict[GroupKey, list[tuple[str, LabelValues, float]]] = {}
@@ -532,7 +556,7 @@ class StatusView:
             entries = sorted((e for e in per_group.get(key, ()) if e[2] > 0), key=lambda e: -e[2])
             top = entries[0][2] if entries else 0.0
             groups.append({
-                "group": group_id(key),
+                "group": ids.groups[key],
                 "max_ratio": top,
                 "diverging": top > SPREAD_THRESHOLD,
                 "series": [{"family": family, "labels": dict(zip(self.specs[family].labels, values)), "ratio": ratio}

@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from exporter.sidecar.api import identity_text, quoted_labels
+
 REFRESH_MS = 2000  # how often the script fetches /api/v1/status
 NOSCRIPT_REFRESH_SECONDS = 15  # without JavaScript, the browser reloads the page this often
 STATES = ("live", "stale", "departed", "expired")
@@ -131,21 +133,41 @@ def label_text(labels: dict[str, str]) -> str:
     return " ".join(f"{name}={value}" for name, value in labels.items()) or "no static labels"
 
 
+class Names:
+    """What the document writes once and references by id, read back as text: a group's `dp=<n>` and
+    quoted static labels, and a rank's full identity (`api.identity_text`), both as /metrics quotes them."""
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.labels: dict[str, dict[str, str]] = {s["id"]: s["labels"] for s in doc["label_sets"]}
+        self.groups: dict[str, dict[str, Any]] = {g["id"]: g for g in doc["groups"]}
+
+    def group(self, group: dict[str, Any]) -> str:
+        """A group, or a missing group (which has no id): `dp=<n> name="value" ...`."""
+        return " ".join((f"dp={group['dp_rank']}", *quoted_labels(tuple(self.labels[group["label_set"]].items()))))
+
+    def rank(self, rank: dict[str, Any]) -> str:
+        """`tp=.. pp=.. dp=.. [cp=..] name="value" ...`: the axes, then every static label in name order."""
+        labels = {**self.labels[self.groups[rank["group"]]["label_set"]], **rank["own_labels"]}
+        return identity_text(rank["tp_rank"], rank["pp_rank"], rank["dp_rank"], rank["attn_cp_rank"],
+                             tuple(sorted(labels.items())))
+
+
 def world_conflicts(doc: dict[str, Any]) -> list[str]:
     """One warning per static label set whose ranks reported different worlds: which worlds, by how many ranks."""
     lines = []
-    seen: set[tuple[tuple[str, str], ...]] = set()
+    names = Names(doc)
+    seen: set[str] = set()
     for group in doc["groups"]:
-        key = tuple(group["labels"].items())
+        key = group["label_set"]
         if not group["world_conflict"] or key in seen:
             continue
         seen.add(key)
         counts: dict[str, int] = {}
         for rank in doc["ranks"]:
-            if rank["world"] is not None and rank["labels"] == group["labels"]:
+            if rank["world"] is not None and names.groups[rank["group"]]["label_set"] == key:
                 counts[fmt_world(rank["world"])] = counts.get(fmt_world(rank["world"]), 0) + 1
         worlds = ", ".join(f"{world} ({n} rank{'' if n == 1 else 's'})" for world, n in counts.items())
-        lines.append(f"world conflict: the ranks with {label_text(group['labels'])} report different parallel sizes: "
+        lines.append(f"world conflict: the ranks with {label_text(names.labels[key])} report different parallel sizes: "
                      f"{worlds}; no missing rank can be worked out for them")
     return lines
 
@@ -156,18 +178,21 @@ def grid(doc: dict[str, Any]) -> str:
     Positions the group's world expects and no rank holds are `missing` cells; with cp rows, one
     cell spans them all (no rank holds that pp and tp at any cp rank). Missing dp groups follow.
     """
-    ranks = {rank["id"]: rank for rank in doc["ranks"]}
     if not doc["groups"]:
         return '<p class="empty">No rank has connected yet.</p>'
+    names = Names(doc)
+    members: dict[str, list[dict[str, Any]]] = {}
+    for rank in doc["ranks"]:
+        members.setdefault(rank["group"], []).append(rank)
     parts = []
     for group in doc["groups"]:
+        name = names.group(group)
         at: dict[tuple[int, int | None, int], dict[str, Any]] = {}
-        for member in group["members"]:
-            rank = ranks[member]
+        for rank in members.get(group["id"], ()):
             at[(rank["pp_rank"], rank["attn_cp_rank"], rank["tp_rank"])] = rank
         missing = {(m["pp_rank"], m["tp_rank"]) for m in group["missing"]}
         cps: list[int | None] = list(group["attn_cp_ranks"])
-        if not cps or any(ranks[member]["attn_cp_rank"] is None for member in group["members"]):
+        if not cps or any(rank["attn_cp_rank"] is None for rank in members.get(group["id"], ())):
             cps.insert(0, None)  # a rank without a cp axis gets a row of its own (as `top` draws it)
         tps = sorted({*group["tp_ranks"], *(tp for _, tp in missing)})
         pps = sorted({*group["pp_ranks"], *(pp for pp, _ in missing)})
@@ -181,7 +206,7 @@ def grid(doc: dict[str, Any]) -> str:
                     if (pp, tp) in missing:
                         if index == 0:  # the later cp rows are under this cell's rowspan
                             span = f' rowspan="{len(cps)}"' if len(cps) > 1 else ""
-                            tip = (f"pp {pp} tp {tp} of {group['id']}: expected by the ranks' world, "
+                            tip = (f"pp {pp} tp {tp} of {name}: expected by the ranks' world, "
                                    "no known rank holds it")
                             cells.append(f'<td class="rank state-{MISSING}"{span} data-missing="{esc(f"{pp}/{tp}")}" '
                                          f'title="{esc(tip)}"><span class="tp">tp {esc(tp)}</span>'
@@ -191,13 +216,13 @@ def grid(doc: dict[str, Any]) -> str:
                     if rank is None:
                         cells.append('<td class="rank absent">–</td>')
                         continue
-                    tip = (f"{rank['id']}\nstate {rank['state']}, last push {fmt_seconds(rank['seconds_since_push'])} "
+                    tip = (f"{names.rank(rank)}\nstate {rank['state']}, last push {fmt_seconds(rank['seconds_since_push'])} "
                            f"ago, restarts {rank['restarts']}, {rank['source']}")
                     cells.append(f'<td class="rank state-{esc(rank["state"])}" data-rank="{esc(rank["id"])}" '
                                  f'title="{esc(tip)}"><span class="tp">tp {esc(tp)}</span>'
                                  f'<span class="st">{esc(rank["state"])}</span></td>')
                 rows.append(f'<tr><th scope="row">{esc(label)}</th>{"".join(cells)}</tr>')
-        caption = f"{group['id']}: {group['live']} of {group['size']} live" + (
+        caption = f"{group['id']} {name}: {group['live']} of {group['size']} live" + (
             f", {group['missing_count']} {MISSING}" if group["missing_count"] else "")
         parts.append(f'<table class="grid" data-group="{esc(group["id"])}"><caption>{esc(caption)}</caption>'
                      f"<thead><tr><th></th>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>")
@@ -205,8 +230,9 @@ def grid(doc: dict[str, Any]) -> str:
         expected = absent["expected"]
         text = (f"{MISSING}: no rank of this dp group has reported "
                 f"(expected tp {expected['tp_size']} × pp {expected['pp_size']})")
-        parts.append(f'<table class="grid missing-group" data-missing-group="{esc(absent["id"])}">'
-                     f"<caption>{esc(absent['id'])}: {MISSING}</caption>"
+        name = names.group(absent)
+        parts.append(f'<table class="grid missing-group" data-missing-group="{esc(name)}">'
+                     f"<caption>{esc(name)}: {MISSING}</caption>"
                      f'<tbody><tr><td class="rank state-{MISSING}">{esc(text)}</td></tr></tbody></table>')
     listed = len(doc["missing_groups"])
     more = doc["missing_totals"]["groups"] - listed
@@ -256,11 +282,12 @@ def reasons(doc: dict[str, Any]) -> str:
 
 def spread(doc: dict[str, Any]) -> str:
     sp = doc["spread"]
+    names = Names(doc)
     rows = []
     for group in sp["groups"]:
         worst = group["series"][0] if group["series"] else None
         where = "–" if worst is None else worst["family"] + "".join(f" {k}={v}" for k, v in worst["labels"].items())
-        rows.append(_row(group["group"], fmt_ratio(group["max_ratio"]), where,
+        rows.append(_row(f"{group['group']} {names.group(names.groups[group['group']])}", fmt_ratio(group["max_ratio"]), where,
                          "diverging" if group["diverging"] else "agree", cls="diverging" if group["diverging"] else ""))
     note = (f'<p class="note">(max − min) / max of the replicas\' increases over the window; above '
             f'{esc(fmt_ratio(sp["threshold"]))} a group is diverging.</p>')
@@ -297,7 +324,8 @@ def health(doc: dict[str, Any]) -> str:
 
 
 def rank_table(doc: dict[str, Any]) -> str:
-    rows = (_row(r["id"], r["group"], r["state"], r["source"], fmt_seconds(r["seconds_since_push"]), r["restarts"],
+    names = Names(doc)
+    rows = (_row(names.rank(r), r["group"], r["state"], r["source"], fmt_seconds(r["seconds_since_push"]), r["restarts"],
                  r["epoch"], r["pid"], r["series"], cls=f"state-{r['state']}")
             for r in doc["ranks"])
     return _table(("rank", "group", "state", "source", "last push", "restarts", "epoch", "pid", "series"), rows,

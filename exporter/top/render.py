@@ -141,9 +141,12 @@ def ranks_section(doc: Mapping[str, Any]) -> list[RenderableType]:
         head.append(f" {count(totals['positions'])} missing ", style=MISSING_STYLE)
     limits = sidecar["limits"]
     head.append(f"   {count(limits['ranks_known'])} known, at most {count(limits['ranks_allowed'])}", style="dim")
-    ranks = {rank["id"]: rank for rank in doc["ranks"]}
-    blocks = [group_block(group, ranks) for group in doc["groups"]]
-    blocks += [missing_group_block(absent) for absent in missing_groups]
+    names = Names(doc)
+    members: dict[str, list[Mapping[str, Any]]] = {}
+    for rank in doc["ranks"]:
+        members.setdefault(rank["group"], []).append(rank)
+    blocks = [group_block(group, members.get(group["id"], []), names) for group in doc["groups"]]
+    blocks += [missing_group_block(absent, names) for absent in missing_groups]
     out: list[RenderableType] = [head, *(literal(line, style="bold yellow") for line in world_conflicts(doc))]
     if blocks:
         out.append(Columns(blocks, padding=(0, 3)))
@@ -152,13 +155,13 @@ def ranks_section(doc: Mapping[str, Any]) -> list[RenderableType]:
     not_live = [rank for rank in doc["ranks"] if rank["state"] != "live"]
     for rank in not_live[:NOT_LIVE_SHOWN]:
         line = chip(rank["state"], STATE_STYLE.get(rank["state"], "reverse"))
-        line.append_text(literal(rank["id"]))
+        line.append_text(literal(names.rank(rank)))
         since = rank["seconds_since_push"]
         line.append(f"  {duration(since)} since a push" if since is not None else "  never pushed", style="dim")
         out.append(line)
     if len(not_live) > NOT_LIVE_SHOWN:
         out.append(Text(f"   and {len(not_live) - NOT_LIVE_SHOWN} more ranks not live", style="bold"))
-    out.extend(missing_lines(doc["groups"], missing_groups, integer(totals["groups"])))
+    out.extend(missing_lines(doc["groups"], missing_groups, integer(totals["groups"]), names))
     return out
 
 
@@ -173,7 +176,7 @@ def chip(word: str, style: str) -> Text:
 
 
 def missing_lines(groups: Sequence[Mapping[str, Any]], missing_groups: Sequence[Mapping[str, Any]],
-                  groups_missing: int) -> list[Text]:
+                  groups_missing: int, names: Names) -> list[Text]:
     """One line per group with missing positions, then per missing dp group; at most NOT_LIVE_SHOWN lines."""
     lines = []
     for group in groups:
@@ -181,7 +184,7 @@ def missing_lines(groups: Sequence[Mapping[str, Any]], missing_groups: Sequence[
         if not missing:
             continue
         line = chip("missing", MISSING_STYLE)
-        line.append_text(group_name(group))
+        line.append_text(names.group(group))
         shown = group["missing"][:MISSING_SHOWN]
         line.append(": " + ", ".join(f"pp{integer(m['pp_rank'])} tp{integer(m['tp_rank'])}" for m in shown))
         if missing > len(shown):
@@ -189,7 +192,7 @@ def missing_lines(groups: Sequence[Mapping[str, Any]], missing_groups: Sequence[
         lines.append(line)
     for absent in missing_groups:
         line = chip("missing", MISSING_STYLE)
-        line.append_text(group_name(absent))
+        line.append_text(names.group(absent))
         expected = absent["expected"]
         line.append(f": the whole dp group (tp {integer(expected['tp_size'])} × pp {integer(expected['pp_size'])}), "
                     "no rank has reported")
@@ -205,33 +208,34 @@ def missing_lines(groups: Sequence[Mapping[str, Any]], missing_groups: Sequence[
 def world_conflicts(doc: Mapping[str, Any]) -> list[str]:
     """One warning per static label set whose ranks reported different worlds: which worlds, by how many ranks."""
     lines = []
-    seen: set[tuple[tuple[str, str], ...]] = set()
+    names = Names(doc)
+    seen: set[str] = set()
     for group in doc["groups"]:
-        key = tuple(group["labels"].items())
+        key = group["label_set"]
         if not group.get("world_conflict") or key in seen:
             continue
         seen.add(key)
         counts: dict[str, int] = {}
         for rank in doc["ranks"]:
             world = rank.get("world")
-            if world is not None and rank["labels"] == group["labels"]:
+            if world is not None and names.groups[rank["group"]]["label_set"] == key:
                 name = (f"tp {integer(world['tp_size'])} × pp {integer(world['pp_size'])} × "
                         f"dp {integer(world['dp_size'])}")
                 counts[name] = counts.get(name, 0) + 1
         worlds = ", ".join(f"{name} ({n} rank{'' if n == 1 else 's'})" for name, n in counts.items())
-        labels = literal(" ".join(f"{k}={v}" for k, v in group["labels"].items()) or "no static labels").plain
+        labels = literal(" ".join(f"{k}={v}" for k, v in names.labels[key].items()) or "no static labels").plain
         lines.append(f"world conflict: the ranks with {labels} report different parallel sizes: {worlds}; "
                      "no missing rank can be worked out for them")
     return lines
 
 
-def group_block(group: Mapping[str, Any], ranks: Mapping[str, Mapping[str, Any]]) -> RenderableType:
+def group_block(group: Mapping[str, Any], members: Sequence[Mapping[str, Any]], names: Names) -> RenderableType:
     """One replica group: pp stage (and cp rank) rows by tp rank columns, each cell its rank's state colour.
 
     A position the world expects and no rank holds (at any cp rank) is a missing cell, `1?`, on each
     of its pp stage's cp rows.
     """
-    title = group_name(group)
+    title = names.group(group)
     title.stylize("bold")
     live, size = integer(group["live"]), integer(group["size"])
     title.append(f"  {live}/{size} live", style="green" if live == size else "yellow")
@@ -239,7 +243,6 @@ def group_block(group: Mapping[str, Any], ranks: Mapping[str, Mapping[str, Any]]
     if group.get("missing_count"):
         title.append("  ")
         title.append(f"{integer(group['missing_count'])} missing", style=MISSING_STYLE)
-    members = [ranks[member] for member in group["members"] if member in ranks]
     at = {(integer(rank["pp_rank"]), optional_integer(rank["attn_cp_rank"]), integer(rank["tp_rank"])): rank
           for rank in members}
     cps: list[int | None] = [integer(cp) for cp in group["attn_cp_ranks"]] or [None]
@@ -267,9 +270,9 @@ def group_block(group: Mapping[str, Any], ranks: Mapping[str, Mapping[str, Any]]
     return Group(title, grid)
 
 
-def missing_group_block(absent: Mapping[str, Any]) -> RenderableType:
+def missing_group_block(absent: Mapping[str, Any], names: Names) -> RenderableType:
     """A dp group the world expects and no rank is in: its name, `missing`, and the layout it should have."""
-    title = group_name(absent)
+    title = names.group(absent)
     title.stylize("bold")
     title.append("  ")
     title.append("missing", style=MISSING_STYLE)
@@ -390,14 +393,14 @@ def reasons_section(doc: Mapping[str, Any]) -> list[RenderableType]:
 def spread_section(doc: Mapping[str, Any]) -> list[RenderableType]:
     """Replica groups by how far their live replicas disagree, the diverging ones first and in red."""
     spread = doc["spread"]
-    groups = {group["id"]: group for group in doc["groups"]}
+    names = Names(doc)
     out: list[RenderableType] = [Text("Replica spread", style=SECTION).append(
         f"   (max - min) / max of the replicas' increases; diverging above {number(spread['threshold']):g}",
         style="dim")]
     ordered = sorted(spread["groups"], key=lambda g: (not g["diverging"], -number(g["max_ratio"])))
     for entry in ordered[:SPREAD_SHOWN]:
-        group = groups.get(entry["group"])
-        line = group_name(group) if group is not None else literal(entry["group"])
+        group = names.groups.get(entry["group"])
+        line = names.group(group) if group is not None else literal(entry["group"])
         if entry["diverging"]:
             line.append(f"  DIVERGING {number(entry['max_ratio']):.2f}", style="bold white on red")
             worst = sorted(entry["series"], key=lambda s: -number(s["ratio"]))[:3]
@@ -421,13 +424,35 @@ def spread_section(doc: Mapping[str, Any]) -> list[RenderableType]:
     return out
 
 
-def group_name(group: Mapping[str, Any]) -> Text:
-    """`dp0 cache_type=...`: a replica group as its dp rank and static labels."""
-    name = Text(f"dp{integer(group['dp_rank'])}")
-    if group["labels"]:
-        name.append(" ")
-        name.append_text(labels_text(group["labels"]))
-    return name
+class Names:
+    """What the document writes once and references by id (label sets, groups), read back as text."""
+
+    def __init__(self, doc: Mapping[str, Any]) -> None:
+        self.labels: dict[str, Mapping[str, str]] = {s["id"]: s["labels"] for s in doc["label_sets"]}
+        self.groups: dict[str, Mapping[str, Any]] = {g["id"]: g for g in doc["groups"]}
+
+    def group(self, group: Mapping[str, Any]) -> Text:
+        """`dp0 cache_type=...`: a replica group (or a missing one) as its dp rank and static labels."""
+        name = Text(f"dp{integer(group['dp_rank'])}")
+        labels = self.labels[group["label_set"]]
+        if labels:
+            name.append(" ")
+            name.append_text(labels_text(labels))
+        return name
+
+    def rank(self, rank: Mapping[str, Any]) -> str:
+        """`tp=1 pp=0 dp=0 [cp=0] name="value" ...`: a rank's axes and every static label in name order,
+        quoted as /metrics writes them (the sidecar's `api.identity_text`); shown through `literal`."""
+        labels = {**self.labels[self.groups[rank["group"]]["label_set"]], **rank["own_labels"]}
+        cp = rank["attn_cp_rank"]
+        axes = [f"tp={integer(rank['tp_rank'])}", f"pp={integer(rank['pp_rank'])}", f"dp={integer(rank['dp_rank'])}",
+                *(() if cp is None else (f"cp={integer(cp)}",))]
+        return " ".join((*axes, *(f'{k}="{quote(str(v))}"' for k, v in sorted(labels.items()))))
+
+
+def quote(value: str) -> str:
+    """A label value as /metrics writes it: backslash, quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def upstreams_section(doc: Mapping[str, Any]) -> list[RenderableType]:

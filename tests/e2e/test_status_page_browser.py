@@ -14,6 +14,7 @@ from __future__ import annotations
 import html
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -65,11 +66,18 @@ def rank_process(socket_path: str, tp: int, pp: int, dp: int, model: str) -> Non
 
 
 def rank_id(tp: int, pp: int, dp: int, model: str) -> str:
-    return api.identity_id(tp, pp, dp, None, (("cache_type", "UnifiedRadixCache"), ("model", model)))
+    """A rank's identity as the page writes it (the document's own ids are short and renumber as ranks come)."""
+    return api.identity_text(tp, pp, dp, None, (("cache_type", "UnifiedRadixCache"), ("model", model)))
 
 
 def group_id(dp: int, model: str) -> str:
-    return api.group_id((dp, (("cache_type", "UnifiedRadixCache"), ("model", model))))
+    """A group as the page names it: `dp=<n>` and its quoted static labels."""
+    return " ".join((f"dp={dp}", *api.quoted_labels((("cache_type", "UnifiedRadixCache"), ("model", model)))))
+
+
+# A grid's caption, `g<N> <group name>: <live> of <size> live[, <n> missing]`, as the group's name.
+GROUP_NAME_JS = "t.dataset.missingGroup || t.querySelector('caption').textContent" \
+    ".replace(/^g[0-9]+ /, '').replace(/: [0-9]+ of [0-9]+ live(, [0-9]+ missing)?$/, '')"
 
 
 def css(value: str) -> str:
@@ -156,10 +164,10 @@ class Watched:
         page.on("console", lambda msg: self.errors.append(msg.text) if msg.type == "error" else None)
 
     def cells(self) -> dict[str, str]:
-        """Grid cells: rank id -> state, as the page shows them now."""
+        """Grid cells: rank identity (the first line of the cell's title) -> state, as the page shows them now."""
         found = self.page.eval_on_selector_all(
             "td.rank[data-rank]",
-            "cells => cells.map(c => [c.dataset.rank, c.querySelector('.st').textContent, c.className])")
+            "cells => cells.map(c => [c.title.split('\\n')[0], c.querySelector('.st').textContent, c.className])")
         out = {}
         for rank, state, classes in found:
             assert f"state-{state}" in classes.split(), (rank, state, classes)  # the colour says what the text says
@@ -169,7 +177,7 @@ class Watched:
     def missing(self) -> dict[str, list[str]]:
         """Missing cells by group id ("pp/tp" each), and missing dp groups under their id, as the page shows them."""
         found = self.page.eval_on_selector_all(
-            "table.grid", """tables => tables.map(t => [t.dataset.group || t.dataset.missingGroup,
+            "table.grid", """tables => tables.map(t => [""" + GROUP_NAME_JS + """,
                 Array.from(t.querySelectorAll('td.state-missing'), c => [c.dataset.missing || '',
                     (c.querySelector('.st') || c).textContent])])""")
         out: dict[str, list[str]] = {}
@@ -205,8 +213,8 @@ def test_grid_shows_every_rank_live_and_refreshes(fed: tuple[SidecarThread, Rank
         wait_until(lambda: watched.cells() == dict.fromkeys(_steady_ids(), "live"), timeout=20)
         # The grid lays each dp group out as pp rows by tp columns.
         captions = watched.page.locator("table.grid caption").all_inner_texts()
-        assert sorted(captions) == sorted(f"{group_id(dp, model)}: 4 of 4 live"
-                                          for dp, model in MODELS.items())
+        assert sorted(re.sub("^g[0-9]+ ", "", caption) for caption in captions) == sorted(
+            f"{group_id(dp, model)}: 4 of 4 live" for dp, model in MODELS.items())
         for group in watched.page.locator("table.grid").all():
             assert group.locator("thead th").all_inner_texts() == ["", "tp 0", "tp 1"]
             assert group.locator("tbody th").all_inner_texts() == ["pp 0", "pp 1"]
@@ -292,7 +300,7 @@ def test_a_never_started_rank_is_missing_until_it_starts_without_reload(
     try:
         wait_until(lambda: watched.missing() == {dp0: ["0/1"], dp1: ["group"]}, timeout=20)
         assert watched.page.locator("p.legend .swatch").all_inner_texts()[-1] == "missing"
-        assert watched.page.locator(f'table[data-group="{css(dp0)}"] caption').inner_text().endswith(
+        assert watched.page.locator("table.grid[data-group]", has_text=dp0).locator("caption").inner_text().endswith(
             ": 1 of 1 live, 1 missing")
         assert watched.page.locator(f'table[data-missing-group="{css(dp1)}"] caption').inner_text() == f"{dp1}: missing"
         assert ", 3 missing" in watched.page.locator("#summary").inner_text()  # tp 1 of dp 0, dp 1's two positions
@@ -322,7 +330,7 @@ def test_a_never_started_rank_is_missing_until_it_starts_without_reload(
 
 def test_page_without_javascript_is_readable(fed: tuple[SidecarThread, Ranks], browser: Browser) -> None:
     sidecar, _ = fed
-    wait_until(lambda: all(f'data-rank="{html.escape(r)}"' in http_get(sidecar.url + "/")[1].decode()
+    wait_until(lambda: all(f'title="{html.escape(r)}\n' in http_get(sidecar.url + "/")[1].decode()
                            for r in _steady_ids()), timeout=20)
     watched = _open(browser, sidecar.url, java_script_enabled=False)
     try:

@@ -46,7 +46,7 @@ from exporter.top.fetch import (
     build_target,
     fetch_status,
 )
-from exporter.top.render import BLOCKS, MISSING_STYLE, STATE_STYLE, group_block, render_frame, sparkline
+from exporter.top.render import BLOCKS, MISSING_STYLE, STATE_STYLE, Names, group_block, render_frame, sparkline
 from exporter.top.screen import Frame, Scroll
 from exporter.top.view import View
 from tests.helpers import SidecarThread, free_port, sidecar_config
@@ -66,12 +66,12 @@ def validate_status(document: Mapping[str, Any]) -> None:
     Draft202012Validator({"$defs": schema["$defs"], "$ref": "#/$defs/status"}).validate(document)
 
 
-def _id(tp: int, pp: int, dp: int, labels: Mapping[str, str]) -> str:
-    return " ".join([f"tp={tp} pp={pp} dp={dp}", *(f"{k}={v}" for k, v in labels.items())])
+def _id(tp: int, pp: int, dp: int) -> str:
+    return f"{_group_id(dp)}/tp={tp},pp={pp}"
 
 
-def _group_id(dp: int, labels: Mapping[str, str]) -> str:
-    return " ".join([f"dp={dp}", *(f"{k}={v}" for k, v in labels.items())])
+def _group_id(dp: int) -> str:
+    return f"g{dp}"  # one label set, so the document numbers its groups by dp rank
 
 
 def status_document(
@@ -94,7 +94,7 @@ def status_document(
     missing_groups = []
     for d in range(dp):
         if d in absent:
-            missing_groups.append({"id": _group_id(d, labels), "dp_rank": d, "labels": labels, "expected": sizes})
+            missing_groups.append({"label_set": "s0", "dp_rank": d, "expected": sizes})
             continue
         members = []
         for p in range(pp):
@@ -102,18 +102,18 @@ def status_document(
                 if (d, p, t) in missing:
                     continue
                 state = states.get((d, p, t), "live")
-                rank_id = _id(t, p, d, labels)
+                rank_id = _id(t, p, d)
                 members.append((rank_id, state))
                 ranks.append({
-                    "id": rank_id, "group": _group_id(d, labels), "tp_rank": t, "pp_rank": p, "dp_rank": d,
-                    "attn_cp_rank": None, "labels": labels, "state": state, "source": "push",
+                    "id": rank_id, "group": _group_id(d), "tp_rank": t, "pp_rank": p, "dp_rank": d,
+                    "attn_cp_rank": None, "own_labels": {}, "state": state, "source": "push",
                     "epoch": f"{d:02x}{p:02x}{t:02x}" + "0" * 26, "pid": 4000 + len(ranks), "seq": 90, "restarts": 0,
                     "reconnects": 0, "snapshots": 90, "series": 40, "seconds_since_push": SINCE_PUSH[state],
                     "seconds_since_activity": SINCE_PUSH[state], "last_push_time": NOW - SINCE_PUSH[state],
                     "world": sizes,
                 })
         groups.append({
-            "id": _group_id(d, labels), "dp_rank": d, "labels": labels, "members": [m for m, _ in members],
+            "id": _group_id(d), "label_set": "s0", "dp_rank": d,
             "size": len(members), "live": sum(1 for _, s in members if s == "live"),
             "pp_ranks": sorted({p for p in range(pp) for t in range(tp) if (d, p, t) not in missing}),
             "tp_ranks": sorted({t for p in range(pp) for t in range(tp) if (d, p, t) not in missing}),
@@ -176,7 +176,7 @@ def status_document(
     spread_groups = []
     for d in range(dp):
         ratio = (diverging or {}).get(d, 0.01)
-        spread_groups.append({"group": _group_id(d, labels), "max_ratio": ratio, "diverging": ratio > 0.2,
+        spread_groups.append({"group": _group_id(d), "max_ratio": ratio, "diverging": ratio > 0.2,
                               "series": [{"family": "load_back_tokens_total", "labels": {"pool": "kv"}, "ratio": ratio}],
                               "series_count": 1})
     all_rejections = {code.value: 0 for code in ErrorCode} | dict(rejections or {})
@@ -195,6 +195,7 @@ def status_document(
                        "ranks_allowed": 1024, "stale_after_seconds": 10.0, "expire_after_seconds": 300.0,
                        "window_seconds": 60.0},
         },
+        "label_sets": [{"id": "s0", "labels": labels}],
         "ranks": ranks, "groups": groups, "missing_groups": missing_groups, "missing_totals": missing_totals,
         "rollups": rollups, "transfers": transfers,
         "bandwidth": {"window_seconds": 60.0, "history_interval_seconds": 5.0, "history_points": history,
@@ -203,6 +204,10 @@ def status_document(
     }
     validate_status(document)
     return document
+
+
+def members_of(doc: Mapping[str, Any], group: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return [rank for rank in doc["ranks"] if rank["group"] == group["id"]]
 
 
 TARGET = Target(url="http://sidecar:9400", status_url="http://sidecar:9400/api/v1/status")
@@ -240,9 +245,8 @@ def styled_cells(renderable: RenderableType, width: int = 160) -> list[list[tupl
 def test_the_grid_colours_every_rank_by_its_state() -> None:
     states = {(0, 1, 1): "stale", (1, 0, 0): "expired", (1, 1, 1): "departed"}
     doc = status_document(dp=2, pp=2, tp=2, states=states)
-    ranks = {rank["id"]: rank for rank in doc["ranks"]}
     for group in doc["groups"]:
-        lines = styled_cells(group_block(group, ranks), width=60)
+        lines = styled_cells(group_block(group, members_of(doc, group), Names(doc)), width=60)
         assert lines[0][0] == (f"dp{group['dp_rank']} cache_type=UnifiedRadixCache", "bold")
         rows = {line[0][0]: line[1:] for line in lines[1:]}  # "pp0": the cells of that row, tp 0 first
         assert set(rows) == {"pp0", "pp1"}
@@ -255,21 +259,20 @@ def test_the_grid_colours_every_rank_by_its_state() -> None:
     assert " 5 live " in text and " 1 stale " in text and " 1 departed " in text and " 1 expired " in text
     assert "dp0 cache_type=UnifiedRadixCache  3/4 live" in text and "dp1 cache_type=UnifiedRadixCache  2/4 live" in text
     # Every rank that is not live is named, with how long it has been silent.
-    assert "   stale  tp=1 pp=1 dp=0 cache_type=UnifiedRadixCache  14s since a push\n" in text
-    assert "   expired  tp=0 pp=0 dp=1 cache_type=UnifiedRadixCache  7m00s since a push\n" in text
-    assert "   departed  tp=1 pp=1 dp=1 cache_type=UnifiedRadixCache  31s since a push\n" in text
+    assert '   stale  tp=1 pp=1 dp=0 cache_type="UnifiedRadixCache"  14s since a push\n' in text
+    assert '   expired  tp=0 pp=0 dp=1 cache_type="UnifiedRadixCache"  7m00s since a push\n' in text
+    assert '   departed  tp=1 pp=1 dp=1 cache_type="UnifiedRadixCache"  31s since a push\n' in text
     assert "read 3s ago" in text and "sidecar 0.1.0 (0123456789ab)" in text and "up 3m12s" in text
 
 
 def test_missing_ranks_and_groups_are_marked_in_the_grid_and_counted() -> None:
     doc = status_document(dp=3, pp=2, tp=2, missing={(0, 1, 1), (1, 0, 0)}, absent_groups={2},
                           states={(0, 0, 1): "stale"})
-    ranks = {rank["id"]: rank for rank in doc["ranks"]}
     first, second = doc["groups"]
-    rows = {line[0][0]: line[1:] for line in styled_cells(group_block(first, ranks), width=60)[1:]}
+    rows = {line[0][0]: line[1:] for line in styled_cells(group_block(first, members_of(doc, first), Names(doc)), width=60)[1:]}
     assert rows["pp0"] == [(" 0", STATE_STYLE["live"]), (" 1", STATE_STYLE["stale"])]
     assert rows["pp1"] == [(" 0", STATE_STYLE["live"]), ("1?", MISSING_STYLE)]  # the mark reads without colour
-    rows = {line[0][0]: line[1:] for line in styled_cells(group_block(second, ranks), width=60)[1:]}
+    rows = {line[0][0]: line[1:] for line in styled_cells(group_block(second, members_of(doc, second), Names(doc)), width=60)[1:]}
     assert rows["pp0"] == [("0?", MISSING_STYLE), (" 1", STATE_STYLE["live"])]
     text = screen_text(render_frame(view_of(doc), now=NOW))
     assert " 6 missing " in text  # one position in each of two groups, and dp 2's four
@@ -359,7 +362,7 @@ def test_label_values_are_shown_literally_never_as_markup_or_terminal_codes() ->
     out.print(render_frame(view_of(doc), now=NOW))
     text = out.export_text()
     assert "dp0 cache_type=[bold]x[/bold], model=<b>m</b>, evil=\\x1b[2J\\x1b]0;pwned\\x07" in text
-    assert "tp=1 pp=0 dp=0 cache_type=[bold]x[/bold] model=<b>m</b> evil=\\x1b[2J" in text
+    assert 'tp=1 pp=0 dp=0 cache_type="[bold]x[/bold]" evil="\\x1b[2J\\x1b]0;pwned\\x07" model="<b>m</b>"' in text
     raw = out.export_text(styles=True)
     assert "\x1b[2J" not in raw and "\x07" not in raw and "\x1b]0;" not in raw
 

@@ -123,42 +123,68 @@
     return Object.entries(labels).map(([k, v]) => `${k}=${v}`).join(" ") || "no static labels";
   }
 
+  // What the document writes once and references by id, read back as text (page.py's Names).
+  function quoted(labels) {  // name="value", backslash, quote and newline escaped, as /metrics writes them
+    return Object.entries(labels).map(([k, v]) =>
+      `${k}="${v.replace(/\\/g, "\\\\").replace(/"/g, '\\"').replace(/\n/g, "\\n")}"`);
+  }
+
+  function names(doc) {
+    const labels = new Map(doc.label_sets.map((s) => [s.id, s.labels]));
+    const groups = new Map(doc.groups.map((g) => [g.id, g]));
+    return {
+      labels, groups,
+      group: (g) => [`dp=${g.dp_rank}`].concat(quoted(labels.get(g.label_set))).join(" "),
+      rank: (r) => {
+        const all = Object.assign({}, labels.get(groups.get(r.group).label_set), r.own_labels);
+        const sorted = Object.fromEntries(Object.keys(all).sort().map((k) => [k, all[k]]));
+        const cp = r.attn_cp_rank === null ? [] : [`cp=${r.attn_cp_rank}`];
+        return [`tp=${r.tp_rank}`, `pp=${r.pp_rank}`, `dp=${r.dp_rank}`].concat(cp, quoted(sorted)).join(" ");
+      },
+    };
+  }
+
   function worldConflicts(doc) {
     const lines = [];
     const seen = new Set();
+    const n = names(doc);
     for (const group of doc.groups) {
-      const key = JSON.stringify(Object.entries(group.labels));
+      const key = group.label_set;
       if (!group.world_conflict || seen.has(key)) continue;
       seen.add(key);
       const counts = new Map();
       for (const r of doc.ranks) {
-        if (r.world !== null && JSON.stringify(Object.entries(r.labels)) === key) {
+        if (r.world !== null && n.groups.get(r.group).label_set === key) {
           counts.set(fmtWorld(r.world), (counts.get(fmtWorld(r.world)) || 0) + 1);
         }
       }
-      const worlds = Array.from(counts, ([w, n]) => `${w} (${n} rank${n === 1 ? "" : "s"})`).join(", ");
-      lines.push(`world conflict: the ranks with ${labelText(group.labels)} report different parallel sizes: ` +
+      const worlds = Array.from(counts, ([w, c]) => `${w} (${c} rank${c === 1 ? "" : "s"})`).join(", ");
+      lines.push(`world conflict: the ranks with ${labelText(n.labels.get(key))} report different parallel sizes: ` +
         `${worlds}; no missing rank can be worked out for them`);
     }
     return lines;
   }
 
   function grid(doc) {
-    const ranks = new Map(doc.ranks.map((r) => [r.id, r]));
     if (doc.groups.length === 0) return [text("p", "No rank has connected yet.", { class: "empty" })];
+    const n = names(doc);
+    const members = new Map();
+    for (const r of doc.ranks) {
+      if (!members.has(r.group)) members.set(r.group, []);
+      members.get(r.group).push(r);
+    }
     const out = worldConflicts(doc).map((line) => text("p", line, { class: "warning world-conflict" }));
     const groups = el("div", { class: "groups" });
     const ascending = (a, b) => a - b;
     for (const group of doc.groups) {
+      const name = n.group(group);
+      const own = members.get(group.id) || [];
       const at = new Map();
-      for (const member of group.members) {
-        const r = ranks.get(member);
-        if (r) at.set(`${r.pp_rank}/${r.attn_cp_rank}/${r.tp_rank}`, r);
-      }
+      for (const r of own) at.set(`${r.pp_rank}/${r.attn_cp_rank}/${r.tp_rank}`, r);
       const missing = new Set(group.missing.map((m) => `${m.pp_rank}/${m.tp_rank}`));
       const cps = group.attn_cp_ranks.slice();
       // a rank without a cp axis gets a row of its own (as page.py and `top` draw it)
-      if (!cps.length || group.members.some((m) => ranks.has(m) && ranks.get(m).attn_cp_rank === null)) cps.unshift(null);
+      if (!cps.length || own.some((r) => r.attn_cp_rank === null)) cps.unshift(null);
       const tps = Array.from(new Set(group.tp_ranks.concat(group.missing.map((m) => m.tp_rank)))).sort(ascending);
       const pps = Array.from(new Set(group.pp_ranks.concat(group.missing.map((m) => m.pp_rank)))).sort(ascending);
       const head = el("tr", {}, [el("th")].concat(tps.map((tp) => text("th", `tp ${tp}`))));
@@ -172,7 +198,7 @@
                 tr.appendChild(el("td", {
                   class: `rank state-${MISSING}`, rowspan: cps.length > 1 ? cps.length : null,
                   "data-missing": `${pp}/${tp}`,
-                  title: `pp ${pp} tp ${tp} of ${group.id}: expected by the ranks' world, no known rank holds it`,
+                  title: `pp ${pp} tp ${tp} of ${name}: expected by the ranks' world, no known rank holds it`,
                 }, [text("span", `tp ${tp}`, { class: "tp" }), text("span", MISSING, { class: "st" })]));
               }
               continue;
@@ -182,7 +208,7 @@
               tr.appendChild(text("td", "–", { class: "rank absent" }));
               continue;
             }
-            const tip = `${r.id}\nstate ${r.state}, last push ${fmtSeconds(r.seconds_since_push)} ago, ` +
+            const tip = `${n.rank(r)}\nstate ${r.state}, last push ${fmtSeconds(r.seconds_since_push)} ago, ` +
               `restarts ${r.restarts}, ${r.source}`;
             tr.appendChild(el("td", { class: `rank state-${r.state}`, "data-rank": r.id, title: tip }, [
               text("span", `tp ${tp}`, { class: "tp" }), text("span", r.state, { class: "st" }),
@@ -191,7 +217,7 @@
           body.appendChild(tr);
         });
       }
-      const caption = `${group.id}: ${group.live} of ${group.size} live` +
+      const caption = `${group.id} ${name}: ${group.live} of ${group.size} live` +
         (group.missing_count ? `, ${group.missing_count} ${MISSING}` : "");
       groups.appendChild(el("table", { class: "grid", "data-group": group.id }, [
         text("caption", caption), el("thead", {}, [head]), body,
@@ -200,8 +226,9 @@
     for (const absent of doc.missing_groups) {
       const e = absent.expected;
       const note = `${MISSING}: no rank of this dp group has reported (expected tp ${e.tp_size} × pp ${e.pp_size})`;
-      groups.appendChild(el("table", { class: "grid missing-group", "data-missing-group": absent.id }, [
-        text("caption", `${absent.id}: ${MISSING}`),
+      const name = n.group(absent);
+      groups.appendChild(el("table", { class: "grid missing-group", "data-missing-group": name }, [
+        text("caption", `${name}: ${MISSING}`),
         el("tbody", {}, [el("tr", {}, [text("td", note, { class: `rank state-${MISSING}` })])]),
       ]));
     }
@@ -263,11 +290,12 @@
 
   function spread(doc) {
     const sp = doc.spread;
+    const n = names(doc);
     const rows = sp.groups.map((g) => {
       const worst = g.series.length ? g.series[0] : null;
       const where = worst === null ? "–"
         : worst.family + Object.entries(worst.labels).map(([k, v]) => ` ${k}=${v}`).join("");
-      return row([g.group, fmtRatio(g.max_ratio), where, g.diverging ? "diverging" : "agree"], g.diverging ? "diverging" : "");
+      return row([`${g.group} ${n.group(n.groups.get(g.group))}`, fmtRatio(g.max_ratio), where, g.diverging ? "diverging" : "agree"], g.diverging ? "diverging" : "");
     });
     const note = text("p", `(max − min) / max of the replicas' increases over the window; above ` +
       `${fmtRatio(sp.threshold)} a group is diverging.`, { class: "note" });
@@ -306,7 +334,8 @@
   }
 
   function rankTable(doc) {
-    const rows = doc.ranks.map((r) => row([r.id, r.group, r.state, r.source, fmtSeconds(r.seconds_since_push), r.restarts,
+    const n = names(doc);
+    const rows = doc.ranks.map((r) => row([n.rank(r), r.group, r.state, r.source, fmtSeconds(r.seconds_since_push), r.restarts,
       r.epoch, r.pid, r.series], `state-${r.state}`));
     return [table(["rank", "group", "state", "source", "last push", "restarts", "epoch", "pid", "series"], rows,
       "no ranks", 9)];

@@ -28,9 +28,9 @@ from exporter.config import RanksConfig, SidecarConfig, config_from_data
 from exporter.protocol.messages import Hello, RankId, World
 from exporter.sidecar import api
 from exporter.sidecar import app as app_module
-from exporter.sidecar.api import SPREAD_THRESHOLD, TRANSFERS, BandwidthHistory, StatusView, _escaped, group_id
+from exporter.sidecar.api import SPREAD_THRESHOLD, TRANSFERS, BandwidthHistory, StatusView, _escaped
 from exporter.sidecar.exposition import window_increases
-from exporter.sidecar.page import render_page, sparkline_path
+from exporter.sidecar.page import Names, render_page, sparkline_path
 from exporter.sidecar.stats import SidecarStats
 from tests.exporter.sidecar.harness import STATIC, Harness, bytes_, dropped, hist, one_hot, tokens
 from tests.exporter.sidecar.test_upstream import Engine, EngineHTTP
@@ -47,6 +47,16 @@ def validator(definition: str) -> jsonschema.Draft202012Validator:
     """A validator of one of the schema's documents (`status`, `ranks_response`)."""
     jsonschema.Draft202012Validator.check_schema(SCHEMA)
     return jsonschema.Draft202012Validator({**SCHEMA, "$ref": f"#/$defs/{definition}"})
+
+
+def rank_labels(doc: dict[str, Any], rank: dict[str, Any]) -> dict[str, str]:
+    """A rank's static labels, read back from its group's label set and its own labels."""
+    names = Names(doc)
+    return {**names.labels[names.groups[rank["group"]]["label_set"]], **rank["own_labels"]}
+
+
+def group_labels(doc: dict[str, Any], group: dict[str, Any]) -> dict[str, str]:
+    return Names(doc).labels[group["label_set"]]
 
 
 def assert_valid(definition: str, document: Any) -> None:
@@ -104,7 +114,7 @@ def test_status_is_valid_against_the_schema_and_names_every_source(proxied: tupl
         wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["ranks"]) == 4)
         doc = get_json(sidecar.url + "/api/v1/status")
         assert_valid("status", doc)
-        sources = {(r["tp_rank"], r["labels"].get("model")): r["source"] for r in doc["ranks"]}
+        sources = {(r["tp_rank"], rank_labels(doc, r).get("model")): r["source"] for r in doc["ranks"]}
         assert sources == {(0, HOSTILE): "push", (1, HOSTILE): "push",
                            (0, None): "upstream:engine-0", (1, None): "upstream:engine-0"}
         assert {r["state"] for r in doc["ranks"]} == {"live"}
@@ -112,10 +122,12 @@ def test_status_is_valid_against_the_schema_and_names_every_source(proxied: tupl
         assert doc["sidecar"]["ready"] is True and doc["sidecar"]["connections"]["open"] == 2
         (upstream,) = doc["upstreams"]
         assert upstream["name"] == "engine-0" and upstream["source"] == http.url and upstream["up"]
-        # Replica groups: the pushed pair and the proxied pair, each listing its members by rank id.
+        # Replica groups: the pushed pair and the proxied pair, each rank naming its group by id.
         groups = {g["id"]: g for g in doc["groups"]}
-        pushed = groups[group_id((0, tuple(PUSHED_LABELS.items())))]
-        assert pushed["members"] == [r["id"] for r in doc["ranks"] if r["labels"].get("model") == HOSTILE]
+        (pushed,) = (g for g in groups.values() if group_labels(doc, g) == PUSHED_LABELS)
+        assert [r["id"] for r in doc["ranks"] if r["group"] == pushed["id"]] == [
+            f'{pushed["id"]}/tp=0,pp=0', f'{pushed["id"]}/tp=1,pp=0']
+        assert [s["labels"] for s in doc["label_sets"]].count(PUSHED_LABELS) == 1  # written once
         assert (pushed["size"], pushed["live"], pushed["tp_ranks"], pushed["pp_ranks"]) == (2, 2, [0, 1], [0])
         assert {r["group"] for r in doc["ranks"]} == set(groups)
         # No rank here said hello with a world (the proxy never invents one): nothing is expected, nothing missing.
@@ -123,7 +135,7 @@ def test_status_is_valid_against_the_schema_and_names_every_source(proxied: tupl
         assert all(g["expected"] is None and g["missing"] == [] and not g["world_conflict"] for g in groups.values())
         assert doc["missing_groups"] == [] and doc["missing_totals"] == {"positions": 0, "groups": 0}
         # Hostile label values come back exactly, as JSON strings.
-        assert all(r["labels"]["model"] == HOSTILE for r in doc["ranks"] if r["source"] == "push")
+        assert all(rank_labels(doc, r)["model"] == HOSTILE for r in doc["ranks"] if r["source"] == "push")
         assert_valid("ranks_response", get_json(sidecar.url + "/api/v1/ranks"))
     finally:
         for client in clients:
@@ -181,21 +193,22 @@ def test_a_silent_rank_is_stale_in_the_api_and_on_the_page(proxied: tuple[Sideca
         raw.send(hello(tp=5, dp=7, epoch="quiet", cache_type="UnifiedRadixCache"))
         raw.recv()
         raw.send(snapshot(1, counter("load_back_bytes_total", 10)))
-        rank_id = 'tp=5 pp=0 dp=7 cache_type="UnifiedRadixCache"'
+        identity = 'tp=5 pp=0 dp=7 cache_type="UnifiedRadixCache"'
 
         def state() -> str | None:
-            ranks = get_json(sidecar.url + "/api/v1/status")["ranks"]
-            return next((r["state"] for r in ranks if r["id"] == rank_id), None)
+            doc = get_json(sidecar.url + "/api/v1/status")
+            return next((r["state"] for r in doc["ranks"] if Names(doc).rank(r) == identity), None)
 
         wait_until(lambda: state() == "live")
         wait_until(lambda: state() == "stale", timeout=STALE_AFTER + 5)
         doc = get_json(sidecar.url + "/api/v1/status")
         assert_valid("status", doc)
-        rank = next(r for r in doc["ranks"] if r["id"] == rank_id)
+        rank = next(r for r in doc["ranks"] if Names(doc).rank(r) == identity)
         assert rank["seconds_since_push"] >= STALE_AFTER and rank["seq"] == 1 and rank["epoch"] == "quiet"
         assert doc["sidecar"]["ranks_by_state"]["stale"] >= 1
         page = http_get(sidecar.url + "/")[1].decode()
-        assert f'class="rank state-stale" data-rank="{html.escape(rank_id)}"' in page
+        rank_id = next(r["id"] for r in get_json(sidecar.url + "/api/v1/status")["ranks"] if r["tp_rank"] == 5)
+        assert f'class="rank state-stale" data-rank="{html.escape(rank_id)}" title="{html.escape(identity)}' in page
         assert sidecar.scrape().value("hicache_exporter_rank_up", tp_rank="5", dp_rank="7") == 0
     finally:
         raw.close()
@@ -244,13 +257,15 @@ def test_spread_marks_a_diverging_group() -> None:
     h.push(b, tokens(500))  # this replica counts half: a real divergence
     h.push(c, tokens(1000))
     h.push(d, tokens(990))
-    spread = view_of(h).document()["spread"]
-    groups = {g["group"]: g for g in spread["groups"]}
+    doc = view_of(h).document()
+    spread = doc["spread"]
+    by_dp = {g["id"]: g["dp_rank"] for g in doc["groups"]}
+    groups = {by_dp[g["group"]]: g for g in spread["groups"]}
     assert spread["threshold"] == SPREAD_THRESHOLD
-    diverging = groups['dp=0 cache_type="UnifiedRadixCache"']
+    diverging = groups[0]
     assert diverging["diverging"] and diverging["max_ratio"] == pytest.approx(0.5)
     assert diverging["series"] == [{"family": "load_back_tokens_total", "labels": {"pool": "kv"}, "ratio": 0.5}]
-    agreeing = groups['dp=1 cache_type="UnifiedRadixCache"']
+    agreeing = groups[1]
     assert not agreeing["diverging"] and agreeing["max_ratio"] == pytest.approx(0.01)
     page = render_page(view_of(h).document())
     assert page.count('<tr class="diverging">') == 1
@@ -314,14 +329,15 @@ def test_any_label_value_round_trips_through_json_and_is_text_on_the_page(value:
     view = view_of(h)
     doc = json.loads(view.encode())  # valid JSON whatever the value holds
     (row,) = doc["ranks"]
-    assert row["labels"] == {**STATIC, "model": value}
-    assert row["id"].endswith(f'model="{_escaped(value)}"') and doc["groups"][0]["labels"]["model"] == value
+    assert rank_labels(doc, row) == {**STATIC, "model": value} and row["own_labels"] == {}
+    identity = Names(doc).rank(row)
+    assert identity.endswith(f'model="{_escaped(value)}"') and row["id"] == "g0/tp=0,pp=0"
     parsed = _Page()
     parsed.feed(render_page(view.document()))
     parsed.close()
     assert parsed.tags <= PAGE_TAGS  # the value made no element of its own
     assert parsed.rank_ids == [row["id"]]
-    assert html.escape(row["id"]) in render_page(view.document())  # the value, quoted as in the id
+    assert html.escape(identity) in render_page(view.document())  # the value, quoted as in /metrics
 
 
 def test_status_and_page_are_gzipped_when_accepted(sidecar: SidecarThread) -> None:
@@ -387,10 +403,10 @@ def test_a_dp_group_with_no_rank_is_a_missing_group(sidecar: SidecarThread) -> N
         wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["ranks"]) == 7)
         doc = get_json(sidecar.url + "/api/v1/status")
         assert_valid("status", doc)
-        assert doc["missing_groups"] == [{"id": 'dp=2 cache_type="UnifiedRadixCache"', "dp_rank": 2,
-                                          "labels": GAP_LABELS, "expected": world}]
+        (gap_set,) = (s["id"] for s in doc["label_sets"] if s["labels"] == GAP_LABELS)
+        assert doc["missing_groups"] == [{"label_set": gap_set, "dp_rank": 2, "expected": world}]
         assert doc["missing_totals"] == {"positions": 2, "groups": 1}  # the missing group's tp 1 x pp 2 positions
-        unknown = next(g for g in doc["groups"] if g["labels"] == other)
+        unknown = next(g for g in doc["groups"] if group_labels(doc, g) == other)
         assert unknown["expected"] is None and unknown["missing"] == [] and not unknown["world_conflict"]
         page = render_page(doc)
         assert 'data-missing-group="dp=2 cache_type=&quot;UnifiedRadixCache&quot;"' in page
@@ -455,8 +471,9 @@ def test_a_forgotten_identity_leaves_its_position_missing() -> None:
     assert [r["state"] for r in doc["ranks"]] == ["live", "expired"] and group["missing"] == []  # still known
     h.hello(tp=0, labels={"cache_type": "HiRadixCache"})  # the registry is full: the expired identity is forgotten
     doc = view_of(h).document()
-    group = next(g for g in doc["groups"] if g["labels"] == STATIC)
-    assert group["members"] == ['tp=0 pp=0 dp=0 cache_type="UnifiedRadixCache"']
+    group = next(g for g in doc["groups"] if group_labels(doc, g) == STATIC)
+    assert [Names(doc).rank(r) for r in doc["ranks"] if r["group"] == group["id"]] == [
+        'tp=0 pp=0 dp=0 cache_type="UnifiedRadixCache"']
     assert group["missing"] == [{"pp_rank": 0, "tp_rank": 1}] and doc["missing_totals"]["positions"] == 1
 
 
@@ -511,18 +528,23 @@ def test_hostile_labels_filling_the_series_limit_keep_the_document_small() -> No
     assert rollup["series_count"] == 3 * 4096 and rollup["total"] == 3 * 4096 * 1.5 and "series" not in rollup
 
 
-def test_what_the_document_costs_per_rank_with_the_dearest_static_labels() -> None:
-    """What stays in the document is one entry per rank and per group, each quoting the rank's
-    static labels; with 8 labels of 128 x \\x01 (the defaults' most) a rank in a group of its own
-    costs it under 40 kB (36.8 kB measured), so max_ranks = 1024 such ranks make about 38 MB:
-    docs/reliability.md counts it."""
-    ranks = 32
+STATUS_WORST_CASE_BYTES = 7_500_000  # docs/reliability.md's budget counts the document at this size (6.74 MB measured)
+
+
+def test_the_worst_case_document_fits_the_memory_budget() -> None:
+    """The document's worst case is ranks, not series: ranks.max_ranks = 1,024 ranks, each a group
+    of its own, with 8 static labels of 128 x \\x01 (the defaults' most, six bytes each in JSON).
+    Each label set is written once (`label_sets`), everything else names it by id: 6.74 MB, where
+    quoting the labels in every rank id, rank, group id, group and member list made 37.7 MB."""
     h = Harness()
-    for tp in range(ranks):
-        h.hello(tp=tp, labels={f"l{i}": escape_heavy(f"{tp:04d}") for i in range(8)})
-    empty = len(view_of(Harness()).encode())
-    per_rank = (len(view_of(h).encode()) - empty) / ranks
-    assert 30_000 < per_rank < 40_000, per_rank
+    ranks = h.state.config.max_ranks
+    for n in range(ranks):
+        h.hello(tp=0, labels={f"l{i}": escape_heavy(f"{n:04d}") for i in range(8)})
+    body = view_of(h).encode()
+    assert len(body) < STATUS_WORST_CASE_BYTES, len(body)
+    doc = json.loads(body)
+    assert len(doc["ranks"]) == len(doc["groups"]) == len(doc["label_sets"]) == ranks
+    assert body.count(b"\\u0001" * 124) == 8 * ranks  # every label value once
 
 
 def test_viewers_share_one_encoded_document_until_a_tick_or_a_frame() -> None:
@@ -639,5 +661,4 @@ def test_an_id_reads_back_as_its_identity(identity: tuple[Any, ...]) -> None:
     identities never share one (`a="1 b=2"` against `a="1" b="2"`), and no more do two groups."""
     tp, pp, dp, cp, labels = identity
     static = tuple(sorted(labels.items()))
-    assert parse_id(api.identity_id(tp, pp, dp, cp, static)) == (tp, pp, dp, cp, static)
-    assert parse_id(api.group_id((dp, static)).replace("dp=", "tp=0 pp=0 dp=", 1)) == (0, 0, dp, None, static)
+    assert parse_id(api.identity_text(tp, pp, dp, cp, static)) == (tp, pp, dp, cp, static)

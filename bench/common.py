@@ -246,6 +246,23 @@ class Sidecar:
         self.stop()
 
 
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly `n` bytes from a blocking socket."""
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionResetError("the sidecar closed the connection")
+        data += chunk
+    return data
+
+
+def read_reply(sock: socket.socket) -> Welcome | ErrorMessage:
+    """The sidecar's answer to a hello: one framed server message."""
+    (length,) = HEADER.unpack(recv_exact(sock, HEADER.size))
+    return parse_server_message(recv_exact(sock, length))
+
+
 class RawRank:
     """One rank connection speaking the wire protocol directly: hello, then full snapshots."""
 
@@ -265,17 +282,7 @@ class RawRank:
         self.sock.setblocking(False)
 
     def _read_reply(self) -> Welcome | ErrorMessage:
-        (length,) = HEADER.unpack(self._recv_exact(HEADER.size))
-        return parse_server_message(self._recv_exact(length))
-
-    def _recv_exact(self, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = self.sock.recv(n - len(data))
-            if not chunk:
-                raise ConnectionResetError("the sidecar closed the connection")
-            data += chunk
-        return data
+        return read_reply(self.sock)
 
     def push(self, advance_values: bool = True) -> int:
         """Send one full cumulative snapshot; returns its size in bytes."""

@@ -37,7 +37,7 @@ from typing import Any
 from exporter.catalog import default_catalog
 from exporter.client.metrics import MetricSet
 from exporter.config import SidecarConfig
-from exporter.protocol.framing import HEADER, encode_frame, encode_message, encode_payload
+from exporter.protocol.framing import encode_frame, encode_message, encode_payload
 from exporter.protocol.messages import (
     PROTOCOL_VERSION,
     Bye,
@@ -46,7 +46,6 @@ from exporter.protocol.messages import (
     Welcome,
     World,
     parse_client_message,
-    parse_server_message,
 )
 from exporter.sidecar.api import BandwidthHistory, StatusView
 from exporter.sidecar.exposition import SidecarCollector
@@ -65,6 +64,7 @@ from bench.common import (
     full_metric_set,
     percentile,
     progress_printer,
+    read_reply,
     snapshot_payload,
 )
 from bench.report import report, row
@@ -169,19 +169,9 @@ class _Rank:
         self.sock.settimeout(10)
         self.sock.connect(socket_path)
         self.sock.sendall(encode_frame(hello_payload(index, ranks)))
-        (length,) = HEADER.unpack(self._recv(HEADER.size))
-        reply = parse_server_message(self._recv(length))
+        reply = read_reply(self.sock)
         if not isinstance(reply, Welcome):
             raise RuntimeError(f"rank {index}: the sidecar refused hello: {reply}")
-
-    def _recv(self, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = self.sock.recv(n - len(data))
-            if not chunk:
-                raise ConnectionResetError("the sidecar closed the connection")
-            data += chunk
-        return data
 
     def send(self, payload: bytes) -> None:
         self.sock.sendall(encode_frame(payload))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
@@ -195,3 +197,14 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: f
             return
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout} s")
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, `cert.pem` and `key.pem` in `directory`, made by openssl."""
+    openssl = shutil.which("openssl")
+    assert openssl, "openssl is needed to make a test certificate"
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key

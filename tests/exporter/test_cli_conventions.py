@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import shutil
 import signal
 import socket
 import ssl
@@ -22,7 +21,7 @@ import pytest
 
 from exporter import __version__
 from exporter.sidecar.exposition import build_revision
-from tests.helpers import Scrape, free_port, http_get, wait_until
+from tests.helpers import Scrape, free_port, http_get, self_signed_cert, wait_until
 
 CLI = [sys.executable, "-m", "exporter.cli"]
 
@@ -114,11 +113,7 @@ def test_listen_address_and_port_flags_together_are_refused() -> None:
 
 
 def test_web_config_file_with_tls_and_basic_auth(tmp_path: Path, socket_dir: Path, serving: list[Serve]) -> None:
-    openssl = shutil.which("openssl")
-    assert openssl, "openssl is needed to make a test certificate"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(tmp_path / "key.pem"),
-                    "-out", str(tmp_path / "cert.pem"), "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
+    self_signed_cert(tmp_path)
     hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()
     web = tmp_path / "web.yml"  # exporter-toolkit's format; file names relative to the file itself
     web.write_text(f"tls_server_config:\n  cert_file: cert.pem\n  key_file: key.pem\n"

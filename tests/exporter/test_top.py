@@ -16,7 +16,6 @@ import io
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -49,7 +48,7 @@ from exporter.top.fetch import (
 from exporter.top.render import BLOCKS, MISSING_STYLE, STATE_STYLE, Names, group_block, render_frame, sparkline
 from exporter.top.screen import Frame, Scroll
 from exporter.top.view import View
-from tests.helpers import SidecarThread, free_port, sidecar_config
+from tests.helpers import SidecarThread, free_port, self_signed_cert, sidecar_config
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = REPO / "docs" / "api" / "v1.schema.json"
@@ -565,12 +564,7 @@ def test_basic_auth_against_a_real_sidecar(socket_dir: Path) -> None:
 
 
 def test_tls_is_verified_against_the_ca_file_or_skipped_with_insecure(tmp_path: Path, socket_dir: Path) -> None:
-    openssl = shutil.which("openssl")
-    assert openssl, "openssl is needed to make a test certificate"
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
+    cert, key = self_signed_cert(tmp_path)
     tls = {"tls_server_config": {"cert_file": str(cert), "key_file": str(key)}}
     running = SidecarThread(sidecar_config(socket_dir / "m.sock", http=tls)).start()
     try:

@@ -21,7 +21,17 @@ import pytest
 from exporter.config import apply_web_config, config_from_data, web_config_layer
 from exporter.errors import ConfigError, ErrorCode
 from exporter.protocol.messages import ErrorMessage, Welcome
-from tests.helpers import RawClient, SidecarThread, counter, hello, http_get, sidecar_config, snapshot, wait_until
+from tests.helpers import (
+    RawClient,
+    SidecarThread,
+    counter,
+    hello,
+    http_get,
+    self_signed_cert,
+    sidecar_config,
+    snapshot,
+    wait_until,
+)
 
 PASSWORD = "s3cret"
 
@@ -33,13 +43,7 @@ def password_hash() -> str:
 
 @pytest.fixture
 def tls_files(tmp_path: Path) -> tuple[Path, Path]:
-    openssl = shutil.which("openssl")
-    assert openssl, "openssl is needed to make a test certificate"
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
-    return cert, key
+    return self_signed_cert(tmp_path)
 
 
 def _basic(user: str, password: str) -> dict[str, str]:

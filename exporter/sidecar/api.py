@@ -238,6 +238,22 @@ def upstream_sources(upstreams: Iterable[UpstreamScraper]) -> dict[RankIdentity,
     return sources
 
 
+def lifecycle(rank: RankState, now: float) -> dict[str, Any]:
+    """What both rank listings say of a rank's process, connection and pushes."""
+    return {
+        "epoch": rank.epoch,
+        "pid": rank.pid,
+        "seq": rank.seq,
+        "restarts": rank.restarts,
+        "reconnects": rank.reconnects,
+        "snapshots": rank.snapshots,
+        "series": len(rank.values),
+        "seconds_since_activity": round(now - rank.last_activity, 3),
+        "last_push_time": rank.last_push_wall,
+        "world": world_dict(rank.world),
+    }
+
+
 def rank_rows(state: SidecarState) -> list[dict[str, Any]]:
     """GET /api/v1/ranks' rows: one per known rank, in exposition order."""
     now = state.clock()
@@ -249,16 +265,7 @@ def rank_rows(state: SidecarState) -> list[dict[str, Any]]:
             "attn_cp_rank": rank.attn_cp_rank,
             "labels": dict(rank.static),
             "status": rank.status.value,
-            "epoch": rank.epoch,
-            "pid": rank.pid,
-            "seq": rank.seq,
-            "restarts": rank.restarts,
-            "reconnects": rank.reconnects,
-            "snapshots": rank.snapshots,
-            "series": len(rank.values),
-            "seconds_since_activity": round(now - rank.last_activity, 3),
-            "last_push_time": rank.last_push_wall,
-            "world": world_dict(rank.world),
+            **lifecycle(rank, now),
         }
         for rank in sorted(state.ranks.values(), key=exposition_order)
     ]
@@ -382,17 +389,8 @@ class StatusView:
                 "own_labels": dict(own_labels(rank)),
                 "state": rank.status.value,
                 "source": sources.get(rank.identity, "push"),
-                "epoch": rank.epoch,
-                "pid": rank.pid,
-                "seq": rank.seq,
-                "restarts": rank.restarts,
-                "reconnects": rank.reconnects,
-                "snapshots": rank.snapshots,
-                "series": len(rank.values),
                 "seconds_since_push": None if rank.last_push_wall is None else round(wall - rank.last_push_wall, 3),
-                "seconds_since_activity": round(now - rank.last_activity, 3),
-                "last_push_time": rank.last_push_wall,
-                "world": world_dict(rank.world),
+                **lifecycle(rank, now),
             }
             for rank in known
         ]

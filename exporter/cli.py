@@ -215,7 +215,7 @@ def _naming_the_setting(err: StartupError, path: Path | None, flags: dict[str, s
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from exporter.sidecar.process import raise_fd_limit, tune_gc
+    from exporter.sidecar.process import raise_fd_limit, tune_gc, tune_malloc
     from exporter.sidecar.runner import Sidecar
 
     host, port, flags = _listen_settings(args)
@@ -226,6 +226,7 @@ def _serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level or config.log_level, args.log_format)
     raise_fd_limit()
     tune_gc()
+    tune_malloc()
     try:
         asyncio.run(Sidecar(config).run())
     except StartupError as err:

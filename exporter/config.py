@@ -89,6 +89,10 @@ class HttpConfig(_Strict):
     basic_auth_users: dict[str, str] = Field(default_factory=dict)
     max_connections: int = Field(512, ge=1)  # open HTTP connections; more are answered 503 and closed
     idle_timeout_seconds: float = Field(15.0, gt=0)  # a connection with no complete request for this long is closed
+    # large response bodies built and not yet read by their clients, all connections together; past
+    # it a request is answered 503 with Retry-After (docs/reliability.md budgets it)
+    max_response_bytes_in_flight: int = Field(48 << 20, ge=1)
+    write_timeout_seconds: float = Field(30.0, gt=0)  # a response not fully sent in this long closes its connection
 
     @field_validator("basic_auth_users")
     @classmethod

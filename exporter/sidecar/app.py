@@ -20,6 +20,7 @@ from prometheus_client.exposition import choose_encoder
 
 from exporter.config import SidecarConfig
 from exporter.sidecar.api import EncodedStatus, StatusView, rank_rows, upstream_rows
+from exporter.sidecar.bodies import BodyBudget, bodies_in_flight
 from exporter.sidecar.listener import IngestServer
 from exporter.sidecar.page import render_page
 from exporter.sidecar.render import TextRenderer
@@ -36,6 +37,7 @@ RENDERER: web.AppKey[TextRenderer] = web.AppKey("renderer", TextRenderer)
 INGEST: web.AppKey[IngestServer] = web.AppKey("ingest", IngestServer)
 VIEW: web.AppKey[StatusView] = web.AppKey("view", StatusView)
 ENCODED: web.AppKey[EncodedStatus] = web.AppKey("encoded", EncodedStatus)
+BODIES: web.AppKey[BodyBudget] = web.AppKey("bodies", BodyBudget)
 STATIC: web.AppKey[dict[str, tuple[bytes, str]]] = web.AppKey("static", dict)
 STATIC_FILES = {"status.js": "text/javascript", "status.css": "text/css"}
 # The page loads only its own script and style sheet and fetches only the API (docs/api.md).
@@ -70,7 +72,10 @@ def build_app(
     upstreams: list[UpstreamScraper] | None = None,
 ) -> web.Application:
     """The application over in-memory state; its cleanup context runs the ingest listener and housekeeping."""
-    middlewares: list[Middleware] = [_security_headers]
+    bodies = BodyBudget(config.http.max_response_bytes_in_flight)
+    # Outermost: the headers every other middleware sets are on a large body before it is written.
+    middlewares: list[Middleware] = [
+        bodies_in_flight(bodies, config.http.write_timeout_seconds, SECURITY_HEADERS, _gzipped), _security_headers]
     auth = BasicAuth(config.http.basic_auth_users) if config.http.basic_auth_users else None
     if auth is not None:
         middlewares.append(auth_middleware(auth))
@@ -88,6 +93,7 @@ def build_app(
     app[VIEW] = StatusView(config, state, stats, upstreams or [])
     app[ENCODED] = EncodedStatus(app[VIEW])
     app[STATIC] = _static_files()
+    app[BODIES] = bodies
     app.cleanup_ctx.append(_ingest_listener)
     app.cleanup_ctx.append(_housekeeping)
     app[UPSTREAMS] = upstreams or []
@@ -145,6 +151,10 @@ def _negotiated(request: web.Request, body: bytes, headers: dict[str, str]) -> w
         body = gzip.compress(body, compresslevel=1)
         headers["Content-Encoding"] = "gzip"
     return web.Response(body=body, headers=headers)
+
+
+def _gzipped(request: web.Request) -> bool:
+    return accepts_gzip(request.headers.get("Accept-Encoding", ""))
 
 
 def accepts_gzip(accept_encoding: str) -> bool:

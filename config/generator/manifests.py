@@ -32,8 +32,8 @@ APP = "sglang-hicache"  # the pod label the PodMonitor selects
 NAME_LABEL = "app.kubernetes.io/name"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 # The sidecar's memory limit: docs/reliability.md's budget, the worst case the default limits allow
-# (about 243 MB) under 256 Mi.
-SIDECAR_MEMORY_LIMIT = "256Mi"
+# (about 293 MB, response bodies in flight included) under 320 Mi.
+SIDECAR_MEMORY_LIMIT = "320Mi"
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 LWS_GROUP_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
 
@@ -125,7 +125,8 @@ def sidecar(args: list[str], liveness: bool = True, mounts: list[dict[str, Any]]
         Key("resources", f"""
             The sidecar idles on a fraction of a core. No CPU limit, so a burst of scrapes is never
             throttled. The memory limit is docs/reliability.md's budget: the worst case the default limits
-            allow (ranks.max_series_total, ingest.max_buffered_bytes, connections) is about 243 MB, under
+            allow (ranks.max_series_total, ingest.max_buffered_bytes, connections, http.max_response_bytes_in_flight)
+            is about 293 MB, under
             {SIDECAR_MEMORY_LIMIT}; raise both together. If the pod must be Guaranteed QoS (static CPU manager
             for the GPUs), set limits equal to requests in every container.
             """): {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": SIDECAR_MEMORY_LIMIT}},

@@ -71,14 +71,17 @@ def bodies_in_flight(budget: BodyBudget, write_timeout: float, extra_headers: di
         budget.in_flight += size
         stream = web.StreamResponse(status=response.status, reason=response.reason, headers=response.headers)
         stream.content_length = size
+
+        async def send() -> None:
+            await stream.prepare(request)
+            view = memoryview(body)
+            for start in range(0, size, SLICE_BYTES):
+                await stream.write(view[start:start + SLICE_BYTES])
+            await stream.write_eof()
+
         try:
-            async with asyncio.timeout(write_timeout):
-                await stream.prepare(request)
-                view = memoryview(body)
-                for start in range(0, size, SLICE_BYTES):
-                    await stream.write(view[start:start + SLICE_BYTES])
-                await stream.write_eof()
-        except TimeoutError:  # a peer reading too slowly, or not at all: drop what it has not taken
+            await asyncio.wait_for(send(), write_timeout)  # not asyncio.timeout: the package runs on 3.10
+        except asyncio.TimeoutError:  # a peer reading too slowly, or not at all: drop what it has not taken
             if request.transport is not None:
                 request.transport.abort()
         except ConnectionError:  # the peer went away; aiohttp closes the connection when it sees it

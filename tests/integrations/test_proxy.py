@@ -85,6 +85,11 @@ def run_engine(ranks: ModuleType, directory: Path, monkeypatch: pytest.MonkeyPat
             run_processes(run_frontend, [(frontend,)])
 
 
+# Reading a directory of many processes' files takes longer than an HTTP answer: on a loaded CI
+# machine the first read of the late sidecar ran past a 0.2 s timeout and it had no rollups yet.
+DIRECTORY_PACE = {"interval_seconds": 1.0, "timeout_seconds": 1.0}
+
+
 def proxy(socket_dir: Path, **upstream: Any) -> SidecarThread:
     config = config_from_data({
         "http": {"host": "127.0.0.1", "port": 0}, "ingest": {"socket_path": str(socket_dir / "run" / "metrics.sock")},
@@ -234,8 +239,9 @@ def test_the_proxy_of_a_multiprocess_directory_reads_each_process_apart(ranks, t
     with monkeypatch.context() as env:  # two processes writing one family outside the catalog
         env.setenv("PROMETHEUS_MULTIPROC_DIR", str(directory))
         run_processes(run_frontend, [(2,), (3,)])
-    sidecar = proxy(socket_dir, multiprocess_dir=str(directory))
+    sidecar = proxy(socket_dir, multiprocess_dir=str(directory), **DIRECTORY_PACE)
     running.append(sidecar)
+    wait_until(lambda: sidecar.scrape().find("sglang_rollup_load_back_bytes_total"), timeout=10)
     scrape = sidecar.scrape()
     assert scrape.value("hicache_exporter_upstream_up", upstream="engine") == 1
     # Passed through as the engine's /metrics shows it: one series, both processes summed.
@@ -263,8 +269,9 @@ def test_the_proxy_of_a_multiprocess_directory_reads_each_process_apart(ranks, t
                       + ranks.partial_total(restarted, STEP_EVENTS, "increment_load_back_num_bytes")}
 
     # A sidecar that starts after the restart reads the older process first: the same rollups.
-    late = proxy(socket_dir / "late", multiprocess_dir=str(directory))
+    late = proxy(socket_dir / "late", multiprocess_dir=str(directory), **DIRECTORY_PACE)
     running.append(late)
+    wait_until(lambda: late.scrape().find("sglang_rollup_load_back_bytes_total"), timeout=10)
     assert rollups(late.scrape()) == expected(ranks, world, counts)
     promtool_check(scrape.text, PASSED)
 

@@ -39,15 +39,7 @@ def test_make_test_without_promtool_stops_at_once_with_one_line(tmp_path: Path) 
 def test_make_test_installs_the_debian_package_as_root(tmp_path: Path) -> None:
     """As root with apt-get: `apt-get update`, then `apt-get install prometheus` (faked here)."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    log = tmp_path / "apt.log"
-    (bin_dir / "id").write_text("#!/bin/sh\necho 0\n")
-    (bin_dir / "apt-get").write_text(
-        f"#!/bin/sh\necho \"$*\" >> {log}\n"
-        f"case \"$*\" in *install*) for t in promtool prometheus; do printf '#!/bin/sh\\n' > {bin_dir}/$t; "
-        f"/bin/chmod +x {bin_dir}/$t; done;; esac\n")
-    for tool in ("id", "apt-get"):
-        (bin_dir / tool).chmod(0o755)
+    log = _fake_root_apt(bin_dir, "promtool", "prometheus")
     result, _ = make("prometheus-tools", path=str(bin_dir))
     assert result.returncode == 0, result.stderr
     assert "installing the Debian package prometheus" in result.stderr
@@ -56,6 +48,21 @@ def test_make_test_installs_the_debian_package_as_root(tmp_path: Path) -> None:
     assert (bin_dir / "promtool").exists() and (bin_dir / "prometheus").exists()
     again, _ = make("prometheus-tools", path=str(bin_dir))
     assert again.returncode == 0 and again.stdout == again.stderr == "", "installed: nothing more to say"
+
+
+def _fake_root_apt(bin_dir: Path, *installs: str) -> Path:
+    """`id` that says root and an `apt-get` that logs its calls (to the returned file) and, on
+    install, puts empty `installs` on the PATH."""
+    bin_dir.mkdir(exist_ok=True)
+    log = bin_dir.parent / "apt.log"
+    (bin_dir / "id").write_text("#!/bin/sh\necho 0\n")
+    (bin_dir / "apt-get").write_text(
+        f"#!/bin/sh\necho \"$*\" >> {log}\n"
+        f"case \"$*\" in *install*) for t in {' '.join(installs)}; do printf '#!/bin/sh\\n' > {bin_dir}/$t; "
+        f"/bin/chmod +x {bin_dir}/$t; done;; esac\n")
+    for tool in ("id", "apt-get"):
+        (bin_dir / tool).chmod(0o755)
+    return log
 
 
 def _fake_tools(bin_dir: Path, *names: str) -> None:
@@ -81,13 +88,7 @@ def test_make_test_installs_chromium_as_root(tmp_path: Path) -> None:
     """As root with apt-get: `apt-get update`, then `apt-get install chromium` (faked here)."""
     bin_dir = tmp_path / "bin"
     _fake_tools(bin_dir, "promtool", "prometheus")
-    log = tmp_path / "apt.log"
-    (bin_dir / "id").write_text("#!/bin/sh\necho 0\n")
-    (bin_dir / "apt-get").write_text(
-        f"#!/bin/sh\necho \"$*\" >> {log}\n"
-        f"case \"$*\" in *install*) printf '#!/bin/sh\\n' > {bin_dir}/chromium; /bin/chmod +x {bin_dir}/chromium;; esac\n")
-    for tool in ("id", "apt-get"):
-        (bin_dir / tool).chmod(0o755)
+    log = _fake_root_apt(bin_dir, "chromium")
     result, _ = make("chromium", path=str(bin_dir))
     assert result.returncode == 0, result.stderr
     assert "installing the Debian package chromium" in result.stderr

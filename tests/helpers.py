@@ -208,3 +208,24 @@ def self_signed_cert(directory: Path) -> tuple[Path, Path]:
                     "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True, timeout=60)
     return cert, key
+
+
+def steady_rank(socket_path: str, rank: dict[str, int], labels: dict[str, str], interval: float, max_backoff: float,
+                unfulfilled: int = 0) -> None:
+    """A rank process loading pages back at a steady rate (and, with `unfulfilled`, missing that many
+    prefetch tokens for host capacity per step) until it is stopped or killed from outside."""
+    from exporter.client import RankClient
+
+    client = RankClient(socket_path, rank=rank, labels=labels, interval=interval, max_backoff=max_backoff)
+    tokens = client.counter("load_back_tokens_total", pool="kv")
+    moved = client.counter("load_back_bytes_total")
+    took = client.histogram("load_back_duration_seconds")
+    missed = client.counter("storage_prefetch_unfulfilled_tokens_total", reason="host_capacity") if unfulfilled else None
+    client.start()
+    while True:
+        tokens.inc(64)
+        moved.inc(64 * 4096)
+        took.observe(0.002)
+        if missed is not None:
+            missed.inc(unfulfilled)
+        time.sleep(0.05)

@@ -31,7 +31,7 @@ from playwright.sync_api import Error as PlaywrightError
 
 from exporter.client import RankClient
 from exporter.sidecar import api, page
-from tests.helpers import SidecarThread, http_get, sidecar_config, wait_until
+from tests.helpers import SidecarThread, http_get, sidecar_config, steady_rank, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts" / "status-page"
@@ -47,22 +47,8 @@ SPAWN = multiprocessing.get_context("spawn")
 
 def rank_process(socket_path: str, tp: int, pp: int, dp: int, model: str) -> None:
     """A rank moving pages at a steady rate until it is stopped or killed from outside."""
-    from exporter.client import RankClient
-
-    client = RankClient(socket_path, rank={"tp_rank": tp, "pp_rank": pp, "dp_rank": dp},
-                        labels={"cache_type": "UnifiedRadixCache", "model": model}, interval=PUSH_INTERVAL,
-                        max_backoff=0.2)
-    tokens = client.counter("load_back_tokens_total", pool="kv")
-    moved = client.counter("load_back_bytes_total")
-    duration = client.histogram("load_back_duration_seconds")
-    unfulfilled = client.counter("storage_prefetch_unfulfilled_tokens_total", reason="host_capacity")
-    client.start()
-    while True:
-        tokens.inc(64)
-        moved.inc(64 * 4096)
-        duration.observe(0.002)
-        unfulfilled.inc(8)
-        time.sleep(0.05)
+    steady_rank(socket_path, {"tp_rank": tp, "pp_rank": pp, "dp_rank": dp},
+                {"cache_type": "UnifiedRadixCache", "model": model}, PUSH_INTERVAL, 0.2, unfulfilled=8)
 
 
 def rank_id(tp: int, pp: int, dp: int, model: str) -> str:

@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from tests.exporter.test_top import status_document, validate_status
-from tests.helpers import free_port, http_get, wait_until
+from tests.helpers import free_port, http_get, steady_rank, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 COLS, ROWS = 160, 50
@@ -44,19 +44,7 @@ PYTE_COLOURS = {"brown": "yellow"}  # pyte names SGR 43 by the VT100's palette
 
 def rank_process(socket_path: str, tp: int, dp: int) -> None:
     """A rank loading tokens back at a steady rate until it is stopped, killed or the test ends."""
-    from exporter.client import RankClient
-
-    client = RankClient(socket_path, rank={"tp_rank": tp, "pp_rank": 0, "dp_rank": dp}, labels=LABELS,
-                        interval=0.2, max_backoff=0.5)
-    tokens = client.counter("load_back_tokens_total", pool="kv")
-    moved = client.counter("load_back_bytes_total")
-    took = client.histogram("load_back_duration_seconds")
-    client.start()
-    while True:
-        tokens.inc(64)
-        moved.inc(64 * 4096)
-        took.observe(0.002)
-        time.sleep(0.05)
+    steady_rank(socket_path, {"tp_rank": tp, "pp_rank": 0, "dp_rank": dp}, LABELS, 0.2, 0.5)
 
 
 class Terminal:

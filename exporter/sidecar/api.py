@@ -29,7 +29,7 @@ from exporter.sidecar.registry import RankIdentity, RankState, exposition_order
 from exporter.sidecar.series import GroupKey, HistAccumulator, LabelValues, RollupKey, StaticKey
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import SidecarStats
-from exporter.sidecar.upstream import UpstreamScraper
+from exporter.sidecar.upstream_scrape import UpstreamScraper
 from exporter.sidecar.window import Bandwidth, Increases
 
 API_VERSION = 1

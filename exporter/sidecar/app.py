@@ -27,7 +27,7 @@ from exporter.sidecar.render import TextRenderer
 from exporter.sidecar.security import BasicAuth, auth_middleware
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import SidecarStats
-from exporter.sidecar.upstream import UPSTREAMS, UpstreamScraper, run_upstreams
+from exporter.sidecar.upstream_scrape import UPSTREAMS, UpstreamScraper, run_upstreams
 
 HOUSEKEEPING_SECONDS = 1.0
 CONFIG: web.AppKey[SidecarConfig] = web.AppKey("config", SidecarConfig)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 Clock = Callable[[], float]
 RankIdentity = tuple[int, int, int, int, StaticKey]  # (tp_rank, pp_rank, dp_rank, attn_cp_rank, static labels)
 REPLACED_EPOCHS_KEPT = 64
+PUSH_SOURCE = "push"  # the source of identities that ranks push over the socket; an upstream's is "upstream:<name>"
 HISTORY_POINTS = 12  # entries kept per rank per window (5 s apart at 60 s): bounds memory whatever the push rate
 
 
@@ -47,6 +48,7 @@ class RankState:
     pid: int
     history: WindowHistory
     attn_cp_rank: int | None = None  # None: the rank has no context-parallel axis (0 in its identity)
+    source: str = PUSH_SOURCE  # who reports this identity: pushed ranks, or one upstream
     world: World | None = None
     connection: object | None = None  # token of the open connection holding this identity
     seq: int = -1
@@ -184,8 +186,8 @@ class RankRegistry:
         """Per-rank series held now (the rollups' are in `budget` too)."""
         return self.budget.per_rank
 
-    def hello(self, connection: object, msg: Hello) -> HelloResult:
-        """Bind `connection` to the rank identity in `msg`; raise ProtocolError to refuse it."""
+    def hello(self, connection: object, msg: Hello, source: str = PUSH_SOURCE) -> HelloResult:
+        """Bind `connection` to the rank identity in `msg`, reported by `source`; raise ProtocolError to refuse it."""
         self._check_static_labels(msg.labels)
         static = static_key(msg.labels)
         identity = (msg.rank.tp_rank, msg.rank.pp_rank, msg.rank.dp_rank, msg.rank.attn_cp_rank or 0, static)
@@ -195,7 +197,7 @@ class RankRegistry:
             self._make_room_for_a_rank()
             rank = RankState(
                 tp_rank=msg.rank.tp_rank, pp_rank=msg.rank.pp_rank, dp_rank=msg.rank.dp_rank,
-                static=static, epoch=msg.epoch, pid=msg.pid, attn_cp_rank=msg.rank.attn_cp_rank,
+                static=static, epoch=msg.epoch, pid=msg.pid, attn_cp_rank=msg.rank.attn_cp_rank, source=source,
                 history=WindowHistory(self.window, self.window / HISTORY_POINTS),
                 resumed=self.forgotten.pop(identity, None) == msg.epoch,
             )

@@ -24,7 +24,8 @@ from exporter.sidecar.render import TextRenderer
 from exporter.sidecar.security import server_ssl_context
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import SidecarStats, UpstreamHealth
-from exporter.sidecar.upstream import UpstreamFeed, UpstreamScraper
+from exporter.sidecar.upstream import UpstreamFeed
+from exporter.sidecar.upstream_scrape import UpstreamScraper
 
 log = logging.getLogger("hicache_exporter")
 HTTP_SHUTDOWN_SECONDS = 5.0  # open HTTP requests get this long at shutdown (aiohttp's default is 60 s)
@@ -129,7 +130,7 @@ class Sidecar:
                 upstream.label, upstream.url or str(upstream.multiprocess_dir))
             feed = UpstreamFeed(upstream, self.state, health, collector.exposed_names())
             self.upstreams.append(UpstreamScraper(upstream, feed))
-        self.renderer = TextRenderer(collector, pass_through=[u.pass_through_text for u in self.upstreams])
+        self.renderer = TextRenderer(collector, pass_through=[u.feed.pass_through_text for u in self.upstreams])
         self.ingest = IngestServer(config.ingest, self.state, self.stats)
         self._runner: web.AppRunner | None = None
         self.http_port: int | None = None

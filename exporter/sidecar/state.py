@@ -13,7 +13,7 @@ from exporter.config import RanksConfig
 from exporter.protocol.messages import Hello, Snapshot
 from exporter.sidecar.ledger import RollupLedger
 from exporter.sidecar.reader import Rejection, SampleReader
-from exporter.sidecar.registry import Clock, HelloResult, RankIdentity, RankRegistry, RankState
+from exporter.sidecar.registry import PUSH_SOURCE, Clock, HelloResult, RankIdentity, RankRegistry, RankState
 from exporter.sidecar.window import Window
 
 
@@ -50,9 +50,9 @@ class SidecarState:
     def ranks(self) -> dict[RankIdentity, RankState]:
         return self.registry.ranks
 
-    def hello(self, connection: object, msg: Hello) -> HelloResult:
-        """Bind `connection` to the rank identity in `msg`; raise ProtocolError to refuse it."""
-        return self.registry.hello(connection, msg)
+    def hello(self, connection: object, msg: Hello, source: str = PUSH_SOURCE) -> HelloResult:
+        """Bind `connection` to the rank identity in `msg`, reported by `source`; raise ProtocolError to refuse it."""
+        return self.registry.hello(connection, msg, source)
 
     def disconnect(self, connection: object, rank: RankState) -> None:
         """The connection holding `rank` closed (bye, EOF or error)."""

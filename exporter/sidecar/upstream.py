@@ -26,26 +26,18 @@ whose context-parallel peers share labels are flagged and left out: no rollup is
 
 from __future__ import annotations
 
-import asyncio
 import copy
-import glob
 import hashlib
 import logging
-import os
 import re
-import ssl
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
-from pathlib import Path
 from typing import Any
 
-import aiohttp
-from aiohttp import web
 from prometheus_client.exposition import generate_latest as text_exposition
 from prometheus_client.metrics_core import Metric
-from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_exposition
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
@@ -54,7 +46,7 @@ from prometheus_client.samples import Timestamp
 
 from exporter.catalog import Catalog, FamilySpec, MetricType
 from exporter.config import UpstreamConfig
-from exporter.errors import ConfigError, ProtocolError
+from exporter.errors import ProtocolError
 from exporter.labels import RANK_AXES, RANK_KEYS
 from exporter.protocol.messages import PROTOCOL_VERSION, Hello, RankId, Sample, Snapshot
 from exporter.sidecar.families import exported_name
@@ -62,6 +54,7 @@ from exporter.sidecar.registry import RankIdentity, RankState
 from exporter.sidecar.series import static_key
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import UpstreamHealth
+from exporter.sidecar.upstream_files import MERGED, Reading
 from exporter.sidecar.upstream_text import Number, TextLayout
 
 log = logging.getLogger("hicache_exporter.upstream")
@@ -70,15 +63,9 @@ MULTIPROCESS_HELP = "Multiprocess metric"  # what a multiprocess /metrics says f
 # names have `:` escaped to `_` while HELP, TYPE and UNIT lines keep it, which its own parser
 # refuses. The metadata lines get the samples' spelling before parsing.
 _OM_METADATA = re.compile(r"(?m)^(# (?:HELP|TYPE|UNIT) )(\S+)")
-_DB_FILE = re.compile(r"^(?P<kind>[a-z]+)(?:_[a-z]+)?_(?P<pid>[^_]+)\.db$")
-
-Reading = list[tuple[str | None, float, list[Metric]]]  # (pid or None, its files' mtime, families), oldest first
-# In a directory's reading, the entry of every process's files merged as the engine's /metrics
-# merges them: the families passed through come from it (one series per label set, summed).
-MERGED = "*"
 
 
-# --- reading an upstream: prometheus_client's parsers and multiprocess reader ---
+# --- reading a text upstream: prometheus_client's parsers ---
 
 
 def parse_exposition(text: str, openmetrics: bool) -> list[Metric]:
@@ -89,34 +76,6 @@ def parse_exposition(text: str, openmetrics: bool) -> list[Metric]:
         return list(parse_text(text))
     except (OverflowError, LookupError, TypeError) as err:  # what the parsers raise on some malformed lines
         raise ValueError(f"{type(err).__name__}: {err}") from None
-
-
-def read_multiprocess_dir(directory: Path, merged: bool = True) -> Reading:
-    """Each process's families from a prometheus_client multiprocess directory, read apart, oldest
-    first, then (with `merged`) every process's merged, for the families passed through.
-
-    prometheus_client's own reader (`MultiProcessCollector.merge`, the code the engine's /metrics
-    runs) is given one process's files at a time, so one process's values are never summed with
-    another's. A process's age is its files' latest modification time. The merged reading is
-    about half the work, and only families passed through come from it.
-    """
-    by_pid: dict[str, list[str]] = {}
-    for path in glob.glob(os.path.join(directory, "*.db")):
-        match = _DB_FILE.match(os.path.basename(path))
-        if match:
-            by_pid.setdefault(match.group("pid"), []).append(path)
-    processes: Reading = []
-    for pid, files in by_pid.items():
-        try:
-            mtime = max(os.stat(path).st_mtime for path in files)
-        except FileNotFoundError:  # a live gauge's file removed between the glob and now
-            continue
-        processes.append((pid, mtime, list(MultiProcessCollector.merge(sorted(files), accumulate=True))))
-    processes.sort(key=lambda process: (process[1], process[0]))
-    if merged:
-        every = sorted(path for _, files in by_pid.items() for path in files if os.path.exists(path))
-        processes.append((MERGED, 0.0, list(MultiProcessCollector.merge(every, accumulate=True))))
-    return processes
 
 
 # --- the feed: an upstream's families into the sidecar's state ---
@@ -242,11 +201,13 @@ class UpstreamFeed:
         self.prefixes = tuple(dict.fromkeys((config.prefix, config.prefix.replace(":", "_"))))
         self.ranks: dict[RankIdentity, _UpstreamRank] = {}
         digest = hashlib.sha256(config.label.encode()).hexdigest()[:8]
+        self.source = f"upstream:{health.name}"  # the identities this upstream reports are its own
         self.tag = f"up-{digest}"  # epochs are at most 64 characters: the name itself may be longer
         self.pass_through: list[Metric] = []
         self.layout_lines = LAYOUT_LINES_PER_SERIES * state.config.max_series_total
         self._layout: tuple[TextLayout, ReadPlan] | None = None  # the last text read's, while it is one
         self._logged: set[tuple[str, str]] = set()
+        self._rendered: dict[bool, str] = {}  # the pass-through text per format, until a family passed through changes
 
     def spec_of(self, name: str) -> FamilySpec | None:
         for prefix in self.prefixes:
@@ -280,6 +241,19 @@ class UpstreamFeed:
             return self.apply_plan(reading.plan, reading.values, reading.timestamps, reading.parsed, wall)
         values = [s.value for _, _, families in reading for family in families for s in family.samples]
         return self.apply_plan(self.plan(reading), values, None, True, wall)
+
+    def pass_through_text(self, openmetrics: bool) -> str:
+        """The families passed through, as prometheus_client's own exposition writes them (cached per read)."""
+        text = self._rendered.get(openmetrics)
+        if text is None:
+            registry = _Families(self.pass_through)
+            if openmetrics:
+                text = openmetrics_exposition(registry).decode()
+                text = text.removesuffix("# EOF\n")
+            else:
+                text = text_exposition(registry).decode()
+            self._rendered[openmetrics] = text
+        return text
 
     def plan(self, reading: Reading) -> ReadPlan:
         """What `reading` gives whatever its values (no state is touched, nothing is logged)."""
@@ -359,7 +333,10 @@ class UpstreamFeed:
             samples, monotone = self._samples(rank, values, result)
             if samples:
                 self._feed(rank, samples, monotone, wall, result)
-        self.pass_through = self._passed(plan, values, timestamps, parsed)
+        passed = self._passed(plan, values, timestamps, parsed)
+        if len(passed) != len(self.pass_through) or any(a is not b for a, b in zip(passed, self.pass_through)):
+            self._rendered = {}  # a family passed through changed: its text is made again when asked
+        self.pass_through = passed
         result.pass_through = self.pass_through
         result.ranks = sum(1 for r in self.ranks.values() if r.rank is not None)
         return result
@@ -477,7 +454,7 @@ class UpstreamFeed:
             hello = Hello(protocol=PROTOCOL_VERSION, epoch=entry.epoch, pid=_int(pid or "0"), rank=plan.rank_id,
                           labels=plan.static)
             try:
-                entry.rank = self.state.hello(entry.token, hello).rank
+                entry.rank = self.state.hello(entry.token, hello, self.source).rank
             except ProtocolError as err:
                 self.health.error(err.code.value, err.message)
                 self._log_once("hello", str(identity), logging.ERROR, "upstream %s: rank refused: %s",
@@ -566,173 +543,6 @@ def _series(
             yield s.labels, _SeriesPlan(spec.name, wire_labels, keys, value=number)
 
 
-# --- the scraper: reads on an interval, in the app's cleanup context ---
-
-# An upstream's answer is read up to this size: about 8 times what a 256-rank engine writes
-# (33,000 sample lines, 4.3 MB), so that a runaway or hostile upstream cannot fill the pod.
-MAX_BODY_BYTES = 32 << 20
-
-
-def client_ssl_context(config: UpstreamConfig) -> ssl.SSLContext | None:
-    tls = config.tls
-    if tls is None:
-        return None
-    context = ssl.create_default_context(cafile=str(tls.ca_file) if tls.ca_file else None)
-    if tls.cert_file is not None and tls.key_file is not None:
-        context.load_cert_chain(str(tls.cert_file), str(tls.key_file))
-    if tls.insecure_skip_verify:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    return context
-
-
-class UpstreamScraper:
-    """Reads one upstream every `interval_seconds` and applies what it read to the state."""
-
-    def __init__(self, config: UpstreamConfig, feed: UpstreamFeed) -> None:
-        self.config = config
-        self.feed = feed
-        self.health = feed.health
-        self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._rendered: dict[bool, str] = {}
-        self.max_body_bytes = MAX_BODY_BYTES
-
-    async def start(self) -> None:
-        """Read once (a pass-through family that clashes with the sidecar's stops start-up), then on an interval."""
-        if self.config.url is not None:
-            auth = None
-            if self.config.basic_auth is not None:
-                ba = self.config.basic_auth
-                password = ba.password if ba.password is not None else Path(ba.password_file or "").read_text().strip()
-                auth = aiohttp.BasicAuth(ba.username, password)
-            self._session = aiohttp.ClientSession(
-                auth=auth, headers=self.config.headers, timeout=aiohttp.ClientTimeout(total=self.config.timeout_seconds),
-                connector=aiohttp.TCPConnector(ssl=client_ssl_context(self.config) or True, limit=1),
-            )
-        result = await self.scrape_once()
-        if result is not None and result.clashes:
-            await self.stop()
-            raise ConfigError(
-                f"upstream {self.health.name}: families {sorted(result.clashes)} are passed through and are also "
-                "families the sidecar makes (its rollups, self-metrics and process_* metrics); set "
-                "metrics.namespace to another prefix, or pass_through: false on this upstream"
-            )
-        self._task = asyncio.create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.interval_seconds)
-            try:
-                await self.scrape_once()
-            except Exception as err:  # a bug must not end the reads: log it, count it, read again next time
-                log.exception("upstream %s: read failed", self.health.name)
-                self._failed("internal", f"{type(err).__name__}: {err}")
-
-    async def read(self) -> Reading | TextReading:
-        """One read of the upstream (the parsing and file reading run off the event loop)."""
-        if self.config.multiprocess_dir is not None:
-            directory = self.config.multiprocess_dir
-            if not directory.is_dir():
-                raise _ReadError("read", f"{directory} is not a directory")
-            return await asyncio.wait_for(asyncio.to_thread(read_multiprocess_dir, directory, self.config.pass_through),
-                                          self.config.timeout_seconds)
-        assert self._session is not None and self.config.url is not None
-        openmetrics = self.config.format == "openmetrics"
-        accept = "application/openmetrics-text; version=1.0.0" if openmetrics else "text/plain; version=0.0.4"
-        try:
-            async with self._session.get(self.config.url, headers={"Accept": accept}) as response:
-                if response.status != 200:
-                    raise _ReadError("http_status", f"HTTP {response.status}")
-                body = await self._body(response)
-                openmetrics = response.headers.get("Content-Type", "").startswith("application/openmetrics-text")
-        except asyncio.TimeoutError:
-            raise _ReadError("timeout", f"no answer within {self.config.timeout_seconds} s") from None
-        except aiohttp.ClientError as err:
-            raise _ReadError("connect", str(err) or type(err).__name__) from None
-        try:
-            return await asyncio.to_thread(self.feed.read_text, body, openmetrics)
-        except ValueError as err:
-            raise _ReadError("parse", str(err)) from None
-
-    async def _body(self, response: aiohttp.ClientResponse) -> str:
-        """The answer's text, refused (not read on) once it is longer than `max_body_bytes`."""
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in response.content.iter_chunked(1 << 16):
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise _ReadError("too_large", f"the answer is longer than {self.max_body_bytes} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks).decode(response.get_encoding())
-
-    async def scrape_once(self) -> FeedResult | None:
-        health = self.health
-        started = time.perf_counter()
-        try:
-            reading = await self.read()
-        except _ReadError as err:
-            self._failed(err.kind, err.message)
-        except asyncio.TimeoutError:
-            self._failed("timeout", f"no read within {self.config.timeout_seconds} s")
-        except (OSError, ValueError) as err:
-            self._failed("read", str(err))
-        else:
-            passed = self.feed.pass_through
-            result = self.feed.apply(reading)
-            health.up = True
-            health.scrapes += 1
-            health.last_scrape_wall = time.time()
-            health.samples = result.samples
-            health.ranks = result.ranks
-            health.pass_through = len(result.pass_through)
-            if result.rejected:
-                health.error("rejected_samples", f"{result.rejected} samples refused")
-            if result.clashes:
-                health.error("name_clash", ", ".join(sorted(result.clashes)))
-            if len(passed) != len(result.pass_through) or any(a is not b for a, b in zip(passed, result.pass_through)):
-                self._rendered = {}  # a family passed through changed: its text is made again when asked
-            health.last_duration = time.perf_counter() - started
-            return result
-        health.last_duration = time.perf_counter() - started
-        return None
-
-    def _failed(self, kind: str, message: str) -> None:
-        if self.health.up or not self.health.errors:
-            log.warning("upstream %s: %s (%s); its ranks turn stale, then expire", self.health.name, message, kind)
-        self.health.up = False
-        self.health.error(kind, message)
-
-    def pass_through_text(self, openmetrics: bool) -> str:
-        """The families passed through, as prometheus_client's own exposition writes them (cached per read)."""
-        text = self._rendered.get(openmetrics)
-        if text is None:
-            registry = _Families(self.feed.pass_through)
-            if openmetrics:
-                text = openmetrics_exposition(registry).decode()
-                text = text.removesuffix("# EOF\n")
-            else:
-                text = text_exposition(registry).decode()
-            self._rendered[openmetrics] = text
-        return text
-
-
-class _ReadError(Exception):
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-
-
 class _Families:
     """Parsed families as a collector, for prometheus_client's exposition functions."""
 
@@ -741,22 +551,3 @@ class _Families:
 
     def collect(self) -> list[Metric]:
         return self.families
-
-
-UPSTREAMS: web.AppKey[list[UpstreamScraper]] = web.AppKey("upstreams", list)
-
-
-async def run_upstreams(app: web.Application) -> AsyncIterator[None]:
-    """The cleanup context of the proxy: every upstream's scraper, started and stopped with the app."""
-    started: list[UpstreamScraper] = []
-    try:
-        for scraper in app[UPSTREAMS]:
-            await scraper.start()
-            started.append(scraper)
-    except BaseException:
-        for scraper in started:
-            await scraper.stop()
-        raise
-    yield
-    for scraper in started:
-        await scraper.stop()

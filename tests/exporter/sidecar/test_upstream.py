@@ -365,7 +365,7 @@ def test_reads_by_their_values_alone_leave_the_state_the_parser_and_the_slow_pat
 def test_an_answer_longer_than_the_bound_is_refused_not_read() -> None:
     import asyncio
 
-    from exporter.sidecar.upstream import UpstreamScraper
+    from exporter.sidecar.upstream_scrape import UpstreamScraper
 
     engine = Engine()
     for tp in range(8):
@@ -393,7 +393,7 @@ def test_an_answer_longer_than_the_bound_is_refused_not_read() -> None:
 def test_a_directory_read_without_pass_through_skips_the_merged_reading_and_feeds_the_same(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
-    from exporter.sidecar.upstream import MERGED, read_multiprocess_dir
+    from exporter.sidecar.upstream_files import MERGED, read_multiprocess_dir
 
     labels = ["cache_type", "tp_rank", "pp_rank", "dp_rank"]
     for pid, tp in (("101", "0"), ("102", "1")):  # two rank processes' files, written by prometheus_client's writer

@@ -72,10 +72,10 @@ def build_app(
     upstreams: list[UpstreamScraper] | None = None,
 ) -> web.Application:
     """The application over in-memory state; its cleanup context runs the ingest listener and housekeeping."""
-    bodies = BodyBudget(config.http.max_response_bytes_in_flight)
+    bodies = BodyBudget(config.http.max_response_bytes_in_flight, config.http.write_timeout_seconds)
     # Outermost: the headers every other middleware sets are on a large body before it is written.
     middlewares: list[Middleware] = [
-        bodies_in_flight(bodies, config.http.write_timeout_seconds, SECURITY_HEADERS, _gzipped), _security_headers]
+        bodies_in_flight(bodies, SECURITY_HEADERS, _gzipped), _security_headers]
     auth = BasicAuth(config.http.basic_auth_users) if config.http.basic_auth_users else None
     if auth is not None:
         middlewares.append(auth_middleware(auth))

@@ -33,10 +33,10 @@ class BodyBudget:
     last size a route answered with, so that a request likely to overflow is refused before its
     body is built."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, write_timeout: float) -> None:
         self.limit = limit
+        self.write_timeout = write_timeout  # seconds a counted body may take to be sent
         self.in_flight = 0
-        self.refused = 0
         self.expected: dict[tuple[str, bool], int] = {}
 
     def admits(self, size: int) -> bool:
@@ -48,7 +48,7 @@ def refusal() -> web.Response:
                         "retry shortly\n", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
-def bodies_in_flight(budget: BodyBudget, write_timeout: float, extra_headers: dict[str, str],
+def bodies_in_flight(budget: BodyBudget, extra_headers: dict[str, str],
                      gzipped: Callable[[web.Request], bool]) -> Middleware:
     """The middleware; it should be the outermost, so that every other one's headers are on the
     response before it is written. `extra_headers` go on its own 503s; `gzipped` tells whether a
@@ -59,7 +59,7 @@ def bodies_in_flight(budget: BodyBudget, write_timeout: float, extra_headers: di
         resource = request.match_info.route.resource
         key = (resource.canonical if resource is not None else "", gzipped(request))
         if not budget.admits(budget.expected.get(key, 0)):  # refused before the body is built
-            return _refused(budget, extra_headers)
+            return _refused(extra_headers)
         response = await handler(request)
         body = response.body if isinstance(response, web.Response) and not response.prepared else None
         if not isinstance(body, bytes) or len(body) < COUNTED_BODY_BYTES or request.method == "HEAD":
@@ -67,7 +67,7 @@ def bodies_in_flight(budget: BodyBudget, write_timeout: float, extra_headers: di
         size = len(body)
         budget.expected[key] = size
         if not budget.admits(size):  # larger than the route's last body: built, then dropped
-            return _refused(budget, extra_headers)
+            return _refused(extra_headers)
         budget.in_flight += size
         stream = web.StreamResponse(status=response.status, reason=response.reason, headers=response.headers)
         stream.content_length = size
@@ -80,7 +80,7 @@ def bodies_in_flight(budget: BodyBudget, write_timeout: float, extra_headers: di
             await stream.write_eof()
 
         try:
-            await asyncio.wait_for(send(), write_timeout)  # not asyncio.timeout: the package runs on 3.10
+            await asyncio.wait_for(send(), budget.write_timeout)  # not asyncio.timeout: the package runs on 3.10
         except asyncio.TimeoutError:  # a peer reading too slowly, or not at all: drop what it has not taken
             if request.transport is not None:
                 request.transport.abort()
@@ -93,8 +93,7 @@ def bodies_in_flight(budget: BodyBudget, write_timeout: float, extra_headers: di
     return middleware
 
 
-def _refused(budget: BodyBudget, extra_headers: dict[str, str]) -> web.Response:
-    budget.refused += 1
+def _refused(extra_headers: dict[str, str]) -> web.Response:
     response = refusal()
     response.headers.update(extra_headers)
     return response

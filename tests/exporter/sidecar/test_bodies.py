@@ -38,8 +38,7 @@ def _ranks(running: SidecarThread) -> list[RankClient]:
 
 def test_slow_readers_hold_at_most_the_budget_then_release_it(socket_dir: Path) -> None:
     """Before, every slow reader kept a whole /metrics body in the transport: 512 of them, gigabytes."""
-    config = sidecar_config(socket_dir / "m.sock", ranks={"max_series_per_rank": 4096},
-                            http={"write_timeout_seconds": 3})
+    config = sidecar_config(socket_dir / "m.sock", ranks={"max_series_per_rank": 4096})
     running = SidecarThread(config).start()
     clients: list[RankClient] = []
     peers: list[socket.socket] = []
@@ -54,6 +53,7 @@ def test_slow_readers_hold_at_most_the_budget_then_release_it(socket_dir: Path) 
         assert running.sidecar._runner is not None
         bodies = running.sidecar._runner.app[BODIES]
         bodies.limit = len(body) * 5 // 2
+        bodies.write_timeout = 3600.0  # the slow readers stay until they leave, however loaded the machine
         # Accepted sockets inherit the listener's send buffer: fixed small, the kernel cannot take
         # the whole body off the process (autotuned, loopback takes up to tcp_wmem's 4 MB).
         for site in running.sidecar._runner.sites:
@@ -70,24 +70,23 @@ def test_slow_readers_hold_at_most_the_budget_then_release_it(socket_dir: Path) 
         for peer in peers:  # the slow readers leave: their bodies are freed at once
             peer.close()
         peers.clear()
-        wait_until(lambda: bodies.in_flight == 0, timeout=2)
+        wait_until(lambda: bodies.in_flight == 0, timeout=30)  # freed when they close (the deadline is an hour)
         assert http_get(running.url + "/metrics")[0] == 200
 
-        for _ in range(2):  # and ones that stay are cut at the write deadline
-            peers.append(_slow_reader(port))
-        wait_until(lambda: bodies.in_flight >= 2 * len(body) * 9 // 10)
-        assert http_get(running.url + "/metrics")[0] == 503
-        started = time.monotonic()
-        wait_until(lambda: bodies.in_flight == 0, timeout=10)
-        assert 2 < time.monotonic() - started < 6
+        # One that stays is cut at the write deadline, never before it.
+        bodies.write_timeout = 2.0
+        asked = time.monotonic()
+        peers.append(peer := _slow_reader(port))
+        peer.settimeout(30)
+        assert peer.recv(1) == b"H"  # its answer is being sent
+        wait_until(lambda: bodies.in_flight == 0, timeout=60)
+        assert time.monotonic() - asked >= bodies.write_timeout
         assert http_get(running.url + "/metrics")[0] == 200
-        for peer in peers:
-            peer.settimeout(5)
-            try:
-                while peer.recv(1 << 16):
-                    pass  # what the server had sent before it aborted, then EOF or a reset
-            except ConnectionResetError:
-                pass
+        try:
+            while peer.recv(1 << 16):
+                pass  # what the server had sent before it aborted, then EOF or a reset
+        except ConnectionResetError:
+            pass
     finally:
         for peer in peers:
             peer.close()

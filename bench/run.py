@@ -11,6 +11,7 @@ Benchmarks, in order (each module also runs alone: `python -m bench.<name> --hel
   proxy      CPU per upstream read against prometheus_client's parser
   status_api /api/v1/status and the status page at 256 ranks, against the /metrics render (<= 50 ms)
   memory     sidecar RSS holding 256 ranks x the full catalog
+  proxy_memory  sidecar peak RSS under the worst upstream answers the proxy's caps allow
   freshness  increment-to-/metrics latency at the 1 s push interval
   transfer   cache_core page copies vs a plain torch copy (bench/transfer.py)
 
@@ -37,7 +38,7 @@ from bench.common import REPO_ROOT
 from bench.report import markdown_table, print_table, row
 
 RESULTS = REPO_ROOT / "bench" / "results"
-ORDER = ("hotpath", "scrape", "ingest", "proxy", "status_api", "memory", "freshness", "transfer")
+ORDER = ("hotpath", "scrape", "ingest", "proxy", "status_api", "memory", "proxy_memory", "freshness", "transfer")
 
 # Parameters per profile: the full run fits in about 4 minutes on 2 cores; quick is a sanity pass;
 # smoke is what the test suite runs (tiny, seconds).
@@ -49,6 +50,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "proxy": {"ranks": (16, 64, 256), "repeats": 10, "goal_ranks": 64},
         "status_api": {"ranks": 256, "repeats": 30, "http_repeats": 20},
         "memory": {"ranks": 256, "rounds": 62, "period": 0.25, "scrapes": 2},
+        "proxy_memory": {"reads": 3},
         "freshness": {"samples": 30, "interval": 1.0, "background_ranks": 7, "pipeline_samples": 10},
         "transfer": {"pages": 64, "repeats": 20},
     },
@@ -59,6 +61,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "proxy": {"ranks": (16, 64), "repeats": 3, "goal_ranks": 64},
         "status_api": {"ranks": 256, "repeats": 5, "http_repeats": 3},
         "memory": {"ranks": 256, "rounds": 8, "period": 0.1, "scrapes": 1},
+        "proxy_memory": {"reads": 2},
         "freshness": {"samples": 8, "interval": 1.0, "background_ranks": 0, "pipeline_samples": 3},
         "transfer": {"pages": 16, "repeats": 5},
     },
@@ -69,6 +72,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "proxy": {"ranks": (2, 4), "repeats": 2, "goal_ranks": 4},
         "status_api": {"ranks": 16, "repeats": 2, "http_repeats": 2},
         "memory": {"ranks": 4, "rounds": 3, "period": 0.05, "scrapes": 1},
+        "proxy_memory": {"reads": 1, "cases": ("floods", "ranks"), "body_bytes": 100_000},
         "freshness": {"samples": 2, "interval": 0.2, "background_ranks": 1, "pipeline_samples": 2},
         "transfer": {"pages": 4, "repeats": 2},
     },
@@ -101,10 +105,11 @@ def transfer_run(pages: int = 64, repeats: int = 20, progress: bool = True) -> l
 
 
 def _runners() -> dict[str, Callable[..., list[dict[str, Any]]]]:
-    from bench import freshness, hotpath, ingest, memory, proxy, scrape, status_api
+    from bench import freshness, hotpath, ingest, memory, proxy, proxy_memory, scrape, status_api
 
     return {"hotpath": hotpath.run, "scrape": scrape.run, "ingest": ingest.run, "proxy": proxy.run,
-            "status_api": status_api.run, "memory": memory.run, "freshness": freshness.run, "transfer": transfer_run}
+            "status_api": status_api.run, "memory": memory.run, "proxy_memory": proxy_memory.run,
+            "freshness": freshness.run, "transfer": transfer_run}
 
 
 def run_benchmarks(profile: str = "full", only: tuple[str, ...] = ORDER, progress: bool = True

@@ -80,16 +80,23 @@ class Prometheus:
         except OSError:
             return False
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        status, body, _ = http_get(self.url + "/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        """An instant query, evaluated now or at the instant `at` (seconds since the epoch)."""
+        params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+        status, body, _ = http_get(self.url + "/api/v1/query?" + urllib.parse.urlencode(params))
         payload = json.loads(body)
         assert status == 200 and payload["status"] == "success", payload
         return payload["data"]["result"]
 
-    def scalar(self, expr: str) -> float:
-        result = self.query(expr)
+    def scalar(self, expr: str, at: float | None = None) -> float:
+        result = self.query(expr, at)
         assert len(result) == 1, f"{expr}: expected one series, got {result}"
         return float(result[0]["value"][1])
+
+    def evaluated_at(self, recorded: str) -> float:
+        """When the recording rule `recorded` last ran: the rule's value and a raw query at that
+        instant read the same samples, so they can be compared whatever the ranks do meanwhile."""
+        return self.scalar(f"max(timestamp({recorded}))")
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -149,24 +156,27 @@ def test_rollups_and_rules_agree_with_per_rank_series_across_a_rank_restart(stac
             for series in prom.query(f"resets(sglang_rollup_{family}[2m])"):
                 assert float(series["value"][1]) == 0, f"sglang_rollup_{family} went backwards"
 
-        # Bytes: the sidecar's rollup increase equals the sum of per-rank increases.
-        per_rank_bytes = prom.scalar(f"sum(increase(sglang_load_back_bytes_total[{WINDOW}]))")
-        rollup_bytes = prom.scalar(f"sum(increase(sglang_rollup_load_back_bytes_total[{WINDOW}]))")
+        # Bytes: the sidecar's rollup increase equals the sum of per-rank increases (both at one instant).
+        at = prom.evaluated_at("cluster:sglang_load_back_tokens:rate5m")
+        per_rank_bytes = prom.scalar(f"sum(increase(sglang_load_back_bytes_total[{WINDOW}]))", at)
+        rollup_bytes = prom.scalar(f"sum(increase(sglang_rollup_load_back_bytes_total[{WINDOW}]))", at)
         assert per_rank_bytes > 0
         assert rollup_bytes == pytest.approx(per_rank_bytes, rel=0.1)
 
         # Tokens: one replica per dp group, not the sum of both replicas.
-        all_replicas = prom.scalar(f"sum(increase(sglang_load_back_tokens_total[{WINDOW}]))")
-        one_per_group = prom.scalar(f"sum(max by (dp_rank) (increase(sglang_load_back_tokens_total[{WINDOW}])))")
-        rollup_tokens = prom.scalar(f"sum(increase(sglang_rollup_load_back_tokens_total[{WINDOW}]))")
+        all_replicas = prom.scalar(f"sum(increase(sglang_load_back_tokens_total[{WINDOW}]))", at)
+        one_per_group = prom.scalar(f"sum(max by (dp_rank) (increase(sglang_load_back_tokens_total[{WINDOW}])))", at)
+        rollup_tokens = prom.scalar(f"sum(increase(sglang_rollup_load_back_tokens_total[{WINDOW}]))", at)
         assert rollup_tokens == pytest.approx(one_per_group, rel=0.1)
         assert rollup_tokens == pytest.approx(all_replicas / 2, rel=0.1)
 
-        # The shipped recording rules agree with the sidecar's own rollups.
-        assert prom.scalar("sum(cluster:sglang_load_back_bytes:rate5m)") == pytest.approx(
-            prom.scalar("sum(rate(sglang_rollup_load_back_bytes_total[5m]))"), rel=0.1)
-        assert prom.scalar("sum(cluster:sglang_load_back_tokens:rate5m)") == pytest.approx(
-            prom.scalar("sum(rate(sglang_rollup_load_back_tokens_total[5m]))"), rel=0.1)
+        # The shipped recording rules agree with the sidecar's own rollups, read at the rules' instant.
+        at = prom.evaluated_at("cluster:sglang_load_back_bytes:rate5m")
+        assert prom.scalar("sum(cluster:sglang_load_back_bytes:rate5m)", at) == pytest.approx(
+            prom.scalar("sum(rate(sglang_rollup_load_back_bytes_total[5m]))", at), rel=0.1)
+        at = prom.evaluated_at("cluster:sglang_load_back_tokens:rate5m")
+        assert prom.scalar("sum(cluster:sglang_load_back_tokens:rate5m)", at) == pytest.approx(
+            prom.scalar("sum(rate(sglang_rollup_load_back_tokens_total[5m]))", at), rel=0.1)
         rule_bw = prom.scalar("sum(cluster:sglang_load_back_active_bandwidth_bytes_per_second:ratio_rate5m)")
         expected_bw = sum(BYTES_PER_TOKEN.values()) * TOKENS_PER_TICK / (2 * 0.002)  # bytes per observed second
         assert rule_bw == pytest.approx(expected_bw, rel=0.05)
@@ -236,21 +246,25 @@ def test_engine_namespace_rules_and_dashboard_read_the_same_numbers(socket_dir: 
         wait_until(lambda: bool(prom.query("cluster:sglang:load_back_tokens:rate5m")) and
                    bool(prom.query("cluster:sglang:load_back_active_bandwidth_bytes_per_second:ratio_rate5m")),
                    timeout=60)
-        time.sleep(6)
+        wait_until(lambda: prom.scalar("max(count_over_time(cluster:sglang:load_back_tokens:rate5m[1m]))") >= 6,
+                   timeout=60)
+        # Every number below is read at one instant, the tokens rule's last evaluation: two rates read
+        # at different instants differ by what the ranks counted between them.
+        at = prom.evaluated_at("cluster:sglang:load_back_tokens:rate5m")
         # Tokens: one replica of the dp group, by the rule and by the sidecar.
-        assert prom.scalar("sum(cluster:sglang:load_back_tokens:rate5m)") == pytest.approx(
-            prom.scalar("sum(rate(sglang:rollup_load_back_tokens_total[5m]))"), rel=0.1)
-        assert prom.scalar("sum(cluster:sglang:load_back_tokens:rate5m)") == pytest.approx(
-            prom.scalar("sum(rate(sglang:load_back_tokens_total[5m]))") / 2, rel=0.1)
+        assert prom.scalar("sum(cluster:sglang:load_back_tokens:rate5m)", at) == pytest.approx(
+            prom.scalar("sum(rate(sglang:rollup_load_back_tokens_total[5m]))", at), rel=0.1)
+        assert prom.scalar("sum(cluster:sglang:load_back_tokens:rate5m)", at) == pytest.approx(
+            prom.scalar("sum(rate(sglang:load_back_tokens_total[5m]))", at) / 2, rel=0.1)
         # The dashboard, fleet row against pod row, tier by tier, for this one pod.
         panels = {panel["title"]: (row, panel) for row, panel in sections(namespace)}
         _, fleet = panels["Logical tokens/s by tier (one replica per dp group)"]
         _, pod = panels["L2→L1 load-back tokens/s in this pod"]
         fleet_expr = substitute(fleet["targets"][0]["expr"])
         pod_expr = substitute(next(t["expr"] for t in pod["targets"] if "rollup_" in t["expr"]).replace("$instance", target))
-        fleet_value = prom.scalar(fleet_expr)
+        fleet_value = prom.scalar(fleet_expr, at)
         assert fleet_value > 0
-        assert prom.scalar(f"sum({pod_expr})") == pytest.approx(fleet_value, rel=0.1)
+        assert prom.scalar(f"sum({pod_expr})", at) == pytest.approx(fleet_value, rel=0.1)
     finally:
         for proc in ranks:
             if proc.is_alive():

@@ -159,8 +159,8 @@ def measure(case: str, reads: int, body_bytes: int | None = None, progress: bool
     sample = body(0)
     lines = sample.count(b"\n")
     say(f"{case}: answers of {len(sample) / MB:.1f} MB ({lines} lines); starting the sidecar ...")
-    config = (f"upstreams:\n  - url: {upstream.url}\n    name: hostile\n    interval_seconds: 3\n"
-              "    timeout_seconds: 3\n")
+    config = (f"upstreams:\n  - url: {upstream.url}\n    name: hostile\n    interval_seconds: 10\n"
+              "    timeout_seconds: 10\n")
     try:
         with Sidecar(config_yaml=config) as sidecar:
             idle = _status_bytes(sidecar.pid, "VmRSS")

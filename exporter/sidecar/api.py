@@ -42,6 +42,13 @@ REASONS_LISTED = 20  # per reason family, after its preset reasons
 BANDWIDTH_SERIES_LISTED = 20  # per bytes family
 SPREAD_SERIES_LISTED = 5  # per replica group (the page shows the widest, top the widest three)
 ENCODED_MAX_AGE_SECONDS = 1.0  # one housekeeping tick: viewers within it share one encoded document
+# The grid of a replica group (groups[].grid) is what the page, its script and `top` draw, so what they
+# draw is bounded here once: at most these many cells, with exact counts of the rows, columns and ranks
+# left out. 1,024 is ranks.max_ranks's default: a plausible world's group with every position held
+# is drawn whole; four such groups' worth over the document, since a cell that names a rank carries
+# its identity (up to a few KiB of labels) into the page.
+GRID_CELLS_PER_GROUP = 1024
+GRID_CELLS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +217,18 @@ def label_set_worlds(ranks: Iterable[RankState]) -> dict[StaticKey, World | None
     return {static: next(iter(worlds)) if len(worlds) == 1 else None for static, worlds in seen.items()}
 
 
+def world_positions(world: World) -> int:
+    """How many rank positions a world names: tp_size x pp_size x dp_size (its cp size is unknown)."""
+    return world.tp_size * world.pp_size * world.dp_size
+
+
+def plausible(world: World, max_ranks: int) -> bool:
+    """Whether this sidecar could ever hold every position of `world`: not more than the rank identities it
+    remembers (ranks.max_ranks). A larger world can never be filled, so its missing count would only
+    measure the claim (65,536 x 65,536 is within the protocol's bounds); it is reported as a conflict."""
+    return world_positions(world) <= max_ranks
+
+
 def missing_positions(world: World, members: Iterable[RankState], room: int) -> tuple[int, list[dict[str, int]]]:
     """How many (pp_rank, tp_rank) positions of `world` no member holds at any cp rank, and the first `room` of them.
 
@@ -227,6 +246,51 @@ def missing_positions(world: World, members: Iterable[RankState], room: int) -> 
                     if len(listed) >= room:
                         return count, listed
     return count, listed
+
+
+Position = tuple[int, int | None, int]  # (pp_rank, attn_cp_rank, tp_rank) of a rank in a group's grid
+
+
+def _row_order(row: tuple[int, int | None]) -> tuple[int, bool, int]:
+    return row[0], row[1] is not None, row[1] or 0  # by pp stage, the row without a cp axis first
+
+
+def grid_model(held: Iterable[Position], missing: Iterable[tuple[int, int]], room: int) -> dict[str, Any]:
+    """What the grid of one group draws, at most `room` cells: rows of (pp, cp), columns of tp, and exact counts.
+
+    Columns are the tp ranks some member holds or a missing position names. Rows are every pp stage
+    (held or missing) by every cp rank of the group, as a layout has them, where that product fits
+    the room; where it does not (ranks at (i, i, i) make a cube of them), only the (pp, cp) rows some
+    member holds, and one row per pp stage that only missing positions name. Both are cut to the
+    room, columns first; the work is linear in the members and the listed missing positions.
+    """
+    held = list(held)
+    missing = list(missing)
+    tps = sorted({tp for _, _, tp in held} | {tp for _, tp in missing})
+    pps = sorted({pp for pp, _, _ in held} | {pp for pp, _ in missing})
+    cps: list[int | None] = [*sorted({cp for _, cp, _ in held if cp is not None})]
+    if not cps or any(cp is None for _, cp, _ in held):
+        cps.insert(0, None)  # a rank without a cp axis gets a row of its own
+    columns = tps[:max(room, 0)]
+    fit = room // len(columns) if columns else 0
+    rows: list[tuple[int, int | None]]
+    if len(pps) * len(cps) <= fit:
+        rows, row_count = [(pp, cp) for pp in pps for cp in cps], len(pps) * len(cps)
+    else:
+        pairs = {(pp, cp) for pp, cp, _ in held}
+        stages = {pp for pp, _ in pairs}
+        pairs.update((pp, None) for pp, _ in missing if pp not in stages)
+        ordered = sorted(pairs, key=_row_order)
+        rows, row_count = ordered[:fit], len(ordered)
+    drawn_rows, drawn_columns = set(rows), set(columns)
+    hidden = sum(1 for pp, cp, tp in held if (pp, cp) not in drawn_rows or tp not in drawn_columns)
+    return {
+        "rows": [{"pp_rank": pp, "attn_cp_rank": cp} for pp, cp in rows],
+        "tp_ranks": columns,
+        "row_count": row_count,
+        "column_count": len(tps),
+        "hidden_ranks": hidden,
+    }
 
 
 def upstream_sources(upstreams: Iterable[UpstreamScraper]) -> dict[RankIdentity, str]:
@@ -400,10 +464,16 @@ class StatusView:
         """The replica groups with their expected layout and missing positions, the dp groups no rank
         of an expected layout holds, and the exact totals of both."""
         state = self.state
-        worlds = label_set_worlds(state.ranks.values())
+        max_ranks = state.config.max_ranks
+        reported = label_set_worlds(state.ranks.values())
+        implausible = {static for static, world in reported.items()
+                       if world is not None and not plausible(world, max_ranks)}
+        # An implausible world is a conflict: nothing is expected of it (docs/api.md).
+        worlds = {static: None if static in implausible else world for static, world in reported.items()}
+        cells = GRID_CELLS
         # Listings are bounded (counts stay exact): at most max_ranks positions and as many groups,
         # whatever sizes a rank claims; more than the sidecar could ever track is not worth listing.
-        room = state.config.max_ranks
+        room = max_ranks
         positions = 0
         out = []
         for key, members in sorted(groups.items(), key=lambda item: (item[0][1], item[0][0])):
@@ -411,6 +481,9 @@ class StatusView:
             count, missing = missing_positions(world, members, room) if world is not None else (0, [])
             room -= len(missing)
             positions += count
+            grid = grid_model(((r.pp_rank, r.attn_cp_rank, r.tp_rank) for r in members),
+                              ((m["pp_rank"], m["tp_rank"]) for m in missing), min(GRID_CELLS_PER_GROUP, cells))
+            cells -= len(grid["rows"]) * len(grid["tp_ranks"])
             out.append({
                 "id": ids.groups[key],
                 "label_set": ids.label_sets[key[1]],
@@ -422,15 +495,17 @@ class StatusView:
                 "attn_cp_ranks": sorted({rank.attn_cp_rank for rank in members if rank.attn_cp_rank is not None}),
                 "expected": world_dict(world),
                 "world_conflict": key[1] in worlds and world is None,
+                "world_implausible": key[1] in implausible,
                 "missing": missing,
                 "missing_count": count,
+                "grid": grid,
             })
         present: dict[StaticKey, set[int]] = {}
         for dp_rank, static in groups:
             present.setdefault(static, set()).add(dp_rank)
         missing_groups: list[dict[str, Any]] = []
         absent_groups = 0
-        room = state.config.max_ranks
+        room = max_ranks
         for static, world in sorted(worlds.items()):
             if world is None:
                 continue

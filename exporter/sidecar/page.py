@@ -153,30 +153,47 @@ class Names:
 
 
 def world_conflicts(doc: dict[str, Any]) -> list[str]:
-    """One warning per static label set whose ranks reported different worlds: which worlds, by how many ranks."""
-    lines = []
+    """One warning per static label set whose ranks reported different worlds, or a world larger than the
+    sidecar can hold (`world_implausible`): which worlds, by how many ranks. One pass over the ranks."""
     names = Names(doc)
-    seen: set[str] = set()
+    conflicting: dict[str, bool] = {}  # label set -> whether its one world is implausible
     for group in doc["groups"]:
-        key = group["label_set"]
-        if not group["world_conflict"] or key in seen:
-            continue
-        seen.add(key)
-        counts: dict[str, int] = {}
-        for rank in doc["ranks"]:
-            if rank["world"] is not None and names.groups[rank["group"]]["label_set"] == key:
-                counts[fmt_world(rank["world"])] = counts.get(fmt_world(rank["world"]), 0) + 1
-        worlds = ", ".join(f"{world} ({n} rank{'' if n == 1 else 's'})" for world, n in counts.items())
-        lines.append(f"world conflict: the ranks with {label_text(names.labels[key])} report different parallel sizes: "
-                     f"{worlds}; no missing rank can be worked out for them")
+        if group["world_conflict"]:
+            conflicting[group["label_set"]] = group["world_implausible"]
+    counts: dict[str, dict[str, int]] = {key: {} for key in conflicting}
+    for rank in doc["ranks"]:
+        key = names.groups[rank["group"]]["label_set"]
+        if rank["world"] is not None and key in counts:
+            world = fmt_world(rank["world"])
+            counts[key][world] = counts[key].get(world, 0) + 1
+    allowed = doc["sidecar"]["limits"]["ranks_allowed"]
+    lines = []
+    for key, implausible in conflicting.items():
+        worlds = ", ".join(f"{world} ({n} rank{'' if n == 1 else 's'})" for world, n in counts[key].items())
+        said = (f"report {worlds}, more positions than the {fmt_number(allowed)} rank identities this sidecar "
+                "keeps (ranks.max_ranks)" if implausible else f"report different parallel sizes: {worlds}")
+        lines.append(f"world conflict: the ranks with {label_text(names.labels[key])} {said}; "
+                     "no missing rank can be worked out for them")
     return lines
+
+
+def grid_cut(group: dict[str, Any]) -> str:
+    """What the group's grid leaves out (api.grid_model caps it), with exact counts; empty when nothing."""
+    grid = group["grid"]
+    rows, columns = len(grid["rows"]), len(grid["tp_ranks"])
+    if rows == grid["row_count"] and columns == grid["column_count"]:
+        return ""
+    hidden = grid["hidden_ranks"]
+    return (f"drawn: {rows} of {grid['row_count']} rows, {columns} of {grid['column_count']} tp columns; "
+            f"{hidden} rank{'' if hidden == 1 else 's'} not drawn (all are under All ranks)")
 
 
 def grid(doc: dict[str, Any]) -> str:
     """The ranks of each replica group as a table: pp stage (× cp rank) rows by tp rank columns.
 
-    Positions the group's world expects and no rank holds are `missing` cells; with cp rows, one
-    cell spans them all (no rank holds that pp and tp at any cp rank). Missing dp groups follow.
+    What is drawn is the group's `grid` (api.grid_model: bounded, with exact counts of what it leaves
+    out). Positions the group's world expects and no rank holds are `missing` cells; one cell spans
+    its pp stage's rows (no rank holds that pp and tp at any cp rank). Missing dp groups follow.
     """
     if not doc["groups"]:
         return '<p class="empty">No rank has connected yet.</p>'
@@ -191,41 +208,46 @@ def grid(doc: dict[str, Any]) -> str:
         for rank in members.get(group["id"], ()):
             at[(rank["pp_rank"], rank["attn_cp_rank"], rank["tp_rank"])] = rank
         missing = {(m["pp_rank"], m["tp_rank"]) for m in group["missing"]}
-        cps: list[int | None] = list(group["attn_cp_ranks"])
-        if not cps or any(rank["attn_cp_rank"] is None for rank in members.get(group["id"], ())):
-            cps.insert(0, None)  # a rank without a cp axis gets a row of its own (as `top` draws it)
-        tps = sorted({*group["tp_ranks"], *(tp for _, tp in missing)})
-        pps = sorted({*group["pp_ranks"], *(pp for pp, _ in missing)})
+        rows = [(row["pp_rank"], row["attn_cp_rank"]) for row in group["grid"]["rows"]]
+        tps = group["grid"]["tp_ranks"]
+        span: dict[int, int] = {}  # a pp stage's rows drawn: what its missing cells span
+        for pp, _ in rows:
+            span[pp] = span.get(pp, 0) + 1
         head = "".join(f"<th>tp {esc(tp)}</th>" for tp in tps)
-        rows = []
-        for pp in pps:
-            for index, cp in enumerate(cps):
-                label = f"pp {pp}" + ("" if cp is None else f" cp {cp}")
-                cells = []
-                for tp in tps:
-                    if (pp, tp) in missing:
-                        if index == 0:  # the later cp rows are under this cell's rowspan
-                            span = f' rowspan="{len(cps)}"' if len(cps) > 1 else ""
-                            tip = (f"pp {pp} tp {tp} of {name}: expected by the ranks' world, "
-                                   "no known rank holds it")
-                            cells.append(f'<td class="rank state-{MISSING}"{span} data-missing="{esc(f"{pp}/{tp}")}" '
-                                         f'title="{esc(tip)}"><span class="tp">tp {esc(tp)}</span>'
-                                         f'<span class="st">{MISSING}</span></td>')
-                        continue
-                    rank = at.get((pp, cp, tp))
-                    if rank is None:
-                        cells.append('<td class="rank absent">–</td>')
-                        continue
-                    tip = (f"{names.rank(rank)}\nstate {rank['state']}, last push {fmt_seconds(rank['seconds_since_push'])} "
-                           f"ago, restarts {rank['restarts']}, {rank['source']}")
-                    cells.append(f'<td class="rank state-{esc(rank["state"])}" data-rank="{esc(rank["id"])}" '
-                                 f'title="{esc(tip)}"><span class="tp">tp {esc(tp)}</span>'
-                                 f'<span class="st">{esc(rank["state"])}</span></td>')
-                rows.append(f'<tr><th scope="row">{esc(label)}</th>{"".join(cells)}</tr>')
+        body = []
+        started: set[int] = set()
+        for pp, cp in rows:
+            first = pp not in started  # the later rows of a stage are under its missing cells' rowspan
+            started.add(pp)
+            label = f"pp {pp}" + ("" if cp is None else f" cp {cp}")
+            cells = []
+            for tp in tps:
+                if (pp, tp) in missing:
+                    if first:
+                        attr = f' rowspan="{span[pp]}"' if span[pp] > 1 else ""
+                        tip = (f"pp {pp} tp {tp} of {name}: expected by the ranks' world, "
+                               "no known rank holds it")
+                        cells.append(f'<td class="rank state-{MISSING}"{attr} data-missing="{esc(f"{pp}/{tp}")}" '
+                                     f'title="{esc(tip)}"><span class="tp">tp {esc(tp)}</span>'
+                                     f'<span class="st">{MISSING}</span></td>')
+                    continue
+                rank = at.get((pp, cp, tp))
+                if rank is None:
+                    cells.append('<td class="rank absent">–</td>')
+                    continue
+                tip = (f"{names.rank(rank)}\nstate {rank['state']}, last push {fmt_seconds(rank['seconds_since_push'])} "
+                       f"ago, restarts {rank['restarts']}, {rank['source']}")
+                cells.append(f'<td class="rank state-{esc(rank["state"])}" data-rank="{esc(rank["id"])}" '
+                             f'title="{esc(tip)}"><span class="tp">tp {esc(tp)}</span>'
+                             f'<span class="st">{esc(rank["state"])}</span></td>')
+            body.append(f'<tr><th scope="row">{esc(label)}</th>{"".join(cells)}</tr>')
         caption = f"{group['id']} {name}: {group['live']} of {group['size']} live" + (
             f", {group['missing_count']} {MISSING}" if group["missing_count"] else "")
+        cut = grid_cut(group)
+        foot = (f'<tfoot><tr><td class="note grid-cut" colspan="{len(tps) + 1}">{esc(cut)}</td></tr></tfoot>'
+                if cut else "")
         parts.append(f'<table class="grid" data-group="{esc(group["id"])}"><caption>{esc(caption)}</caption>'
-                     f"<thead><tr><th></th>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>")
+                     f"<thead><tr><th></th>{head}</tr></thead><tbody>{''.join(body)}</tbody>{foot}</table>")
     for absent in doc["missing_groups"]:
         expected = absent["expected"]
         text = (f"{MISSING}: no rank of this dp group has reported "

@@ -11,6 +11,7 @@ A section that meets such a value is one red line saying so; the others are stil
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +35,10 @@ ABSENT_STYLE = "dim"  # a grid position no rank of the group has reported from
 MISSING_STYLE = "bold white on magenta"
 MISSING_MARK = "?"
 MISSING_SHOWN = 8  # positions named per line under the grid; the rest are counted
+# The sidecar's caps on what a grid draws (api.GRID_CELLS_PER_GROUP, api.GRID_CELLS): top draws no more
+# than they allow whatever a document lists, and bounds a sidecar's from before the grid was bounded alike.
+GRID_CELLS_PER_GROUP = 1024
+GRID_CELLS = 4096
 SECTION = "bold underline"
 BLOCKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 30
@@ -145,7 +150,12 @@ def ranks_section(doc: Mapping[str, Any]) -> list[RenderableType]:
     members: dict[str, list[Mapping[str, Any]]] = {}
     for rank in doc["ranks"]:
         members.setdefault(rank["group"], []).append(rank)
-    blocks = [group_block(group, members.get(group["id"], []), names) for group in doc["groups"]]
+    blocks: list[RenderableType] = []
+    room = GRID_CELLS
+    for group in doc["groups"]:
+        block = group_block(group, members.get(group["id"], []), names, min(GRID_CELLS_PER_GROUP, room))
+        blocks.append(block)
+        room -= block.cells
     blocks += [missing_group_block(absent, names) for absent in missing_groups]
     out: list[RenderableType] = [head, *(literal(line, style="bold yellow") for line in world_conflicts(doc))]
     if blocks:
@@ -206,34 +216,67 @@ def missing_lines(groups: Sequence[Mapping[str, Any]], missing_groups: Sequence[
 
 
 def world_conflicts(doc: Mapping[str, Any]) -> list[str]:
-    """One warning per static label set whose ranks reported different worlds: which worlds, by how many ranks."""
-    lines = []
+    """One warning per static label set whose ranks reported different worlds, or a world larger than the
+    sidecar can hold (`world_implausible`): which worlds, by how many ranks. One pass over the ranks."""
     names = Names(doc)
-    seen: set[str] = set()
+    conflicting: dict[str, bool] = {}  # label set -> whether its one world is implausible
     for group in doc["groups"]:
-        key = group["label_set"]
-        if not group.get("world_conflict") or key in seen:
-            continue
-        seen.add(key)
-        counts: dict[str, int] = {}
-        for rank in doc["ranks"]:
-            world = rank.get("world")
-            if world is not None and names.groups[rank["group"]]["label_set"] == key:
-                name = (f"tp {integer(world['tp_size'])} × pp {integer(world['pp_size'])} × "
-                        f"dp {integer(world['dp_size'])}")
-                counts[name] = counts.get(name, 0) + 1
-        worlds = ", ".join(f"{name} ({n} rank{'' if n == 1 else 's'})" for name, n in counts.items())
+        if group.get("world_conflict"):
+            conflicting[group["label_set"]] = bool(group.get("world_implausible"))
+    counts: dict[str, dict[str, int]] = {key: {} for key in conflicting}
+    for rank in doc["ranks"]:
+        world = rank.get("world")
+        key = names.groups[rank["group"]]["label_set"]
+        if world is not None and key in counts:
+            name = (f"tp {integer(world['tp_size'])} × pp {integer(world['pp_size'])} × "
+                    f"dp {integer(world['dp_size'])}")
+            counts[key][name] = counts[key].get(name, 0) + 1
+    lines = []
+    for key, implausible in conflicting.items():
+        worlds = ", ".join(f"{name} ({n} rank{'' if n == 1 else 's'})" for name, n in counts[key].items())
         labels = literal(" ".join(f"{k}={v}" for k, v in names.labels[key].items()) or "no static labels").plain
-        lines.append(f"world conflict: the ranks with {labels} report different parallel sizes: {worlds}; "
-                     "no missing rank can be worked out for them")
+        allowed = doc["sidecar"]["limits"]["ranks_allowed"]
+        said = (f"report {worlds}, more positions than the {count(allowed)} rank identities this sidecar keeps "
+                "(ranks.max_ranks)" if implausible else f"report different parallel sizes: {worlds}")
+        lines.append(f"world conflict: the ranks with {labels} {said}; no missing rank can be worked out for them")
     return lines
 
 
-def group_block(group: Mapping[str, Any], members: Sequence[Mapping[str, Any]], names: Names) -> RenderableType:
-    """One replica group: pp stage (and cp rank) rows by tp rank columns, each cell its rank's state colour.
+Row = tuple[int, int | None]  # (pp_rank, attn_cp_rank)
+
+
+def grid_of(group: Mapping[str, Any], members: Sequence[Mapping[str, Any]], room: int
+            ) -> tuple[list[Row], list[int], int, int]:
+    """The rows and tp columns of a group's grid that fit `room` cells, and how many rows and columns it has.
+
+    Read from the group's `grid` (the sidecar's api.grid_model); a sidecar from before sends none, and
+    its axes are drawn as it drew them, pp (x cp) rows by tp columns, cut to the room the same way.
+    """
+    grid = group.get("grid")
+    if grid is not None:
+        columns = [integer(tp) for tp in grid["tp_ranks"][:max(room, 0)]]
+        fit = room // len(columns) if columns else 0
+        rows = [(integer(row["pp_rank"]), optional_integer(row["attn_cp_rank"])) for row in grid["rows"][:fit]]
+        return rows, columns, integer(grid["row_count"]), integer(grid["column_count"])
+    missing = [(integer(m["pp_rank"]), integer(m["tp_rank"])) for m in group.get("missing", ())]
+    cps: list[int | None] = [integer(cp) for cp in group["attn_cp_ranks"]] or [None]
+    if any(rank["attn_cp_rank"] is None for rank in members) and None not in cps:
+        cps.insert(0, None)
+    tps = sorted({*map(integer, group["tp_ranks"]), *(integer(r["tp_rank"]) for r in members), *(tp for _, tp in missing)})
+    pps = sorted({*map(integer, group["pp_ranks"]), *(integer(r["pp_rank"]) for r in members), *(pp for pp, _ in missing)})
+    columns = tps[:max(room, 0)]
+    fit = room // len(columns) if columns else 0
+    rows = list(itertools.islice(((pp, cp) for pp in pps for cp in cps), fit))  # never the whole product
+    return rows, columns, len(pps) * len(cps), len(tps)
+
+
+def group_block(group: Mapping[str, Any], members: Sequence[Mapping[str, Any]], names: Names,
+                room: int = GRID_CELLS_PER_GROUP) -> GridBlock:
+    """One replica group: pp stage (and cp rank) rows by tp rank columns, each cell its rank's state colour,
+    at most `room` cells (`grid_of`), and a line saying what is left out.
 
     A position the world expects and no rank holds (at any cp rank) is a missing cell, `1?`, on each
-    of its pp stage's cp rows.
+    of its pp stage's rows.
     """
     title = names.group(group)
     title.stylize("bold")
@@ -245,29 +288,40 @@ def group_block(group: Mapping[str, Any], members: Sequence[Mapping[str, Any]], 
         title.append(f"{integer(group['missing_count'])} missing", style=MISSING_STYLE)
     at = {(integer(rank["pp_rank"]), optional_integer(rank["attn_cp_rank"]), integer(rank["tp_rank"])): rank
           for rank in members}
-    cps: list[int | None] = [integer(cp) for cp in group["attn_cp_ranks"]] or [None]
-    if any(rank["attn_cp_rank"] is None for rank in members) and None not in cps:
-        cps.insert(0, None)
-    tps = sorted({*map(integer, group["tp_ranks"]), *(tp for _, _, tp in at), *(tp for _, tp in missing)})
-    pps = sorted({*map(integer, group["pp_ranks"]), *(pp for pp, _, _ in at), *(pp for pp, _ in missing)})
+    rows, tps, row_count, column_count = grid_of(group, members, room)
     # One more column for the mark, in every cell of a group that has one, to keep the columns aligned.
     width = max((len(str(tp)) for tp in tps), default=1) + (len(MISSING_MARK) if missing else 0)
     grid = Table.grid(padding=(0, 1))
     grid.add_column(no_wrap=True)
     grid.add_column()
-    for pp in pps:
-        for cp in cps:
-            cells = []
-            for tp in tps:
-                if (pp, tp) in missing:
-                    cells.append(Text(f"{f'{tp}{MISSING_MARK}':>{width}}", style=MISSING_STYLE))
-                    continue
-                rank = at.get((pp, cp, tp))
-                style = STATE_STYLE.get(rank["state"], "reverse") if rank is not None else ABSENT_STYLE
-                cells.append(Text(f"{tp:>{width}}", style=style))
-            label = f"pp{pp}" if cp is None else f"pp{pp} cp{cp}"
-            grid.add_row(Text(label, style="dim"), CellRow(cells, width))
-    return Group(title, grid)
+    for pp, cp in rows:
+        cells = []
+        for tp in tps:
+            if (pp, tp) in missing:
+                cells.append(Text(f"{f'{tp}{MISSING_MARK}':>{width}}", style=MISSING_STYLE))
+                continue
+            rank = at.get((pp, cp, tp))
+            style = STATE_STYLE.get(rank["state"], "reverse") if rank is not None else ABSENT_STYLE
+            cells.append(Text(f"{tp:>{width}}", style=style))
+        label = f"pp{pp}" if cp is None else f"pp{pp} cp{cp}"
+        grid.add_row(Text(label, style="dim"), CellRow(cells, width))
+    parts: list[RenderableType] = [title, grid]
+    if len(rows) < row_count or len(tps) < column_count:
+        drawn_rows, drawn_columns = set(rows), set(tps)
+        hidden = sum(1 for pp, cp, tp in ((integer(r["pp_rank"]), optional_integer(r["attn_cp_rank"]),
+                                           integer(r["tp_rank"])) for r in members)
+                     if (pp, cp) not in drawn_rows or tp not in drawn_columns)
+        parts.append(Text(f"drawn {len(rows)} of {count(row_count)} rows, {len(tps)} of {count(column_count)} tp "
+                          f"columns; {hidden} rank{'' if hidden == 1 else 's'} not drawn", style="yellow"))
+    return GridBlock(len(rows) * len(tps), *parts)
+
+
+class GridBlock(Group):
+    """A group's block, knowing how many cells its grid draws (they count against the frame's GRID_CELLS)."""
+
+    def __init__(self, cells: int, *renderables: RenderableType) -> None:
+        super().__init__(*renderables)
+        self.cells = cells
 
 
 def missing_group_block(absent: Mapping[str, Any], names: Names) -> RenderableType:

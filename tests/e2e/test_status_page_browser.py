@@ -31,7 +31,7 @@ from playwright.sync_api import Error as PlaywrightError
 
 from exporter.client import RankClient
 from exporter.sidecar import api, page
-from tests.helpers import SidecarThread, http_get, sidecar_config, steady_rank, wait_until
+from tests.helpers import RawClient, SidecarThread, hello, http_get, sidecar_config, steady_rank, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts" / "status-page"
@@ -356,4 +356,42 @@ def test_page_refreshes_behind_basic_auth(fast_refresh: None, browser: Browser) 
                 watched.page.context.close()
         finally:
             ranks.stop_all()
+            sidecar.stop()
+
+
+def test_ranks_on_a_diagonal_claiming_a_huge_world_draw_a_bounded_grid(fast_refresh: None, browser: Browser) -> None:
+    """40 hello-only ranks at tp = pp = cp = i that claim a 65,536 x 65,536 world: the script draws the
+    sidecar's bounded grid (25 rows of 40 columns, the cut said beside it), not the 40 x 40 x 40 cube,
+    and reports the world as a conflict (issue 19, finding 6)."""
+    world = {"tp_size": 1 << 16, "pp_size": 1 << 16, "dp_size": 1}
+    with tempfile.TemporaryDirectory(prefix="hc-", dir="/tmp") as directory:
+        sidecar = _sidecar(Path(directory))
+        clients: list[RawClient] = []
+        try:
+            for i in range(40):
+                client = RawClient(sidecar.socket_path)
+                clients.append(client)
+                message = hello(tp=i, pp=i, epoch=f"e{i}", cache_type="UnifiedRadixCache", model="diagonal")
+                message["rank"]["attn_cp_rank"] = i
+                client.send({**message, "world": world})
+                assert client.recv() is not None
+            watched = _open(browser, sidecar.url)
+            try:
+                wait_until(lambda: watched.refreshes() >= 1, timeout=20)
+                assert watched.page.locator("table.grid td.rank").count() == 25 * 40
+                assert watched.page.locator("table.grid tbody tr").count() == 25
+                assert watched.page.locator("td.grid-cut").inner_text() == (
+                    "drawn: 25 of 40 rows, 40 of 40 tp columns; 15 ranks not drawn (all are under All ranks)")
+                assert watched.page.locator("p.warning.world-conflict").inner_text() == (
+                    "world conflict: the ranks with cache_type=UnifiedRadixCache model=diagonal report "
+                    "tp 65536 × pp 65536 × dp 1 (40 ranks), more positions than the 1,024 rank identities this "
+                    "sidecar keeps (ranks.max_ranks); no missing rank can be worked out for them")
+                assert watched.page.locator("td.state-missing").count() == 0
+                watched.screenshot("bounded-grid")
+                assert watched.errors == []
+            finally:
+                watched.page.context.close()
+        finally:
+            for client in clients:
+                client.close()
             sidecar.stop()

@@ -35,6 +35,7 @@ from rich.console import Console, RenderableType
 
 from exporter.catalog import default_catalog
 from exporter.errors import ErrorCode, HicacheExporterError
+from exporter.sidecar.api import GRID_CELLS, GRID_CELLS_PER_GROUP, grid_model
 from exporter.top.fetch import (
     ENV_PASSWORD,
     MAX_DOCUMENT_BYTES,
@@ -91,6 +92,7 @@ def status_document(
     sizes = {"tp_size": tp, "pp_size": pp, "dp_size": dp} if world or missing or absent or conflict else None
     ranks, groups = [], []
     missing_groups = []
+    cells = GRID_CELLS
     for d in range(dp):
         if d in absent:
             missing_groups.append({"label_set": "s0", "dp_rank": d, "expected": sizes})
@@ -120,7 +122,13 @@ def status_document(
             "missing": [] if conflict else [{"pp_rank": p, "tp_rank": t} for p in range(pp) for t in range(tp)
                                             if (d, p, t) in missing],
             "missing_count": 0 if conflict else sum(1 for m in missing if m[0] == d),
+            "world_implausible": False,
         })
+        group = groups[-1]
+        group["grid"] = grid_model(((p, None, t) for p in range(pp) for t in range(tp) if (d, p, t) not in missing),
+                                   ((m["pp_rank"], m["tp_rank"]) for m in group["missing"]),
+                                   min(GRID_CELLS_PER_GROUP, cells))
+        cells -= len(group["grid"]["rows"]) * len(group["grid"]["tp_ranks"])
     if conflict:
         ranks[-1]["world"] = {**(sizes or {}), "tp_size": tp + 1}
         missing_groups = []

@@ -144,27 +144,45 @@
     };
   }
 
+  // One warning per label set whose ranks reported different worlds, or a world larger than the sidecar
+  // can hold (world_implausible): which worlds, by how many ranks. One pass over the ranks.
   function worldConflicts(doc) {
-    const lines = [];
-    const seen = new Set();
     const n = names(doc);
+    const conflicting = new Map();  // label set -> whether its one world is implausible
     for (const group of doc.groups) {
-      const key = group.label_set;
-      if (!group.world_conflict || seen.has(key)) continue;
-      seen.add(key);
-      const counts = new Map();
-      for (const r of doc.ranks) {
-        if (r.world !== null && n.groups.get(r.group).label_set === key) {
-          counts.set(fmtWorld(r.world), (counts.get(fmtWorld(r.world)) || 0) + 1);
-        }
+      if (group.world_conflict) conflicting.set(group.label_set, group.world_implausible);
+    }
+    const counts = new Map(Array.from(conflicting.keys(), (key) => [key, new Map()]));
+    for (const r of doc.ranks) {
+      const key = n.groups.get(r.group).label_set;
+      if (r.world !== null && counts.has(key)) {
+        const byWorld = counts.get(key);
+        byWorld.set(fmtWorld(r.world), (byWorld.get(fmtWorld(r.world)) || 0) + 1);
       }
-      const worlds = Array.from(counts, ([w, c]) => `${w} (${c} rank${c === 1 ? "" : "s"})`).join(", ");
-      lines.push(`world conflict: the ranks with ${labelText(n.labels.get(key))} report different parallel sizes: ` +
-        `${worlds}; no missing rank can be worked out for them`);
+    }
+    const allowed = doc.sidecar.limits.ranks_allowed;
+    const lines = [];
+    for (const [key, implausible] of conflicting) {
+      const worlds = Array.from(counts.get(key), ([w, c]) => `${w} (${c} rank${c === 1 ? "" : "s"})`).join(", ");
+      const said = implausible
+        ? `report ${worlds}, more positions than the ${fmtNumber(allowed)} rank identities this sidecar keeps ` +
+          "(ranks.max_ranks)"
+        : `report different parallel sizes: ${worlds}`;
+      lines.push(`world conflict: the ranks with ${labelText(n.labels.get(key))} ${said}; ` +
+        "no missing rank can be worked out for them");
     }
     return lines;
   }
 
+  // What a group's grid leaves out (the sidecar caps it, api.grid_model), with exact counts; "" when nothing.
+  function gridCut(group) {
+    const g = group.grid;
+    if (g.rows.length === g.row_count && g.tp_ranks.length === g.column_count) return "";
+    return `drawn: ${g.rows.length} of ${g.row_count} rows, ${g.tp_ranks.length} of ${g.column_count} tp columns; ` +
+      `${g.hidden_ranks} rank${g.hidden_ranks === 1 ? "" : "s"} not drawn (all are under All ranks)`;
+  }
+
+  // The group's `grid` as the sidecar bounded it: pp (× cp) rows by tp columns, as page.py draws it.
   function grid(doc) {
     if (doc.groups.length === 0) return [text("p", "No rank has connected yet.", { class: "empty" })];
     const n = names(doc);
@@ -175,53 +193,54 @@
     }
     const out = worldConflicts(doc).map((line) => text("p", line, { class: "warning world-conflict" }));
     const groups = el("div", { class: "groups" });
-    const ascending = (a, b) => a - b;
     for (const group of doc.groups) {
       const name = n.group(group);
       const own = members.get(group.id) || [];
       const at = new Map();
       for (const r of own) at.set(`${r.pp_rank}/${r.attn_cp_rank}/${r.tp_rank}`, r);
       const missing = new Set(group.missing.map((m) => `${m.pp_rank}/${m.tp_rank}`));
-      const cps = group.attn_cp_ranks.slice();
-      // a rank without a cp axis gets a row of its own (as page.py and `top` draw it)
-      if (!cps.length || own.some((r) => r.attn_cp_rank === null)) cps.unshift(null);
-      const tps = Array.from(new Set(group.tp_ranks.concat(group.missing.map((m) => m.tp_rank)))).sort(ascending);
-      const pps = Array.from(new Set(group.pp_ranks.concat(group.missing.map((m) => m.pp_rank)))).sort(ascending);
+      const tps = group.grid.tp_ranks;
+      const span = new Map();  // a pp stage's rows drawn: what its missing cells span
+      for (const row of group.grid.rows) span.set(row.pp_rank, (span.get(row.pp_rank) || 0) + 1);
       const head = el("tr", {}, [el("th")].concat(tps.map((tp) => text("th", `tp ${tp}`))));
       const body = el("tbody");
-      for (const pp of pps) {
-        cps.forEach((cp, index) => {
-          const tr = el("tr", {}, [text("th", `pp ${pp}` + (cp === null ? "" : ` cp ${cp}`), { scope: "row" })]);
-          for (const tp of tps) {
-            if (missing.has(`${pp}/${tp}`)) {
-              if (index === 0) {  // the later cp rows are under this cell's rowspan
-                tr.appendChild(el("td", {
-                  class: `rank state-${MISSING}`, rowspan: cps.length > 1 ? cps.length : null,
-                  "data-missing": `${pp}/${tp}`,
-                  title: `pp ${pp} tp ${tp} of ${name}: expected by the ranks' world, no known rank holds it`,
-                }, [text("span", `tp ${tp}`, { class: "tp" }), text("span", MISSING, { class: "st" })]));
-              }
-              continue;
+      const started = new Set();
+      for (const { pp_rank: pp, attn_cp_rank: cp } of group.grid.rows) {
+        const first = !started.has(pp);  // the later rows of a stage are under its missing cells' rowspan
+        started.add(pp);
+        const tr = el("tr", {}, [text("th", `pp ${pp}` + (cp === null ? "" : ` cp ${cp}`), { scope: "row" })]);
+        for (const tp of tps) {
+          if (missing.has(`${pp}/${tp}`)) {
+            if (first) {
+              tr.appendChild(el("td", {
+                class: `rank state-${MISSING}`, rowspan: span.get(pp) > 1 ? span.get(pp) : null,
+                "data-missing": `${pp}/${tp}`,
+                title: `pp ${pp} tp ${tp} of ${name}: expected by the ranks' world, no known rank holds it`,
+              }, [text("span", `tp ${tp}`, { class: "tp" }), text("span", MISSING, { class: "st" })]));
             }
-            const r = at.get(`${pp}/${cp}/${tp}`);
-            if (!r) {
-              tr.appendChild(text("td", "–", { class: "rank absent" }));
-              continue;
-            }
-            const tip = `${n.rank(r)}\nstate ${r.state}, last push ${fmtSeconds(r.seconds_since_push)} ago, ` +
-              `restarts ${r.restarts}, ${r.source}`;
-            tr.appendChild(el("td", { class: `rank state-${r.state}`, "data-rank": r.id, title: tip }, [
-              text("span", `tp ${tp}`, { class: "tp" }), text("span", r.state, { class: "st" }),
-            ]));
+            continue;
           }
-          body.appendChild(tr);
-        });
+          const r = at.get(`${pp}/${cp}/${tp}`);
+          if (!r) {
+            tr.appendChild(text("td", "–", { class: "rank absent" }));
+            continue;
+          }
+          const tip = `${n.rank(r)}\nstate ${r.state}, last push ${fmtSeconds(r.seconds_since_push)} ago, ` +
+            `restarts ${r.restarts}, ${r.source}`;
+          tr.appendChild(el("td", { class: `rank state-${r.state}`, "data-rank": r.id, title: tip }, [
+            text("span", `tp ${tp}`, { class: "tp" }), text("span", r.state, { class: "st" }),
+          ]));
+        }
+        body.appendChild(tr);
       }
       const caption = `${group.id} ${name}: ${group.live} of ${group.size} live` +
         (group.missing_count ? `, ${group.missing_count} ${MISSING}` : "");
-      groups.appendChild(el("table", { class: "grid", "data-group": group.id }, [
-        text("caption", caption), el("thead", {}, [head]), body,
-      ]));
+      const parts = [text("caption", caption), el("thead", {}, [head]), body];
+      const cut = gridCut(group);
+      if (cut) {
+        parts.push(el("tfoot", {}, [el("tr", {}, [text("td", cut, { class: "note grid-cut", colspan: tps.length + 1 })])]));
+      }
+      groups.appendChild(el("table", { class: "grid", "data-group": group.id }, parts));
     }
     for (const absent of doc.missing_groups) {
       const e = absent.expected;

@@ -198,7 +198,7 @@ READ_LINES_PER_SERIES = 4
 # The families one upstream passes through are outside max_series_total: they are kept parsed
 # (about 800 bytes a sample with five labels) and their text once per format, so these caps hold
 # them to about 13 MB + 2 x 2 MiB. A family past them is left out whole (a part of a family would
-# read as series that vanished); an engine's own families (about 12,000 samples at 256 ranks) fit.
+# read as series that vanished). 16,384 is half of a 256-rank engine's whole answer (33,000 lines).
 MAX_PASS_THROUGH_SAMPLES = 16_384
 MAX_PASS_THROUGH_BYTES = 2 << 20  # of exposition text, estimated from the samples' names and labels
 # `apply_async` gives the event loop back after this many series of ranks: at most about 20 ms on

@@ -26,18 +26,20 @@ whose context-parallel peers share labels are flagged and left out: no rollup is
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import hashlib
 import logging
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from typing import Any
 
 from prometheus_client.exposition import generate_latest as text_exposition
 from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics.exposition import escape_metric_name
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_exposition
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
@@ -139,6 +141,8 @@ class ReadPlan:
     passed: list[Metric] = field(default_factory=list)
     passed_values: list[Number] | None = None
     passed_timestamps: Sequence[Stamp] | None = None
+    duplicates: set[str] = field(default_factory=set)  # families passed through that another one already names
+    cut: dict[str, str] = field(default_factory=dict)  # what a bound left out of this read: error kind -> message
 
 
 @dataclass(eq=False)
@@ -177,11 +181,33 @@ class FeedResult:
     unranked: set[str] = field(default_factory=set)
     cp_colliding: set[str] = field(default_factory=set)
     clashes: set[str] = field(default_factory=set)
+    duplicates: set[str] = field(default_factory=set)  # families not passed through: an earlier one writes their names
+    cut: dict[str, str] = field(default_factory=dict)  # what a bound left out of this read: error kind -> message
+    departed: int = 0  # identities this read no longer lists: disconnected, so they turn stale, then expire
 
 
 # A text layout holds a few strings per sample line: at most this many sample lines per series
 # the sidecar may hold (max_series_total), far above an engine's (about 4 at 64 ranks).
 LAYOUT_LINES_PER_SERIES = 16
+# A read is refused before prometheus_client parses it when it has more sample lines than this
+# many per series the sidecar may hold, plus the samples it may pass through (by default 98,304 +
+# 16,384 = 114,688 lines, 3.5 times a 256-rank engine's 33,000). The parser holds about 400 bytes
+# (short lines) to 1.1 kB (five labels) per sample line at its peak; a 31 MiB body of short lines
+# (3 million lines) held 2.7 GB and blocked the loop for 50 s before.
+READ_LINES_PER_SERIES = 4
+# The families one upstream passes through are outside max_series_total: they are kept parsed
+# (about 800 bytes a sample with five labels) and their text once per format, so these caps hold
+# them to about 13 MB + 2 x 2 MiB. A family past them is left out whole (a part of a family would
+# read as series that vanished). 16,384 is half of a 256-rank engine's whole answer (33,000 lines).
+MAX_PASS_THROUGH_SAMPLES = 16_384
+MAX_PASS_THROUGH_BYTES = 2 << 20  # of exposition text, estimated from the samples' names and labels
+# `apply_async` gives the event loop back after this many series of ranks: at most about 20 ms on
+# this machine (the first read of 1,024 new ranks took 70 ms in one piece; a steady read 1.5 µs a series).
+APPLY_SLICE_SERIES = 256
+# The names a family's samples and TYPE lines take in the text format and OpenMetrics: a family
+# passed through that writes any of them for a family the sidecar makes is refused.
+EXPOSITION_SUFFIXES = ("", "_total", "_bucket", "_count", "_sum", "_created", "_info", "_gsum", "_gcount")
+_TEXT_TYPE_SUFFIX = {"counter": "_total", "info": "_info"}  # prometheus_client's text format names these families so
 
 
 class UpstreamFeed:
@@ -208,6 +234,14 @@ class UpstreamFeed:
         self._layout: tuple[TextLayout, ReadPlan] | None = None  # the last text read's, while it is one
         self._logged: set[tuple[str, str]] = set()
         self._rendered: dict[bool, str] = {}  # the pass-through text per format, until a family passed through changes
+        # Every name the sidecar's own families write (as prometheus_client escapes them): pass-through must not write one.
+        self.reserved_forms = frozenset(escape_metric_name(name) + suffix
+                                        for name in self.reserved for suffix in EXPOSITION_SUFFIXES)
+        self.max_read_samples = READ_LINES_PER_SERIES * state.config.max_series_total + MAX_PASS_THROUGH_SAMPLES
+        # The generation of identities dropped after the registry forgot them (text upstreams'
+        # epochs count restarts): one listed again says hello with the epoch it had. Bounded like
+        # the registry's memory of forgotten identities.
+        self._generations: dict[RankIdentity, int] = {}
 
     def spec_of(self, name: str) -> FamilySpec | None:
         for prefix in self.prefixes:
@@ -226,6 +260,14 @@ class UpstreamFeed:
                 if known is not None:
                     return TextReading(plan, known[0], known[1], parsed=False)
         self._layout = None
+        # Sample lines (and blank ones): every line but the comments, counted without parsing.
+        lines = text.count("\n") + (not text.endswith("\n")) - text.count("\n#") - text.startswith("#")
+        if lines > self.max_read_samples:
+            raise ValueError(
+                f"the answer has {lines} sample lines, more than the {self.max_read_samples} one read may have "
+                f"({READ_LINES_PER_SERIES} per series of ranks.max_series_total, and {MAX_PASS_THROUGH_SAMPLES} passed "
+                "through): it is not parsed; "
+                "raise ranks.max_series_total (and the pod's memory limit), or have the engine write fewer series")
         families = parse_exposition(text, openmetrics)
         reading: Reading = [(None, 0.0, families)]
         plan = self.plan(reading)
@@ -235,12 +277,41 @@ class UpstreamFeed:
         samples = [s for family in families for s in family.samples]
         return TextReading(plan, [s.value for s in samples], [s.timestamp for s in samples], parsed=True)
 
+    def plan_reading(self, reading: Reading) -> TextReading:
+        """A directory read's plan and values, for `apply` or `apply_async` (raises ValueError past the read's
+        sample bound). Touches no state: the scraper runs it off the event loop, as `read_text`."""
+        samples = sum(len(family.samples) for _, _, families in reading for family in families)
+        if samples > self.max_read_samples:
+            raise ValueError(
+                f"the directory holds {samples} samples, more than the {self.max_read_samples} one read may have "
+                f"({READ_LINES_PER_SERIES} per series of ranks.max_series_total, and {MAX_PASS_THROUGH_SAMPLES} passed "
+                "through); raise ranks.max_series_total "
+                "(and the pod's memory limit), or have the engine write fewer series")
+        values = [s.value for _, _, families in reading for family in families for s in family.samples]
+        return TextReading(self.plan(reading), values, (), parsed=True)
+
     def apply(self, reading: Reading | TextReading, wall: float | None = None) -> FeedResult:
         """Apply one read of the upstream: each process's catalog series to its ranks, the rest passed through."""
         if isinstance(reading, TextReading):
             return self.apply_plan(reading.plan, reading.values, reading.timestamps, reading.parsed, wall)
         values = [s.value for _, _, families in reading for family in families for s in family.samples]
         return self.apply_plan(self.plan(reading), values, None, True, wall)
+
+    async def apply_async(self, reading: Reading | TextReading, wall: float | None = None) -> FeedResult:
+        """`apply`, giving the event loop back after every APPLY_SLICE_SERIES series; the same result
+        where nothing else changes the state meanwhile. Give it `read_text`'s or `plan_reading`'s
+        result (made off the loop): a directory `Reading` is planned here, on the loop."""
+        if not isinstance(reading, TextReading):
+            reading = self.plan_reading(reading)
+        result = FeedResult()
+        for _ in self._apply_steps(reading.plan, reading.values, reading.timestamps, reading.parsed, wall, result):
+            await asyncio.sleep(0)
+        return result
+
+    def release_expired(self) -> int:
+        """Disconnect this upstream's identities that the registry marked expired, so their slots can go
+        to other ranks; for reads that fail (a read that succeeds departs what it no longer lists)."""
+        return self._depart(set(), only_expired=True)
 
     def pass_through_text(self, openmetrics: bool) -> str:
         """The families passed through, as prometheus_client's own exposition writes them (cached per read)."""
@@ -259,7 +330,10 @@ class UpstreamFeed:
         """What `reading` gives whatever its values (no state is touched, nothing is logged)."""
         plan = ReadPlan()
         per_process: list[tuple[str | None, dict[RankIdentity, _RankPlan]]] = []
-        passed: dict[str, tuple[Metric, int]] = {}
+        passed = _PassThroughPlan(self.reserved_forms)
+        max_ranks = self.state.config.max_ranks  # more identities than the registry may hold are not made
+        identities: set[RankIdentity] = set()
+        ranks_cut = 0
         cp_size_above_one = False
         lacking_cp: dict[str, bool] = {}  # catalog family -> whether none of its series carries attn_cp_rank
         help_texts: dict[str, str] = {}
@@ -273,10 +347,7 @@ class UpstreamFeed:
                 if pid == MERGED or spec is None:
                     if spec is None and self.config.pass_through and (pid == MERGED or not merged):
                         plan.samples += len(family.samples)
-                        if family.name in self.reserved:
-                            plan.clashes.add(family.name)
-                        else:
-                            passed.setdefault(family.name, (family, first))
+                        passed.offer(family, first)
                     continue
                 plan.samples += len(family.samples)
                 if family.documentation and family.documentation != MULTIPROCESS_HELP:
@@ -297,6 +368,11 @@ class UpstreamFeed:
                                 static_key(static))
                     rank = by_rank.get(identity)
                     if rank is None:
+                        if identity not in identities:
+                            if len(identities) >= max_ranks:
+                                ranks_cut += 1
+                                continue
+                            identities.add(identity)
                         rank = by_rank[identity] = _RankPlan(identity, rank_id, static, pid, [], {})
                     rank.series.append(series)
             per_process.append((pid, by_rank))
@@ -309,7 +385,17 @@ class UpstreamFeed:
                 if rank.series:
                     rank.helps = {s.family: help_texts[s.family] for s in rank.series if s.family in help_texts}
                     plan.ranks.append(rank)
-        plan.pass_through = list(passed.values())
+        plan.pass_through = passed.families
+        plan.clashes, plan.duplicates = passed.clashes, passed.duplicates
+        if ranks_cut:
+            plan.cut["too_many_ranks"] = (
+                f"{ranks_cut} series of rank identities past the first {max_ranks} of this read are left out "
+                "(ranks.max_ranks)")
+        if passed.over:
+            plan.cut["pass_through_too_large"] = (
+                f"{len(passed.over)} families ({passed.over_samples} samples; the first: {passed.over[0]}) are not "
+                f"passed through: the families passed through are held to {MAX_PASS_THROUGH_SAMPLES} samples and "
+                f"{MAX_PASS_THROUGH_BYTES} bytes per upstream; set pass_through: false, or drop them in the engine")
         return plan
 
     def apply_plan(
@@ -318,28 +404,98 @@ class UpstreamFeed:
     ) -> FeedResult:
         """Apply a read by its plan and its samples' values (and, for families passed through that
         the parser did not make, their timestamps)."""
+        result = FeedResult()
+        for _ in self._apply_steps(plan, values, timestamps, parsed, wall, result):
+            pass
+        return result
+
+    def _apply_steps(
+        self, plan: ReadPlan, values: list[Number], timestamps: Sequence[Stamp] | None, parsed: bool,
+        wall: float | None, result: FeedResult,
+    ) -> Iterator[None]:
+        """Apply a read into `result`, pausing (yielding) after every APPLY_SLICE_SERIES series of ranks."""
         wall = time.time() if wall is None else wall
-        result = FeedResult(samples=plan.samples, unranked=set(plan.unranked), cp_colliding=set(plan.cp_colliding),
-                            clashes=set(plan.clashes))
+        result.samples = plan.samples
+        result.unranked, result.cp_colliding = set(plan.unranked), set(plan.cp_colliding)
+        result.clashes, result.duplicates, result.cut = set(plan.clashes), set(plan.duplicates), dict(plan.cut)
         for name in sorted(plan.clashes):
             self._log_once("clash", name, logging.ERROR,
-                           "upstream %s: family %s is also a family the sidecar makes; it is not passed through",
-                           self.health.name, name)
+                           "upstream %s: family %s writes a name that a family the sidecar makes writes; it is "
+                           "not passed through", self.health.name, name)
+        if plan.duplicates:
+            self.health.error("duplicate_name", ", ".join(sorted(plan.duplicates)))
+            for name in sorted(plan.duplicates):
+                self._log_once("duplicate", name, logging.ERROR,
+                               "upstream %s: family %s writes a name that another family of the upstream passed "
+                               "through writes (Prometheus would refuse the exposition); it is not passed through",
+                               self.health.name, name)
+        for kind, message in plan.cut.items():
+            self.health.error(kind, message)
+            self._log_once("cut", kind, logging.WARNING, "upstream %s: %s", self.health.name, message)
         for message in plan.refused:
             result.rejected += 1
             self._log_once("refused", message, logging.WARNING, "upstream %s: %s", self.health.name, message)
         self._flag(result)
+        # What this read no longer lists departs first: its slots are free for the identities it lists.
+        result.departed = self._depart({rank.identity for rank in plan.ranks})
+        done = 0
         for rank in plan.ranks:
+            self._reattach(rank)
             samples, monotone = self._samples(rank, values, result)
             if samples:
                 self._feed(rank, samples, monotone, wall, result)
+            done += len(rank.series)
+            if done >= APPLY_SLICE_SERIES:
+                done = 0
+                yield
         passed = self._passed(plan, values, timestamps, parsed)
         if len(passed) != len(self.pass_through) or any(a is not b for a, b in zip(passed, self.pass_through)):
             self._rendered = {}  # a family passed through changed: its text is made again when asked
         self.pass_through = passed
         result.pass_through = self.pass_through
-        result.ranks = sum(1 for r in self.ranks.values() if r.rank is not None)
-        return result
+        result.ranks = sum(1 for r in self.ranks.values() if r.rank is not None and r.rank.connection is r.token)
+
+    def _reattach(self, plan: _RankPlan) -> None:
+        """Reconnect an identity an earlier read stopped listing, in the epoch it had (its seq goes on)."""
+        identity = plan.identity
+        entry = self.ranks.get(identity)
+        if entry is None:
+            generation = self._generations.pop(identity, 0)
+            if generation:  # dropped after the registry forgot it: its epoch is the one it had
+                self.ranks[identity] = _UpstreamRank(generation=generation)
+            return
+        rank = entry.rank
+        if rank is None or rank.connection is entry.token:
+            return
+        if self.state.ranks.get(identity) is not rank or rank.connected:  # forgotten, or held by another
+            entry.rank = None  # `_feed` says hello anew
+            return
+        hello = Hello(protocol=PROTOCOL_VERSION, epoch=entry.epoch, pid=_int(entry.pid or "0"), rank=plan.rank_id,
+                      labels=plan.static)
+        try:
+            self.state.hello(entry.token, hello, self.source)
+        except ProtocolError:
+            entry.rank = None  # `_feed` says hello anew, and counts and logs what is wrong with it
+
+    def _depart(self, listed: set[RankIdentity], only_expired: bool = False) -> int:
+        """Disconnect the identities not in `listed` (only expired ones, with `only_expired`), as a
+        departed pushed rank: the registry's stale and expire clock runs for them and may forget them.
+        Entries the registry no longer holds are dropped, so the feed keeps at most what it holds."""
+        departed = 0
+        for identity, entry in list(self.ranks.items()):
+            if identity in listed:
+                continue
+            rank = entry.rank
+            if rank is not None and rank.connection is entry.token and (rank.expired or not only_expired):
+                self.state.disconnect(entry.token, rank)
+                departed += 1
+            if rank is None or self.state.ranks.get(identity) is not rank:
+                del self.ranks[identity]
+                if entry.generation:
+                    self._generations[identity] = entry.generation
+                    if len(self._generations) > self.state.config.max_ranks:
+                        del self._generations[next(iter(self._generations))]
+        return departed
 
     def _samples(
         self, rank: _RankPlan, values: list[Number], result: FeedResult,
@@ -541,6 +697,57 @@ def _series(
             # A gauge may go down at any time: only counters (and histograms) tell a restart.
             keys = ((spec.name, tuple(wire_labels.items()), ""),) if spec.type is MetricType.COUNTER else ()
             yield s.labels, _SeriesPlan(spec.name, wire_labels, keys, value=number)
+
+
+def exposition_names(family: Metric) -> set[str]:
+    """Every name prometheus_client's text and OpenMetrics expositions write for `family`: its TYPE
+    lines' and its samples', with invalid characters as `_` (as its default escaping writes them)."""
+    names = {family.name, family.name + _TEXT_TYPE_SUFFIX.get(family.type, "")}
+    names.update({s.name for s in family.samples})
+    return {escape_metric_name(name) for name in names}
+
+
+class _PassThroughPlan:
+    """The families one read passes through: no name the sidecar's or another's, within the caps."""
+
+    def __init__(self, reserved: frozenset[str]) -> None:
+        self.reserved = reserved
+        self.families: list[tuple[Metric, int]] = []  # (family, number of its first sample)
+        self.taken: set[str] = set()  # names the families passed through write
+        self.clashes: set[str] = set()
+        self.duplicates: set[str] = set()
+        self.over: list[str] = []  # families past the caps
+        self.over_samples = 0
+        self.samples = 0
+        self.bytes = 0
+
+    def offer(self, family: Metric, first: int) -> None:
+        """Pass `family` through, unless a name it writes is taken or it does not fit the caps."""
+        if not family.samples:
+            # Nothing to pass, and prometheus_client writes its TYPE line anyway: `# TYPE x counter`
+            # with `x_total` samples parses to an empty `x` and an untyped `x_total`, both TYPE x_total.
+            return
+        names = exposition_names(family)
+        if not names.isdisjoint(self.reserved):
+            if not (family.name.endswith("_created") and family.name[:-len("_created")] in self.clashes):
+                self.clashes.add(family.name)  # (a refused counter's `_created` family goes with it, unnamed)
+            return
+        if not names.isdisjoint(self.taken):
+            self.duplicates.add(family.name)
+            return
+        count = len(family.samples)
+        size = 0
+        if self.samples + count <= MAX_PASS_THROUGH_SAMPLES:
+            size = sum(len(s.name) + 24 + sum(len(k) + len(v) + 4 for k, v in s.labels.items())
+                       for s in family.samples)
+        if self.samples + count > MAX_PASS_THROUGH_SAMPLES or self.bytes + size > MAX_PASS_THROUGH_BYTES:
+            self.over.append(family.name)
+            self.over_samples += count
+            return
+        self.samples += count
+        self.bytes += size
+        self.taken |= names
+        self.families.append((family, first))
 
 
 class _Families:

@@ -204,8 +204,9 @@ class TextRenderer:
         if cached.epoch != rank.epoch:
             cached.prefixes.clear()
             cached.epoch = rank.epoch
-        # Within an epoch series are only ever added, so the count names the set of series.
-        shape = (id(rank), rank.epoch, len(values))
+        # Within an epoch series are only ever added, so the count names the set of series (an
+        # epoch conflict starts the epoch over in place: its count is part of the epoch here).
+        shape = (id(rank), rank.epoch, rank.epoch_conflicts, len(values))
         if cached.shape != shape:
             cached.layout = self._layout(rank, cached.prefixes)
             cached.shape = shape

@@ -176,3 +176,20 @@ def test_a_gauge_going_down_on_a_reconnect_is_no_conflict(h: Harness) -> None:
     h.hello(epoch="one")
     result = h.push(rank, bytes_(10.0), used(3.0))
     assert result.conflict is None and rank.epoch_conflicts == 0 and rank.values[(USED, ())] == 3.0
+
+
+def test_after_an_epoch_conflict_metrics_shows_the_new_writers_series_only(h: Harness) -> None:
+    """The epoch starting over in place must not reuse /metrics lines cached for the old writer's
+    series, even when the new writer sends as many series as it did."""
+    renderer = TextRenderer(SidecarCollector(h.state, SidecarStats(), "sglang_"))
+    impostor, rank = h.hello(epoch="real")
+    h.push(rank, bytes_(5_000_000.0), tokens(100.0))
+    scrape = Scrape(renderer.render().decode())
+    assert scrape.value("sglang_load_back_tokens_total", tp_rank="0", pool="kv") == 100.0
+    h.state.disconnect(impostor, rank)
+    h.hello(epoch="real")
+    assert h.push(rank, bytes_(400.0), used(3.0)).conflict is not None
+    scrape = Scrape(renderer.render().decode())
+    assert scrape.find("sglang_load_back_tokens_total", tp_rank="0") == []
+    assert scrape.value("sglang_load_back_bytes_total", tp_rank="0") == 400.0
+    assert scrape.value("sglang_hicache_host_used_tokens", tp_rank="0") == 3.0

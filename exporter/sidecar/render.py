@@ -86,7 +86,7 @@ class _RankLines:
         self.epoch = ""  # the epoch `prefixes` were made in: histogram layouts change only across epochs
         self.version: tuple[int, int, str] | None = None
         self.blocks: dict[str, bytes] = {}  # family -> its lines for this rank, reused until the rank pushes
-        self.shape: tuple[int, str, int] | None = None
+        self.shape: tuple[int, str, int, int] | None = None
         self.layout = _RankLayout([])
         self.prefixes: dict[SeriesKey, tuple[str, ...]] = {}
 

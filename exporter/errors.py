@@ -17,6 +17,7 @@ class ErrorCode(str, Enum):
     UNSUPPORTED_PROTOCOL = "unsupported_protocol"
     DUPLICATE_RANK = "duplicate_rank"
     STALE_EPOCH = "stale_epoch"
+    IDENTITY_OWNED = "identity_owned"  # another source (pushed ranks, or one upstream) holds the identity
     PEER_REFUSED = "peer_refused"
     TOO_MANY_CONNECTIONS = "too_many_connections"
     TOO_MANY_RANKS = "too_many_ranks"
@@ -31,6 +32,10 @@ class ErrorCode(str, Enum):
     SERIES_LIMIT = "series_limit"
     # Snapshot-level: ignored, the connection stays open.
     OLD_SEQ = "old_seq"
+    SEQ_JUMP = "seq_jump"  # a reconnect's first seq far past what the epoch could have pushed since
+    # Snapshot-level, applied: a reconnect's values went down within its epoch (two writers of
+    # one epoch); the identity restarts in place, so the newer writer's values flow on.
+    EPOCH_CONFLICT = "epoch_conflict"
 
 
 class HicacheExporterError(Exception):

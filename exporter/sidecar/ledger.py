@@ -34,7 +34,16 @@ from collections.abc import Iterable
 from exporter.catalog import Catalog, MetricType, Semantics
 from exporter.sidecar.reader import SeriesRoute, Update
 from exporter.sidecar.registry import RankState
-from exporter.sidecar.series import GroupKey, HistAccumulator, Layout, RollupCounter, RollupKey, SeriesBudget, SeriesKey
+from exporter.sidecar.series import (
+    GroupKey,
+    HistAccumulator,
+    Layout,
+    RollupCounter,
+    RollupKey,
+    SeriesBudget,
+    SeriesKey,
+    histogram_cost,
+)
 
 log = logging.getLogger("hicache_exporter.ledger")
 Watermarks = dict[SeriesKey, "RollupCounter | HistAccumulator"]
@@ -44,7 +53,7 @@ class RollupLedger:
     """Rollup counters and histograms, the watermarks of every replica group, and gauge rollups."""
 
     def __init__(self, catalog: Catalog, budget: SeriesBudget) -> None:
-        self.budget = budget  # each rollup series created counts against max_series_total
+        self.budget = budget  # each rollup series created counts against max_series_total (histograms by weight)
         self.counter_cells: dict[RollupKey, RollupCounter] = {}
         self.histograms: dict[RollupKey, HistAccumulator] = {}
         self.watermarks: dict[GroupKey, Watermarks] = {}
@@ -117,7 +126,7 @@ class RollupLedger:
             acc = self.histograms.get(route.rollup_key)
             if acc is None:
                 acc = self.histograms[route.rollup_key] = HistAccumulator.empty(bounds)
-                self.budget.rollup += 1
+                self.budget.rollup += histogram_cost(bounds)
             route.histogram = acc
         if acc.bounds is not bounds and acc.bounds != bounds:
             self._conflict(rank, key, bounds, acc.bounds)

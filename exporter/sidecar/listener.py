@@ -226,9 +226,15 @@ class _Connection:
         assert isinstance(message, Snapshot) and self.rank is not None
         self.stats.snapshots_received += 1
         result = self.state.snapshot(self.rank, message)
-        if result.ignored:
-            self.stats.reject(ErrorCode.OLD_SEQ)
+        if result.refused is not None:
+            code, text = result.refused
+            self.stats.reject(code)
+            self._send(ErrorMessage(code=code.value, message=text + "; the snapshot was ignored"))
             return
+        if result.conflict is not None:
+            code, text = result.conflict
+            self.stats.reject(code)
+            self._send(ErrorMessage(code=code.value, message=text))
         self.stats.snapshots_applied += 1
         self.stats.samples_applied += result.applied
         self.stats.ingest_duration.observe(time.perf_counter() - started)

@@ -20,7 +20,16 @@ from exporter.config import RanksConfig
 from exporter.errors import ErrorCode, SampleRejected
 from exporter.protocol.messages import Sample
 from exporter.sidecar.registry import RankRegistry, RankState
-from exporter.sidecar.series import HistAccumulator, HistValue, Layout, RollupCounter, RollupKey, SeriesKey
+from exporter.sidecar.series import (
+    BUCKETS_PER_SERIES,
+    HistAccumulator,
+    HistValue,
+    Layout,
+    RollupCounter,
+    RollupKey,
+    SeriesKey,
+    histogram_cost,
+)
 
 KeyT = TypeVar("KeyT", bound=Hashable)
 # How a rank's sample is looked up in its route index: the family alone when it has no labels,
@@ -96,7 +105,7 @@ class SampleReader:
         # C-level builtins over Python loops, and the unchanged-value exits first.
         updates: list[Update] = []
         rejections: list[Rejection] = []
-        self._new_series = 0  # each may make a rollup series when the ledger applies the updates
+        self._new_series = 0  # the weight of the rollup series new series may make when the ledger applies them
         by_place = rank.by_place
         values = rank.values
         find_route = self._find_route
@@ -129,6 +138,7 @@ class SampleReader:
                 if plan.gauge:
                     if previous is None:
                         self.registry.budget.per_rank += 1
+                        rank.cost += 1
                     values[key] = value
                     rank.version += 1
                     rank.gauge_keys[key] = None
@@ -138,6 +148,7 @@ class SampleReader:
                 if previous is None:
                     delta = value
                     self.registry.budget.per_rank += 1
+                    rank.cost += 1
                     self._new_series += 1
                 else:
                     if value < previous:  # type: ignore[operator]
@@ -191,9 +202,11 @@ class SampleReader:
             raise SampleRejected(ErrorCode.INVALID_VALUE, f"{name!r}: a count beyond 2**53 or a sum beyond ±2**63")
         deltas: tuple[int, ...] | list[int]
         if previous is None:
-            self._check_series_room(rank)
-            self.registry.budget.per_rank += 1
-            self._new_series += 1
+            cost = histogram_cost(layout)
+            self._check_series_room(rank, cost)
+            self.registry.budget.per_rank += cost
+            rank.cost += cost
+            self._new_series += cost
             deltas, dsum = counts, total
         else:
             deltas = list(map(operator.sub, counts, previous.counts))
@@ -262,18 +275,55 @@ class SampleReader:
             return interned.setdefault(key, key)  # type: ignore[return-value]
         return interned.get(key, key)  # type: ignore[return-value]
 
-    def _check_series_room(self, rank: RankState) -> None:
-        if len(rank.values) >= self.config.max_series_per_rank:
+    def _check_series_room(self, rank: RankState, cost: int = 1) -> None:
+        """Refuse a new series of weight `cost` (series.histogram_cost) that a limit has no room for."""
+        weight = f" (a histogram of {(cost - 1) * BUCKETS_PER_SERIES}+ buckets counts {cost})" if cost > 1 else ""
+        if rank.cost + cost > self.config.max_series_per_rank:
             raise SampleRejected(
                 ErrorCode.SERIES_LIMIT,
-                f"rank {rank.describe()} already has {self.config.max_series_per_rank} series (max_series_per_rank)",
+                f"rank {rank.describe()} already holds {rank.cost} of max_series_per_rank="
+                f"{self.config.max_series_per_rank} series{weight}",
             )
-        if not self.registry.budget.has_room(self._new_series):
+        if not self.registry.budget.has_room(self._new_series, cost):
             raise SampleRejected(
                 ErrorCode.SERIES_LIMIT,
-                f"the sidecar already holds {self.config.max_series_total} series, rank and rollup "
-                "series together (max_series_total)",
+                f"the sidecar already holds max_series_total={self.config.max_series_total} series, rank "
+                f"and rollup series together{weight}",
             )
+
+    def falls(self, rank: RankState, samples: list[Sample]) -> bool:
+        """Whether a counter or histogram in `samples` is below `rank`'s value of it this epoch:
+        on a reconnect, the sign of a second writer of the epoch. Checks nothing else (read does)."""
+        values = rank.values
+        if not values:
+            return False
+        for sample in samples:
+            labels = sample.labels
+            route = rank.routes.get((sample.family, tuple(labels.items())) if labels else sample.family)
+            if route is not None:
+                plan, key = route.plan, route.key
+            else:
+                found = self._plans.get(sample.family)
+                if found is None:
+                    continue
+                plan = found
+                try:
+                    key = (plan.name, self._label_values(plan, labels) if labels or plan.labels else ())
+                except SampleRejected:
+                    continue
+            previous = values.get(key)
+            if previous is None or plan.gauge:
+                continue
+            if isinstance(previous, HistValue):
+                if sample.buckets is UNSET or sample.sum is UNSET:
+                    continue
+                counts = [count for _, count in sample.buckets]
+                if (counts[-1] < previous.count or sample.sum < previous.sum
+                        or (len(counts) == len(previous.counts) and any(map(operator.lt, counts, previous.counts)))):
+                    return True
+            elif sample.value is not UNSET and sample.value < previous:
+                return True
+        return False
 
     def _label_values(self, plan: FamilyPlan, labels: dict[str, str]) -> tuple[str, ...]:
         names = plan.labels

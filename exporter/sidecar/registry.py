@@ -25,6 +25,12 @@ RankIdentity = tuple[int, int, int, int, StaticKey]  # (tp_rank, pp_rank, dp_ran
 REPLACED_EPOCHS_KEPT = 64
 PUSH_SOURCE = "push"  # the source of identities that ranks push over the socket; an upstream's is "upstream:<name>"
 HISTORY_POINTS = 12  # entries kept per rank per window (5 s apart at 60 s): bounds memory whatever the push rate
+# How far a reconnect's first seq may pass the last one its epoch pushed: SEQ_JUMP_PER_SECOND for
+# every second since that push, plus SEQ_JUMP_SLACK. Generous enough for a client that uses a
+# nanosecond clock as its seq (about 2**30 a second); a forged 2**64-1 after a seq of 50 would
+# need 544 years of silence. Past it the snapshot is refused (`seq_jump`).
+SEQ_JUMP_PER_SECOND = 1 << 30
+SEQ_JUMP_SLACK = 1 << 30
 
 
 class RankStatus(str, Enum):
@@ -51,7 +57,13 @@ class RankState:
     source: str = PUSH_SOURCE  # who reports this identity: pushed ranks, or one upstream
     world: World | None = None
     connection: object | None = None  # token of the open connection holding this identity
-    seq: int = -1
+    seq: int = -1  # the last seq this epoch pushed, on any connection
+    connection_seq: int = -1  # the last seq of the open connection: seq is only compared within one
+    # Said hello again with its known epoch and not pushed since: its first snapshot is checked
+    # against the epoch's last seq (`seq_jump`) and values (`epoch_conflict`).
+    rejoined: bool = False
+    epoch_conflicts: int = 0  # reconnects whose values went down within their epoch: a second writer
+    cost: int = 0  # what `values` holds in series budget units (series.histogram_cost)
     pushed: bool = False  # has pushed since it last connected: its gauges are current
     # The epoch of an identity the registry had forgotten to make room: its per_shard rollups
     # already hold what it pushed before, so its first values this epoch are baselines.
@@ -62,6 +74,7 @@ class RankState:
     reconnects: int = 0
     last_activity: float = 0.0  # monotonic time of the last hello or snapshot
     last_push_wall: float | None = None
+    last_push: float | None = None  # monotonic time of the last snapshot accepted this epoch
     snapshots: int = 0
     version: int = 0  # bumped whenever `values` changes: exposition caches key on it
     values: dict[SeriesKey, Value] = field(default_factory=dict)  # this epoch's values, as pushed
@@ -129,6 +142,11 @@ class RankState:
         return f"tp={self.tp_rank} pp={self.pp_rank} dp={self.dp_rank}{cp}" + (f" {static}" if static else "")
 
 
+def source_words(source: str) -> str:
+    """Who reports an identity, for messages: "pushed ranks" or "upstream <name>"."""
+    return "pushed ranks" if source == PUSH_SOURCE else source.replace(":", " ", 1)
+
+
 CarriedT = TypeVar("CarriedT")
 
 
@@ -178,7 +196,8 @@ class RankRegistry:
         self.clock = clock
         self.wall_clock = wall_clock
         self.ranks: dict[RankIdentity, RankState] = {}
-        self.forgotten: dict[RankIdentity, str] = {}  # identity -> its epoch when forgotten, oldest first
+        # identity -> (its epoch, its source) when forgotten, oldest first
+        self.forgotten: dict[RankIdentity, tuple[str, str]] = {}
         self.budget = SeriesBudget(config.max_series_total)
 
     @property
@@ -192,6 +211,10 @@ class RankRegistry:
         static = static_key(msg.labels)
         identity = (msg.rank.tp_rank, msg.rank.pp_rank, msg.rank.dp_rank, msg.rank.attn_cp_rank or 0, static)
         rank = self.ranks.get(identity)
+        if rank is not None and rank.source != source:
+            self._check_owner(rank, source)  # raises while the owner holds it
+            self._forget(identity, rank)  # its owner went silent past expire_after: the identity is free
+            rank = None
         result: HelloResult
         if rank is None:
             self._make_room_for_a_rank()
@@ -199,7 +222,7 @@ class RankRegistry:
                 tp_rank=msg.rank.tp_rank, pp_rank=msg.rank.pp_rank, dp_rank=msg.rank.dp_rank,
                 static=static, epoch=msg.epoch, pid=msg.pid, attn_cp_rank=msg.rank.attn_cp_rank, source=source,
                 history=WindowHistory(self.window, self.window / HISTORY_POINTS),
-                resumed=self.forgotten.pop(identity, None) == msg.epoch,
+                resumed=self.forgotten.pop(identity, None) == (msg.epoch, source),
             )
             self.ranks[identity] = rank
             result = HelloResult(rank)
@@ -220,8 +243,10 @@ class RankRegistry:
             result = HelloResult(rank, restart=True)
         else:
             rank.reconnects += 1
+            rank.rejoined = True
             result = HelloResult(rank, reconnect=True)
         rank.pid = msg.pid
+        rank.connection_seq = -1
         rank.world = msg.world
         rank.connection = connection
         rank.pushed = False
@@ -230,11 +255,48 @@ class RankRegistry:
         rank.last_activity = self.clock()
         return result
 
+    def _check_owner(self, rank: RankState, source: str) -> None:
+        """Refuse a hello from `source` for an identity another source holds, unless it expired.
+
+        Pushed ranks and each upstream own the identities they report: an upstream listing a
+        pushed rank's labels must not take that rank over while it restarts (the real rank
+        would then be a duplicate), nor a pushed rank an upstream's."""
+        if rank.expired and not rank.connected:
+            return
+        raise ProtocolError(
+            ErrorCode.IDENTITY_OWNED,
+            f"rank {rank.describe()} is reported by {source_words(rank.source)}, not {source_words(source)}: "
+            "one identity has one source; give one of them a distinguishing static label (the identity "
+            f"frees {self.config.expire_after_seconds:g} s after its source stops reporting it)",
+        )
+
+    def _forget(self, identity: RankIdentity, rank: RankState) -> None:
+        """Drop an identity's per-rank memory; its rollup contribution stays."""
+        del self.ranks[identity]
+        self.budget.per_rank -= rank.cost
+        self.forgotten[identity] = (rank.epoch, rank.source)
+        if len(self.forgotten) > self.config.max_ranks:  # a bounded memory of who was forgotten
+            del self.forgotten[next(iter(self.forgotten))]
+
     def _restart(self, rank: RankState, epoch: str) -> None:
         """A new process start: its values count from zero again, its positions carry on."""
         rank.replaced_epochs.append(rank.epoch)
         rank.epoch = epoch
-        self.budget.per_rank -= len(rank.values)
+        self._start_over(rank)
+        rank.rejoined = False
+        rank.restarts += 1
+
+    def epoch_conflict(self, rank: RankState) -> None:
+        """A reconnect's values went down within its epoch: two writers of one epoch. The epoch
+        starts over in place, as a restart does (positions carry on from the last values, so no
+        rollup falls), and the values of the connection that pushes now are the rank's from here."""
+        rank.epoch_conflicts += 1
+        self._start_over(rank)
+
+    def _start_over(self, rank: RankState) -> None:
+        """Values count from zero again; positions carry on."""
+        self.budget.per_rank -= rank.cost
+        rank.cost = 0
         if rank.values:  # positions carry on for what the ended epoch reported, then older series' while there is room
             rank.positions = _carried(rank.positions, rank.values)
             rank.bucket_positions = _carried(rank.bucket_positions, rank.values)
@@ -244,7 +306,7 @@ class RankRegistry:
         rank.resumed = False
         rank.version += 1
         rank.seq = -1
-        rank.restarts += 1
+        rank.last_push = None
 
     def _make_room_for_a_rank(self) -> None:
         """Forget expired identities when the registry is full; refuse the hello if none is expired."""
@@ -252,11 +314,7 @@ class RankRegistry:
             return
         for identity, rank in list(self.ranks.items()):
             if rank.expired and not rank.connected:
-                del self.ranks[identity]  # its rollup contribution stays; only the per-rank memory goes
-                self.budget.per_rank -= len(rank.values)
-                self.forgotten[identity] = rank.epoch
-                if len(self.forgotten) > self.config.max_ranks:  # a bounded memory of who was forgotten
-                    del self.forgotten[next(iter(self.forgotten))]
+                self._forget(identity, rank)  # its rollup contribution stays; only the per-rank memory goes
         if len(self.ranks) >= self.config.max_ranks:
             raise ProtocolError(
                 ErrorCode.TOO_MANY_RANKS,
@@ -288,18 +346,43 @@ class RankRegistry:
             rank.connection = None
             rank.pushed = False
 
+    def refusal(self, rank: RankState, seq: int) -> tuple[ErrorCode, str] | None:
+        """Why a snapshot with `seq` is ignored, or None to apply it.
+
+        seq is compared within one connection only: a seq another connection of the epoch sent
+        (an impostor's 2**64-1) cannot hold back the rank's own. A reconnect's first snapshot
+        may not jump absurdly past the epoch's last seq (SEQ_JUMP_PER_SECOND)."""
+        if seq <= rank.connection_seq:
+            return ErrorCode.OLD_SEQ, f"seq {seq} is not above this connection's last ({rank.connection_seq})"
+        if rank.rejoined and rank.last_push is not None:
+            allowed = rank.seq + SEQ_JUMP_SLACK + int(max(0.0, self.clock() - rank.last_push) * SEQ_JUMP_PER_SECOND)
+            if seq > allowed:
+                return ErrorCode.SEQ_JUMP, (
+                    f"rank {rank.describe()} reconnected with epoch {rank.epoch!r} and seq {seq}, but that epoch "
+                    f"last pushed seq {rank.seq}: no client pushes that many snapshots in between; refused as a "
+                    "forged or corrupted seq (seq rises by one per push)"
+                )
+        return None
+
     def begin_snapshot(self, rank: RankState, seq: int) -> bool:
-        """Note a snapshot's arrival; False when its seq is not newer (the snapshot is ignored)."""
-        if seq <= rank.seq:
+        """Note a snapshot's arrival; False when it is refused (see `refusal`) and ignored."""
+        if self.refusal(rank, seq) is not None:
             return False
+        self.accept_snapshot(rank, seq)
+        return True
+
+    def accept_snapshot(self, rank: RankState, seq: int) -> None:
+        """Note the arrival of a snapshot `refusal` let through."""
         rank.seq = seq
+        rank.connection_seq = seq
+        rank.rejoined = False
         rank.pushed = True
         rank.stale = False
         rank.expired = False
         rank.last_activity = self.clock()
         rank.last_push_wall = self.wall_clock()
+        rank.last_push = rank.last_activity
         rank.snapshots += 1
-        return True
 
     def tick(self) -> None:
         """Mark silent ranks stale, then expired."""

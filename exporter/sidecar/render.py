@@ -86,7 +86,7 @@ class _RankLines:
         self.epoch = ""  # the epoch `prefixes` were made in: histogram layouts change only across epochs
         self.version: tuple[int, int, str] | None = None
         self.blocks: dict[str, bytes] = {}  # family -> its lines for this rank, reused until the rank pushes
-        self.shape: tuple[int, str, int] | None = None
+        self.shape: tuple[int, str, int, int] | None = None
         self.layout = _RankLayout([])
         self.prefixes: dict[SeriesKey, tuple[str, ...]] = {}
 
@@ -204,8 +204,9 @@ class TextRenderer:
         if cached.epoch != rank.epoch:
             cached.prefixes.clear()
             cached.epoch = rank.epoch
-        # Within an epoch series are only ever added, so the count names the set of series.
-        shape = (id(rank), rank.epoch, len(values))
+        # Within an epoch series are only ever added, so the count names the set of series (an
+        # epoch conflict starts the epoch over in place: its count is part of the epoch here).
+        shape = (id(rank), rank.epoch, rank.epoch_conflicts, len(values))
         if cached.shape != shape:
             cached.layout = self._layout(rank, cached.prefixes)
             cached.shape = shape

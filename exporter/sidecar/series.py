@@ -60,19 +60,33 @@ class HistAccumulator:
 Value = float | HistValue
 
 
+# A histogram's buckets cost memory like series do: each is a count in the rank's value, its
+# position, its rollup and watermark, and a line on /metrics (about 0.64 kB a bucket, where a
+# series costs about 5.5 kB: docs/reliability.md). So a histogram counts as one series plus one
+# per BUCKETS_PER_SERIES buckets: the catalog's layouts (6 to 19 buckets) count 1 to 3, and a
+# 1,024-bucket layout 129, so the series limits bound what buckets hold too.
+BUCKETS_PER_SERIES = 8
+
+
+def histogram_cost(bounds: Layout) -> int:
+    """A histogram series' weight in the series budget and max_series_per_rank."""
+    return 1 + len(bounds) // BUCKETS_PER_SERIES
+
+
 @dataclass(slots=True)
 class SeriesBudget:
-    """The series the sidecar holds, against max_series_total: the ranks' own, and the rollups',
-    which outlive the ranks and epochs that made them (so epoch churn cannot grow memory past it)."""
+    """The series the sidecar holds, against max_series_total, weighted by `histogram_cost`: the
+    ranks' own, and the rollups', which outlive the ranks and epochs that made them (so epoch
+    churn cannot grow memory past it)."""
 
     limit: int
     per_rank: int = 0
     rollup: int = 0
 
-    def has_room(self, pending_rollups: int = 0) -> bool:
-        """Room for one more rank series and the rollup series it may make, on top of
-        `pending_rollups` that accepted series may still make (the ledger makes them later)."""
-        return self.per_rank + self.rollup + pending_rollups + 2 <= self.limit
+    def has_room(self, pending_rollups: int = 0, cost: int = 1) -> bool:
+        """Room for one more rank series of weight `cost` and the rollup series it may make, on
+        top of `pending_rollups` that accepted series may still make (the ledger makes them later)."""
+        return self.per_rank + self.rollup + pending_rollups + 2 * cost <= self.limit
 
 
 def static_key(labels: dict[str, str]) -> StaticKey:

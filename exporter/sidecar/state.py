@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from exporter.catalog import Catalog
 from exporter.config import RanksConfig
+from exporter.errors import ErrorCode
 from exporter.protocol.messages import Hello, Snapshot
 from exporter.sidecar.ledger import RollupLedger
 from exporter.sidecar.reader import Rejection, SampleReader
@@ -22,8 +23,10 @@ class SnapshotResult:
     """Outcome of one snapshot: samples applied and samples rejected."""
 
     applied: int = 0
-    ignored: bool = False  # an old seq: the whole snapshot was skipped
+    ignored: bool = False  # refused as a whole (an old seq, a seq jump): nothing applied
     rejections: list[Rejection] = field(default_factory=list)
+    refused: Rejection | None = None  # why it was ignored
+    conflict: Rejection | None = None  # applied, after its epoch started over (`epoch_conflict`)
 
 
 class SidecarState:
@@ -60,14 +63,27 @@ class SidecarState:
 
     def snapshot(self, rank: RankState, msg: Snapshot) -> SnapshotResult:
         """Apply a snapshot from `rank`'s open connection."""
-        if not self.registry.begin_snapshot(rank, msg.seq):
-            return SnapshotResult(ignored=True)
+        refused = self.registry.refusal(rank, msg.seq)
+        if refused is not None:
+            return SnapshotResult(ignored=True, refused=refused)
+        conflict: Rejection | None = None
+        if rank.rejoined and self.reader.falls(rank, msg.samples):
+            # Another process pushed with this epoch while the rank was away (epochs are public on
+            # /api/v1/status): the values of the writer that pushes now are the rank's from here on,
+            # continuing the positions, so per-rank series show them and no rollup falls.
+            conflict = (ErrorCode.EPOCH_CONFLICT, (
+                f"rank {rank.describe()} reconnected with epoch {rank.epoch!r} and values below what that epoch "
+                "pushed before: another process pushed with this epoch. This connection's values count from "
+                "here on (the epoch restarts in place); keep other processes off the socket (ingest.allowed_uids)"
+            ))
+            self.registry.epoch_conflict(rank)
+        self.registry.accept_snapshot(rank, msg.seq)
         if msg.help:
             self.help.update((family, text) for family, text in msg.help.items() if family in self.catalog)
         updates, rejections = self.reader.read(rank, msg.samples)
         self.ledger.apply(rank, updates)
         rank.history.record(rank.last_activity, rank.positions)
-        return SnapshotResult(applied=len(msg.samples) - len(rejections), rejections=rejections)
+        return SnapshotResult(applied=len(msg.samples) - len(rejections), rejections=rejections, conflict=conflict)
 
     def tick(self) -> None:
         """Mark silent ranks stale, then expired."""

@@ -12,8 +12,8 @@ import pytest
 from exporter.catalog import catalog_from_data, default_catalog
 from exporter.client import LabelError, RankClient
 from exporter.protocol.framing import encode_payload
-from exporter.protocol.messages import Hello, Snapshot, World, parse_client_message
-from tests.helpers import SidecarThread, http_get, sidecar_config, wait_until
+from exporter.protocol.messages import Hello, Snapshot, Welcome, World, parse_client_message
+from tests.helpers import RawClient, SidecarThread, counter, hello, http_get, sidecar_config, snapshot, wait_until
 
 RANK = {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0}
 
@@ -172,3 +172,27 @@ def test_help_texts_are_cut_to_what_the_protocol_carries_and_empty_ones_ignored(
     assert snapshot.help == {"load_back_tokens_total": "x" * MAX_HELP_LENGTH}
     parse_client_message(encode_payload(snapshot))  # the sidecar decodes it: not malformed
     assert client._snapshot(2).help == {}  # sent once per connection
+
+
+def test_a_rank_whose_epoch_an_impostor_used_hears_of_it_and_keeps_pushing(
+    sidecar: SidecarThread, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 19, finding 10: the impostor's seq 2**64-1 once had every snapshot of the real rank
+    dropped as old_seq, and the client reported nothing."""
+    real = RankClient(sidecar.socket_path, rank=RANK, interval=0.05)
+    impostor = RawClient(sidecar.socket_path)
+    impostor.send(hello(tp=0, epoch=real.epoch))
+    assert isinstance(impostor.recv(), Welcome)
+    impostor.send(snapshot(2**64 - 1, counter("load_back_bytes_total", 5_000_000)))
+    impostor.send({"type": "bye"})
+    assert impostor.closed_by_peer()
+    real.counter("load_back_bytes_total").inc(400)
+    with caplog.at_level(logging.WARNING, logger="hicache_exporter.client"):
+        real.start()
+        wait_until(lambda: real.stats.errors_by_code.get("epoch_conflict", 0) >= 1)
+    assert [r for r in caplog.records if "epoch_conflict" in r.getMessage()]
+    wait_until(lambda: sidecar.scrape().value("sglang_load_back_bytes_total", tp_rank="0") == 400)
+    real.counter("load_back_bytes_total").inc(50)
+    wait_until(lambda: sidecar.scrape().value("sglang_load_back_bytes_total", tp_rank="0") == 450)
+    assert real.stats.errors_by_code == {"epoch_conflict": 1}
+    real.close()

@@ -39,7 +39,7 @@ class FuzzConnection:
         self.path, self.tp = path, tp
         self.seq = 0
         self.counter_value = 1000.0  # the last value of evicted_tokens_total the sidecar applied
-        self.applied = False
+        self.applied = False  # a snapshot was applied on the open connection
         self.sock: socket.socket | None = None
         self.decoder = FrameDecoder()
         self.replies: list[Any] = []
@@ -52,6 +52,9 @@ class FuzzConnection:
         self.sock.connect(self.path)
         self.decoder = FrameDecoder()
         self.replies = []
+        # Applied on this connection: a value going down in a reconnect's first snapshot is an
+        # epoch_conflict, not counter_decreased (test_state's epoch conflict tests cover it).
+        self.applied = False
         self.send(json.dumps({"type": "hello", "protocol": 1, "epoch": f"fuzz-{self.tp}", "pid": 1,
                               "rank": {"tp_rank": self.tp, "pp_rank": 0, "dp_rank": 9}, "labels": {"fuzz": "1"}}).encode())
         reply = self.recv()

@@ -308,3 +308,40 @@ def test_partial_frames_of_all_connections_together_are_bounded(socket_dir: Path
         good.close()
     finally:
         running.stop()
+
+
+def test_an_impostor_with_a_ranks_epoch_cannot_freeze_it(sidecar: SidecarThread) -> None:
+    """Issue 19, finding 10, over the socket: after a sidecar restart an impostor says hello first
+    with the real rank's (public) epoch and seq 2**64-1; the real rank's reconnect must flow."""
+    impostor = RawClient(sidecar.socket_path)
+    impostor.send(hello(tp=0, epoch="real"))
+    assert isinstance(impostor.recv(), Welcome)
+    impostor.send(snapshot(2**64 - 1, counter("load_back_bytes_total", 5_000_000)))
+    impostor.send({"type": "bye"})
+    assert impostor.closed_by_peer()
+    real = RawClient(sidecar.socket_path)
+    real.send(hello(tp=0, epoch="real"))
+    welcome = real.recv()
+    assert isinstance(welcome, Welcome) and welcome.reconnect
+    real.send(snapshot(50, counter("load_back_bytes_total", 400)))
+    reply = real.recv()  # the rank hears why its numbers restarted
+    assert isinstance(reply, ErrorMessage) and reply.code == ErrorCode.EPOCH_CONFLICT.value
+    scrape = sidecar.scrape()
+    assert scrape.value("sglang_load_back_bytes_total", tp_rank="0") == 400
+    assert scrape.value("sglang_rollup_load_back_bytes_total") == 5_000_400  # never falls
+    assert scrape.value("hicache_exporter_rejections_total", reason="epoch_conflict") == 1
+    assert scrape.value("hicache_exporter_rejections_total", reason="old_seq") == 0
+    real.send(snapshot(51, counter("load_back_bytes_total", 450)))
+    wait_until(lambda: sidecar.scrape().value("sglang_load_back_bytes_total", tp_rank="0") == 450)
+    # While the rank is away again, a forged seq on its epoch is refused and answered.
+    real.send({"type": "bye"})
+    assert real.closed_by_peer()
+    forger = RawClient(sidecar.socket_path)
+    forger.send(hello(tp=0, epoch="real"))
+    assert isinstance(forger.recv(), Welcome)
+    forger.send(snapshot(2**64 - 1, counter("load_back_bytes_total", 9_000_000)))
+    reply = forger.recv()
+    assert isinstance(reply, ErrorMessage) and reply.code == ErrorCode.SEQ_JUMP.value
+    scrape = sidecar.scrape()
+    assert scrape.value("hicache_exporter_rejections_total", reason="seq_jump") == 1
+    assert scrape.value("sglang_load_back_bytes_total", tp_rank="0") == 450

@@ -9,7 +9,7 @@ from exporter.config import RanksConfig
 from exporter.errors import ErrorCode
 from exporter.protocol.messages import BucketBound, HistogramSample, Sample, ScalarSample
 from exporter.sidecar.registry import OLDER_POSITIONS_KEPT
-from exporter.sidecar.series import HistValue
+from exporter.sidecar.series import BUCKETS_PER_SERIES, HistValue, histogram_cost
 from tests.exporter.sidecar.harness import (
     BYTES,
     DROPPED,
@@ -261,9 +261,9 @@ def test_series_total_limit_counts_every_ranks_series_and_the_rollups() -> None:
     _, a = h.hello(tp=0)
     _, b = h.hello(tp=1)
     assert codes(h.push(a, bytes_(1.0), used(1.0))) == []  # 2 rank series, 1 rollup series (gauges have none)
-    result = h.push(b, hist(DURATION, one_hot(DURATION, 0), 0.001), tokens(1.0))  # the histogram makes it 5
+    result = h.push(b, hist(PGS, one_hot(PGS, 0), 1.0), tokens(1.0))  # the histogram (6 buckets: 1) makes it 5
     assert codes(result) == [ErrorCode.SERIES_LIMIT]
-    assert set(b.values) == {(DURATION, ())}
+    assert set(b.values) == {(PGS, ())}
     assert h.state.registry.series_count == 3 and h.state.registry.budget.rollup == 2
     assert codes(h.push(a, bytes_(2.0))) == []  # known series still update
 
@@ -482,3 +482,44 @@ def test_every_histogram_family_takes_its_own_layout(h: Harness) -> None:
         layout(DURATION), layout("hicache_backup_duration_seconds"), (2.0, 3.0, "+Inf"),
     ]
 
+
+
+# --- buckets count toward the series limits (issue 19, finding 8) ---
+
+WIDE = [float(i + 1) for i in range(1023)]  # 1,024 buckets with +Inf: the most the protocol takes
+
+
+def test_a_histogram_weighs_one_series_plus_one_per_eight_buckets() -> None:
+    assert [histogram_cost(layout(family)) for family in (PGS, DURATION)] == [1, 3]  # 6 and 19 buckets
+    assert histogram_cost((*WIDE, "+Inf")) == 1 + 1024 // BUCKETS_PER_SERIES == 129
+
+
+def test_wide_histograms_fill_the_series_total_by_their_buckets() -> None:
+    """40 ranks x 9 histograms x 1,024 buckets counted as 369 series made a 38 MiB /metrics."""
+    h = Harness(ranks_config=RanksConfig(max_series_total=300))
+    _, rank = h.hello()
+    wide = [hist(family, one_hot(family, 0, finite=WIDE), 1.0, finite=WIDE) for family in (DURATION, PGS)]
+    result = h.push(rank, *wide, bytes_(1.0))
+    assert codes(result) == [ErrorCode.SERIES_LIMIT]  # the second needs 2 x 129 more
+    assert "max_series_total=300" in result.rejections[0][1] and "counts 129" in result.rejections[0][1]
+    budget = h.state.registry.budget
+    assert (budget.per_rank, budget.rollup) == (129 + 1, 129 + 1) and rank.cost == 130
+    assert set(rank.values) == {(DURATION, ()), (BYTES, ())}
+
+
+def test_wide_histograms_fill_max_series_per_rank_by_their_buckets() -> None:
+    h = Harness(ranks_config=RanksConfig(max_series_per_rank=200))
+    _, rank = h.hello()
+    result = h.push(rank, *(hist(family, one_hot(family, 0, finite=WIDE), 1.0, finite=WIDE) for family in (DURATION, PGS)))
+    assert codes(result) == [ErrorCode.SERIES_LIMIT] and "max_series_per_rank=200" in result.rejections[0][1]
+    assert set(rank.values) == {(DURATION, ())} and rank.cost == 129
+
+
+def test_a_restart_frees_a_histograms_whole_weight(h: Harness) -> None:
+    conn, rank = h.hello(epoch="one")
+    h.push(rank, hist(DURATION, one_hot(DURATION, 0, finite=WIDE), 1.0, finite=WIDE), bytes_(1.0))
+    budget = h.state.registry.budget
+    assert budget.per_rank == rank.cost == 130
+    h.state.disconnect(conn, rank)
+    h.hello(epoch="two")
+    assert budget.per_rank == rank.cost == 0 and budget.rollup == 130  # the rollups keep theirs

@@ -8,7 +8,7 @@ import pytest
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode, ProtocolError
 from exporter.protocol.messages import Hello, RankId
-from exporter.sidecar.registry import RankStatus, exposition_order
+from exporter.sidecar.registry import RankState, RankStatus, exposition_order
 from tests.exporter.sidecar.harness import (
     BYTES,
     STATIC,
@@ -67,11 +67,12 @@ def test_reconnect_same_epoch_continues_deltas(h: Harness) -> None:
     assert result.reconnect and not result.restart
     assert rank.reconnects == 1 and rank.restarts == 0
     assert not rank.current  # reconnected, not pushed yet
-    # A seq from before the reconnect is still old within the epoch.
-    assert h.push(rank, bytes_(5000.0), seq=5).ignored
     h.push(rank, bytes_(1200.0), tokens(150.0), seq=6)
     assert h.counter(BYTES) == 1200.0
     assert h.counter(TOKENS, "kv") == 150.0
+    # seq is compared within the connection: a seq it already sent is old.
+    assert h.push(rank, bytes_(5000.0), seq=6).ignored
+    assert rank.reconnects == 1 and rank.restarts == 0 and rank.epoch_conflicts == 0
 
 
 def test_a_new_epoch_starts_its_seq_afresh(h: Harness) -> None:
@@ -381,3 +382,84 @@ def test_an_empty_static_label_cannot_make_an_impostor_of_a_connected_rank(h: Ha
         h.hello(tp=0, labels={**STATIC, "a": ""})
     assert err.value.code is ErrorCode.INVALID_HELLO and "empty value" in err.value.message
     assert len(h.state.ranks) == 1
+
+
+# --- sources own their identities (issue 19, finding 9) ---
+
+UPSTREAM = "upstream:engine"
+
+
+def _hello_from(h: Harness, source: str, epoch: str, tp: int = 0) -> tuple[object, RankState]:
+    """A hello for rank tp/0/0 with the harness' static labels, reported by `source`."""
+    conn = object()
+    msg = Hello(protocol=1, epoch=epoch, pid=7, rank=RankId(tp_rank=tp, pp_rank=0, dp_rank=0), labels=STATIC)
+    return conn, h.state.hello(conn, msg, source).rank
+
+
+def test_an_upstream_cannot_take_a_pushed_rank_over_while_it_restarts(h: Harness) -> None:
+    conn, rank = h.hello(epoch="one")
+    h.push(rank, bytes_(100.0))
+    h.state.disconnect(conn, rank)  # the rank's process restarts
+    with pytest.raises(ProtocolError) as err:
+        _hello_from(h, UPSTREAM, "upstream-e1")
+    assert err.value.code is ErrorCode.IDENTITY_OWNED
+    assert "pushed ranks" in err.value.message and "upstream engine" in err.value.message
+    assert rank.source == "push" and rank.epoch == "one" and rank.restarts == 0  # nothing changed
+    # The real rank comes back as a restart, not a duplicate of an upstream's rank.
+    _, again = h.hello(epoch="two")
+    assert again is rank and rank.restarts == 1
+    h.push(rank, bytes_(5.0))
+    assert h.counter(BYTES) == 105.0
+
+
+def test_a_pushed_rank_cannot_take_an_upstreams_identity(h: Harness) -> None:
+    conn, rank = _hello_from(h, UPSTREAM, "upstream-e1")
+    for connected in (True, False):
+        with pytest.raises(ProtocolError) as err:
+            h.hello(epoch="pushed")
+        assert err.value.code is ErrorCode.IDENTITY_OWNED, connected
+        h.state.disconnect(conn, rank)
+    assert rank.source == UPSTREAM and rank.epoch == "upstream-e1"
+    # Another upstream is another source too.
+    with pytest.raises(ProtocolError) as err:
+        _hello_from(h, "upstream:other", "other-e1")
+    assert err.value.code is ErrorCode.IDENTITY_OWNED
+    # Its own source may come back.
+    _, again = _hello_from(h, UPSTREAM, "upstream-e1")
+    assert again is rank and rank.reconnects == 1
+
+
+def test_an_expired_identity_is_free_for_another_source() -> None:
+    h = Harness(ranks_config=RanksConfig(stale_after_seconds=10.0, expire_after_seconds=30.0))
+    conn, rank = _hello_from(h, UPSTREAM, "upstream-e1")
+    h.push(rank, bytes_(100.0), tokens(10.0))
+    h.state.disconnect(conn, rank)
+    h.clock.advance(29.0)
+    h.state.tick()
+    with pytest.raises(ProtocolError):  # departed, not yet expired: still the upstream's
+        h.hello(epoch="pushed")
+    h.clock.advance(1.0)
+    h.state.tick()
+    assert rank.status is RankStatus.EXPIRED
+    _, pushed = h.hello(epoch="pushed")
+    assert pushed is not rank and pushed.source == "push" and h.state.ranks[pushed.identity] is pushed
+    assert h.state.registry.series_count == 0  # the upstream's series were freed with it
+    h.push(pushed, bytes_(7.0))
+    assert h.counter(BYTES) == 107.0  # the upstream's contribution stays in the rollup
+    with pytest.raises(ProtocolError) as err:  # and now the upstream is the outsider
+        _hello_from(h, UPSTREAM, "upstream-e1")
+    assert err.value.code is ErrorCode.IDENTITY_OWNED
+
+
+def test_expired_upstream_identities_make_room_for_pushed_ranks() -> None:
+    h = Harness(ranks_config=RanksConfig(stale_after_seconds=10.0, expire_after_seconds=30.0, max_ranks=2))
+    for tp in range(2):
+        conn, rank = _hello_from(h, UPSTREAM, f"u{tp}", tp=tp)
+        h.state.disconnect(conn, rank)  # the upstream no longer lists it
+    with pytest.raises(ProtocolError) as err:
+        h.hello(tp=5)
+    assert err.value.code is ErrorCode.TOO_MANY_RANKS
+    h.clock.advance(30.0)
+    h.state.tick()
+    _, pushed = h.hello(tp=5)
+    assert list(h.state.ranks.values()) == [pushed] and pushed.source == "push"

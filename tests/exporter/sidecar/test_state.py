@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode
-from exporter.sidecar.registry import RankStatus
+from exporter.protocol.framing import encode_message
+from exporter.protocol.messages import Sample, Snapshot, parse_client_message
+from exporter.sidecar.exposition import SidecarCollector
+from exporter.sidecar.registry import SEQ_JUMP_PER_SECOND, SEQ_JUMP_SLACK, RankStatus
+from exporter.sidecar.render import TextRenderer
+from exporter.sidecar.state import SidecarState
+from exporter.sidecar.stats import SidecarStats
 from tests.exporter.sidecar.harness import (
     BYTES,
     DURATION,
@@ -22,6 +28,7 @@ from tests.exporter.sidecar.harness import (
     tokens,
     used,
 )
+from tests.helpers import Scrape
 
 
 def test_the_facade_wires_one_registry_reader_ledger_and_window(h: Harness) -> None:
@@ -78,3 +85,111 @@ def test_disconnect_tick_and_exposed_ranks_delegate_to_the_registry() -> None:
     assert a.status is RankStatus.EXPIRED and b.status is RankStatus.EXPIRED
     assert h.state.exposed_ranks() == []
     assert h.counter(BYTES) == 3.0
+
+
+# --- two writers of one epoch (issue 19, finding 10) ---
+
+MAX_SEQ = 2**64 - 1  # the largest seq the protocol decodes (an unsigned 64-bit count)
+
+
+def _wire_snapshot(seq: int, *samples: Sample) -> Snapshot:
+    """A snapshot as the sidecar decodes it from a frame: the seq must survive the protocol."""
+    message = parse_client_message(encode_message(Snapshot(seq=seq, time=1.0, samples=list(samples)))[4:])
+    assert isinstance(message, Snapshot) and message.seq == seq
+    return message
+
+
+def _per_rank_bytes(state: SidecarState) -> float:
+    """The per-rank load_back_bytes_total of rank tp 0 on /metrics."""
+    text = TextRenderer(SidecarCollector(state, SidecarStats(), "sglang_")).render().decode()
+    scrape = Scrape(text)
+    return scrape.value("sglang_load_back_bytes_total", tp_rank="0")
+
+
+def test_an_impostor_reusing_a_rank_epoch_cannot_freeze_the_rank(h: Harness) -> None:
+    """After a sidecar restart, an impostor says hello first with the real rank's (public) epoch
+    and seq 2**64-1; once it leaves, the real rank's reconnect must flow, not drop as old_seq."""
+    impostor, rank = h.hello(epoch="real")
+    assert not h.state.snapshot(rank, _wire_snapshot(MAX_SEQ, bytes_(5_000_000.0))).ignored
+    h.state.disconnect(impostor, rank)
+    _, result = h.hello_result(epoch="real")
+    assert result.reconnect and result.rank is rank
+    outcome = h.state.snapshot(rank, _wire_snapshot(50, bytes_(400.0)))
+    assert not outcome.ignored and outcome.applied == 1 and outcome.rejections == []
+    assert outcome.conflict is not None and outcome.conflict[0] is ErrorCode.EPOCH_CONFLICT
+    assert "another process pushed with this epoch" in outcome.conflict[1]
+    assert rank.epoch_conflicts == 1 and rank.restarts == 0 and rank.epoch == "real"
+    assert _per_rank_bytes(h.state) == 400.0
+    assert h.counter(BYTES) == 5_000_400.0  # positions continue: the rollup never falls
+    # Later pushes apply, as increases of the real rank's own values.
+    later = h.state.snapshot(rank, _wire_snapshot(51, bytes_(450.0)))
+    assert not later.ignored and later.conflict is None
+    assert _per_rank_bytes(h.state) == 450.0 and h.counter(BYTES) == 5_000_450.0
+
+
+def test_a_reconnect_whose_seq_jumps_absurdly_is_refused(h: Harness) -> None:
+    conn, rank = h.hello(epoch="real")
+    h.push(rank, bytes_(400.0), seq=50)
+    h.state.disconnect(conn, rank)
+    h.clock.advance(10.0)
+    h.hello(epoch="real")  # someone with the public epoch, while the rank is away
+    result = h.state.snapshot(rank, _wire_snapshot(MAX_SEQ, bytes_(5_000_000.0)))
+    assert result.ignored and result.applied == 0 and result.refused is not None
+    assert result.refused[0] is ErrorCode.SEQ_JUMP and "seq 50" in result.refused[1]
+    assert rank.values[(BYTES, ())] == 400.0 and h.counter(BYTES) == 400.0 and rank.seq == 50
+    # A seq the epoch could have reached is let through (the one-per-push rule is the client's).
+    allowed = 50 + SEQ_JUMP_SLACK + 10 * SEQ_JUMP_PER_SECOND
+    assert h.state.snapshot(rank, _wire_snapshot(allowed + 1, bytes_(401.0))).refused is not None
+    assert not h.state.snapshot(rank, _wire_snapshot(allowed, bytes_(401.0))).ignored
+    assert h.counter(BYTES) == 401.0
+
+
+def test_a_reconnect_continues_exactly_and_compares_seq_within_its_connection(h: Harness) -> None:
+    conn, rank = h.hello(epoch="one")
+    h.push(rank, bytes_(100.0), hist(DURATION, one_hot(DURATION, 0), 0.001), seq=7)
+    h.state.disconnect(conn, rank)
+    h.hello(epoch="one")
+    # A client whose seq started over (it lost count) is not held back by its earlier connection.
+    result = h.push(rank, bytes_(130.0), hist(DURATION, one_hot(DURATION, 0, n=2), 0.002), seq=1)
+    assert not result.ignored and result.conflict is None and result.rejections == []
+    assert h.counter(BYTES) == 130.0 and rank.values[(BYTES, ())] == 130.0
+    assert rank.epoch_conflicts == 0 and rank.reconnects == 1
+    assert h.push(rank, bytes_(999.0), seq=1).ignored  # within the connection, seq still rises
+
+
+def test_a_histogram_going_down_on_a_reconnect_is_an_epoch_conflict(h: Harness) -> None:
+    conn, rank = h.hello(epoch="one")
+    h.push(rank, hist(DURATION, one_hot(DURATION, 0, n=5), 0.005))
+    h.state.disconnect(conn, rank)
+    h.hello(epoch="one")
+    result = h.push(rank, hist(DURATION, one_hot(DURATION, 0, n=2), 0.002))
+    assert result.conflict is not None and result.rejections == []
+    histogram = h.histogram(DURATION)
+    assert histogram is not None and histogram.counts[-1] == 7  # 5 before, then the new writer's 2
+    assert rank.values[(DURATION, ())].count == 2  # type: ignore[union-attr]
+
+
+def test_a_gauge_going_down_on_a_reconnect_is_no_conflict(h: Harness) -> None:
+    conn, rank = h.hello(epoch="one")
+    h.push(rank, bytes_(10.0), used(50.0))
+    h.state.disconnect(conn, rank)
+    h.hello(epoch="one")
+    result = h.push(rank, bytes_(10.0), used(3.0))
+    assert result.conflict is None and rank.epoch_conflicts == 0 and rank.values[(USED, ())] == 3.0
+
+
+def test_after_an_epoch_conflict_metrics_shows_the_new_writers_series_only(h: Harness) -> None:
+    """The epoch starting over in place must not reuse /metrics lines cached for the old writer's
+    series, even when the new writer sends as many series as it did."""
+    renderer = TextRenderer(SidecarCollector(h.state, SidecarStats(), "sglang_"))
+    impostor, rank = h.hello(epoch="real")
+    h.push(rank, bytes_(5_000_000.0), tokens(100.0))
+    scrape = Scrape(renderer.render().decode())
+    assert scrape.value("sglang_load_back_tokens_total", tp_rank="0", pool="kv") == 100.0
+    h.state.disconnect(impostor, rank)
+    h.hello(epoch="real")
+    assert h.push(rank, bytes_(400.0), used(3.0)).conflict is not None
+    scrape = Scrape(renderer.render().decode())
+    assert scrape.find("sglang_load_back_tokens_total", tp_rank="0") == []
+    assert scrape.value("sglang_load_back_bytes_total", tp_rank="0") == 400.0
+    assert scrape.value("sglang_hicache_host_used_tokens", tp_rank="0") == 3.0

@@ -59,7 +59,8 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress
+from itertools import accumulate, compress, islice
+from operator import add, ge, le, sub
 from typing import Any
 
 from prometheus_client.exposition import generate_latest as text_exposition
@@ -190,7 +191,7 @@ class _Continuity:
     last: list[float]  # the last raw values taken: a counter's value; a histogram's count, finite buckets, then sum
     offset: list[float]  # added to the raw values: what the series counted before its resets
     high: list[float]  # the continuous values so far (offset + raw at their highest): they never decrease
-    base: list[float]  # `high` when the rank's current epoch began: the epoch reports high - base
+    base: list[float] | None = None  # `high` when the rank's current epoch began (None: zeros): it reports high - base
     resets: deque[float] = field(default_factory=deque)  # state-clock times of its recent drops
     flapping: bool = False
 
@@ -417,10 +418,13 @@ class UpstreamFeed:
             raw = [at(n) for n in series.buckets]
             if series.count >= 0:
                 raw.append(at(series.count))
-            if not all(isinstance(v, int) or (v.is_integer() and v >= 0) for v in raw) or min(raw, default=0) < 0:
+            try:
+                counts = list(map(int, raw))
+            except (ValueError, OverflowError):  # NaN or an infinity
+                counts = []
+            if counts != raw or min(counts, default=0) < 0:  # != : a fraction, or no number at all
                 self._refuse(series, "a bucket count or count that is not a whole number of zero or more", result)
                 continue
-            counts = list(map(int, raw))
             count = counts.pop() if series.count >= 0 else counts[-1]
             total = _as_float(at(series.total)) if series.total >= 0 else 0.0
             if series.kept is None:
@@ -428,8 +432,8 @@ class UpstreamFeed:
             else:
                 finite = list(compress(counts, series.kept))
                 infinite = [c for c, k in zip(counts, series.kept) if not k]
-            if any(a > b for a, b in zip(finite, finite[1:])) or (finite and finite[-1] > count) \
-                    or any(c != count for c in infinite):
+            if not all(map(le, finite, islice(finite, 1, None))) or (finite and finite[-1] > count) \
+                    or infinite.count(count) != len(infinite):
                 self._refuse(series, "buckets that are not cumulative (each bucket at most the next, +Inf equal "
                              "to the count)", result)
                 continue
@@ -561,30 +565,34 @@ class UpstreamFeed:
         key = series.keys[0]
         kept = entry.series.get(key)
         if kept is None or kept.bounds != series.bounds:  # a new series (or a new layout, in a new epoch)
-            zeros = [0.0] * len(raw)
             high = [max(v, 0.0) for v in raw]  # only a sum may be below zero: it starts at zero
-            kept = entry.series[key] = _Continuity(series.bounds, raw, [h - v for h, v in zip(high, raw)], high, zeros)
+            kept = entry.series[key] = _Continuity(series.bounds, raw, [h - v for h, v in zip(high, raw)], high)
+        elif not series.histogram and not kept.flapping and raw[0] >= kept.last[0]:  # a counter that rose or held
+            went = kept.offset[0] + raw[0]
+            if went > kept.high[0]:
+                kept.high[0] = went
+            kept.last = raw
         else:
             last, offset, high = kept.last, kept.offset, kept.high
             counted, summed = high[0], high[-1]
-            parts = len(raw) - 1 if series.histogram else 1  # the sum is no count: a negative observation lowers it
-            if any(v < was for v, was in zip(raw[:parts], last[:parts])):
-                if self._reset(kept, series, now, result):  # counts again from zero, on top of what it had counted
-                    offset[:] = high
-            elif series.histogram and raw[-1] < last[-1]:
-                offset[-1] += last[-1] - raw[-1]  # a negative observation: the sum holds, later ones add
-            high = kept.high = [max(h, o + v) for h, o, v in zip(high, offset, raw)]
+            if kept.flapping or not all(map(ge, raw, last)):
+                parts = len(raw) - 1 if series.histogram else 1  # the sum is no count: a negative observation lowers it
+                if not all(map(ge, raw[:parts], last[:parts])):
+                    if self._reset(kept, series, now, result):  # counts again from zero, on top of what it had counted
+                        offset[:] = high
+                elif series.histogram and raw[-1] < last[-1]:
+                    offset[-1] += last[-1] - raw[-1]  # a negative observation: the sum holds, later ones add
+            high = kept.high = list(map(max, high, map(add, offset, raw)))
             kept.last = raw
             if kept.flapping:
                 self._calm(kept, series, now)
-            if series.histogram:  # parts that rose apart (after a flap) must stay cumulative: count last
-                for i in range(2, len(high) - 1):
-                    high[i] = max(high[i], high[i - 1])
-                if len(high) > 2:
+            if series.histogram:
+                if len(high) > 2:  # parts that rose apart (after a flap) must stay cumulative, the count last
+                    high[1:-1] = accumulate(high[1:-1], max)
                     high[0] = max(high[0], high[-2])
                 if high[0] == counted:
                     high[-1] = summed  # no new observation, no new sum (the state's rule: it refuses one)
-        return [h - b for h, b in zip(kept.high, kept.base)]
+        return kept.high if kept.base is None else list(map(sub, kept.high, kept.base))
 
     def _reset(self, kept: _Continuity, series: _SeriesPlan, now: float, result: FeedResult) -> bool:
         """Note one drop of a series; whether it counts as a restart (False: the series flaps)."""

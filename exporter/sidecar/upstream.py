@@ -520,6 +520,7 @@ class UpstreamFeed:
                     return  # an older process's files: that epoch was replaced
                 entry.replaced_pids.add(str(entry.pid))
                 self._restart(entry, result)
+                self.health.flapping -= sum(kept.flapping for kept in entry.series.values())
                 entry.series.clear()  # a new process: its values count from zero, its own
             elif relaid:
                 self._restart(entry, result)  # the state keeps one bucket layout per series within an epoch
@@ -565,6 +566,8 @@ class UpstreamFeed:
         key = series.keys[0]
         kept = entry.series.get(key)
         if kept is None or kept.bounds != series.bounds:  # a new series (or a new layout, in a new epoch)
+            if kept is not None and kept.flapping:
+                self.health.flapping -= 1  # the old layout's series is gone
             high = [max(v, 0.0) for v in raw]  # only a sum may be below zero: it starts at zero
             kept = entry.series[key] = _Continuity(series.bounds, raw, [h - v for h, v in zip(high, raw)], high)
         elif not series.histogram and not kept.flapping and raw[0] >= kept.last[0]:  # a counter that rose or held

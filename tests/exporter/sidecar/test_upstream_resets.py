@@ -169,6 +169,16 @@ def test_the_directory_source_restarts_a_rank_per_process_and_a_series_per_drop(
     assert rollup(h, "load_back_bytes_total") == 140
 
 
+def test_a_new_process_ends_the_flapping_of_the_old_ones_series() -> None:
+    h = Harness()
+    up = feed(h)
+    for value in (100, 50, 100, 50, 100, 50):
+        up.apply([("101", 0.0, read(counter("load_back_bytes_total", value))[0][2])])
+    assert up.health.flapping == 1
+    up.apply([("102", 0.0, read(counter("load_back_bytes_total", 7))[0][2])])
+    assert up.health.flapping == 0 and rollup(h, "load_back_bytes_total") == 300 + 7
+
+
 def test_the_feeds_self_metrics_are_exposed() -> None:
     from exporter.sidecar.exposition import SidecarCollector
     from exporter.sidecar.stats import SidecarStats

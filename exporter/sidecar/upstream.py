@@ -12,7 +12,10 @@ restarts, staleness and expiry follow one set of rules:
   unit: its count or any bucket), read lower than the last read restarted that series alone. The
   feed keeps each series' last raw values and an offset, and hands the state offset + raw, so the
   state never sees a value go down and the positions go on as `increase()` would; the other
-  series of the rank, and the rank's epoch, are untouched. A gauge may go down at any time;
+  series of the rank, and the rank's epoch, are untouched. When every counter and histogram of a
+  rank that had counted anything went down at once (an engine restart), the rank starts a new
+  epoch as well, so that its per-rank series start again from the engine's values (DESIGN
+  section 6); the positions are the same either way. A gauge may go down at any time;
 * a histogram's sum that falls while its counts do not (a negative observation, which
   prometheus_client takes) holds: later observations add on, a negative increment never enters a
   position. A value no rule allows (NaN, an infinity, a negative counter, a fractional, negative
@@ -524,9 +527,14 @@ class UpstreamFeed:
                 entry.series.clear()  # a new process: its values count from zero, its own
             elif relaid:
                 self._restart(entry, result)  # the state keeps one bucket layout per series within an epoch
+            elif pid is None and self._engine_restarted(entry, reads):
+                self._restart(entry, result)  # the per-rank series start again from the engine's values
         if entry.rank is None:
+            name = str(entry.generation) if pid is None else f"pid{pid}"
+            if pid is not None and pid == entry.pid and entry.generation:
+                name += f"-{entry.generation}"  # a process's second epoch (a new layout): an epoch never comes back
             entry.pid = pid
-            entry.epoch = f"{self.tag}-{'pid' + pid if pid is not None else entry.generation}"[:64]
+            entry.epoch = f"{self.tag}-{name}"[:64]
             hello = Hello(protocol=PROTOCOL_VERSION, epoch=entry.epoch, pid=_int(pid or "0"), rank=plan.rank_id,
                           labels=plan.static)
             try:
@@ -556,6 +564,24 @@ class UpstreamFeed:
         for code, message in applied.rejections[:1]:
             self._log_once("sample", f"{code.value}:{message}", logging.WARNING,
                            "upstream %s: sample refused (%s): %s", self.health.name, code.value, message)
+
+    def _engine_restarted(self, entry: _UpstreamRank, reads: list[_Read]) -> bool:
+        """Whether every counter and histogram of the rank that had counted anything went down at once
+        (and none of them flaps): the engine restarted, and its rank can start a new epoch that counts
+        no series twice."""
+        now = self.state.clock()
+        dropped = False
+        for series, raw in reads:
+            kept = entry.series.get(series.keys[0]) if series.keys else None
+            if kept is None or kept.bounds != series.bounds or kept.last[0] <= 0:
+                continue  # a gauge, a new series, or one that has counted nothing: it tells nothing
+            parts = len(raw) - 1 if series.histogram else 1
+            if all(map(ge, raw[:parts], kept.last[:parts])):
+                return False  # this one went on: the engine did not restart
+            if kept.flapping or sum(t > now - FLAP_WINDOW_SECONDS for t in kept.resets) >= FLAP_RESETS:
+                return False  # a drop that will not count as a restart
+            dropped = True
+        return dropped
 
     def _continue(
         self, entry: _UpstreamRank, series: _SeriesPlan, raw: list[float], now: float, result: FeedResult,

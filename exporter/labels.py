@@ -6,6 +6,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from exporter.protocol.messages import MAX_RANK
+
 RANK_KEYS: tuple[str, str, str] = ("tp_rank", "pp_rank", "dp_rank")
 # Rank axes a rank may leave out: absent means 0 in its identity, and no such label is exposed
 # (the engine's radix series carry no attn_cp_rank, its storage series do).
@@ -18,6 +20,14 @@ DERIVED_LABELS: frozenset[str] = frozenset({"moe_ep_rank"})
 LABEL_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 # Names Prometheus gives meaning to, or that the exposition adds itself.
 RESERVED_LABEL_NAMES: frozenset[str] = frozenset({"le", "quantile", "__name__", *RANK_AXES})
+# One spelling per rank number: "0", or ASCII digits without a leading zero. int() would also take
+# a sign, spaces, underscores and non-ASCII digits ("+2", " 3", "1_0", "٣"), which would merge
+# differently spelled series into one rank.
+_RANK_AXIS_RE = re.compile(r"0|[1-9][0-9]{0,5}")
+# The largest rank number is the wire protocol's (MAX_RANK - 1 = 65535): a pushed rank and an
+# upstream's series must be able to name the same ranks, and 65,536 ranks per axis is far above any
+# engine's parallelism (thousands of GPUs at most), so a larger number is a broken label, not a rank.
+MAX_RANK_AXIS = MAX_RANK - 1
 
 
 def radix_cache_metric_labels(
@@ -41,9 +51,35 @@ def radix_cache_metric_labels(
     }
 
 
+def rank_axis(text: str) -> int | None:
+    """A rank axis label value as its number: "0" or a decimal without a leading zero, up to MAX_RANK_AXIS; else None."""
+    if not _RANK_AXIS_RE.fullmatch(text):  # fullmatch: match() would let a trailing newline through
+        return None
+    number = int(text)
+    return number if number <= MAX_RANK_AXIS else None
+
+
+def _rank_number(value: Any) -> int | None:
+    """A rank axis given as a label string (see rank_axis) or as an int, as its number; else None."""
+    if isinstance(value, str):
+        return rank_axis(value)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_RANK_AXIS:
+        return value
+    return None
+
+
 def split_rank_labels(labels: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, str]]:
-    """Split a label dict into (rank axes as ints, static labels as strings); optional axes only when present."""
-    rank = {key: int(labels[key]) for key in RANK_AXES if key in labels or key in RANK_KEYS}
+    """Split a label dict into (rank axes as ints, static labels as strings); optional axes only when present.
+
+    Raises KeyError for a missing tp_rank, pp_rank or dp_rank, ValueError for an axis that is no rank number."""
+    rank: dict[str, int] = {}
+    for key in RANK_AXES:
+        if key in labels or key in RANK_KEYS:
+            number = _rank_number(labels[key])
+            if number is None:
+                raise ValueError(f"rank label {key}={labels[key]!r} must be a whole number from 0 to {MAX_RANK_AXIS}, "
+                                 "in ASCII digits without a sign, spaces, underscores or a leading zero")
+            rank[key] = number
     static = {str(k): str(v) for k, v in labels.items() if k not in RANK_AXES}
     return rank, static
 

@@ -49,6 +49,8 @@ class UpstreamHealth:
         self.unranked: set[str] = set()  # catalog families whose series carry no rank axes
         self.cp_colliding: set[str] = set()  # catalog families whose context-parallel peers share labels
         self.pass_through = 0  # families passed through in the last read
+        self.series_resets = 0  # counters and histograms read lower than the last read (each one's own restart)
+        self.flapping = 0  # series that went down too often to be restarts (upstream.FLAP_RESETS), as last read
 
     def error(self, kind: str, message: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1

@@ -8,7 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exporter.labels import RANK_KEYS, label_name_problem, radix_cache_metric_labels, split_rank_labels
+from exporter.labels import (
+    MAX_RANK_AXIS,
+    RANK_KEYS,
+    label_name_problem,
+    radix_cache_metric_labels,
+    rank_axis,
+    split_rank_labels,
+)
+from exporter.protocol.messages import MAX_RANK
 
 UPSTREAM = SimpleNamespace(tp_rank=3, pp_rank=1, attn_tp_rank=1, attn_dp_rank=2)
 
@@ -110,3 +118,36 @@ def test_split_rank_labels_keeps_attn_cp_rank_as_a_rank_axis_when_present():
     assert static == {"storage_backend": "file", "pp_size": "2", "attn_cp_size": "4"}
     assert "attn_cp_rank" not in split_rank_labels({"tp_rank": 0, "pp_rank": 0, "dp_rank": 0})[0]
     assert label_name_problem("attn_cp_rank") is not None  # a rank axis is never a static label
+
+
+# --- rank axes: one spelling per rank number ---
+
+
+@pytest.mark.parametrize("text, number", [("0", 0), ("3", 3), ("10", 10), ("65535", 65535)])
+def test_a_rank_axis_is_a_plain_decimal(text, number):
+    assert rank_axis(text) == number
+
+
+@pytest.mark.parametrize("text", ["-1", "1" + "0" * 3999, "\u0663", " 3", "3 ", "+2", "1_0", "03", "00", "",
+                                  "65536", "1e3", "0x1", "3\n", "\uff13"])
+def test_other_spellings_are_no_rank_axis(text):
+    """Before: int() took all but "" and "0x1"/"1e3", merging " 3", "+2", "1_0" and "\u0663" into ranks 3, 2, 10, 3."""
+    assert rank_axis(text) is None
+
+
+def test_the_largest_rank_axis_is_the_wire_protocols():
+    assert MAX_RANK_AXIS == MAX_RANK - 1 == 65535
+
+
+@settings(max_examples=300)
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=8) | st.integers(-5, 70_000).map(str))
+def test_a_rank_axis_has_one_spelling(text):
+    """Every number a rank axis takes is written exactly one way: str() of it."""
+    number = rank_axis(text)
+    assert number is None or (str(number) == text and 0 <= number <= MAX_RANK_AXIS)
+
+
+@pytest.mark.parametrize("value", ["-1", " 3", "+2", "1_0", "\u0663", -1, 65536, True, 1.5])
+def test_split_rank_labels_refuses_what_is_no_rank_number(value):
+    with pytest.raises(ValueError, match="tp_rank=.* must be a whole number from 0 to 65535"):
+        split_rank_labels({"tp_rank": value, "pp_rank": 0, "dp_rank": 0})

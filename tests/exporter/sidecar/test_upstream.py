@@ -78,7 +78,7 @@ def test_each_upstream_series_is_a_rank_and_rolls_up_as_pushed_ranks_do() -> Non
     assert list(duration.counts) == [0, 4, 4] and duration.sum == 4 * 0.05
 
 
-def test_a_counter_that_goes_down_is_a_restart_and_rollups_continue() -> None:
+def test_counters_that_all_go_down_are_an_engine_restart_and_rollups_continue() -> None:
     h, up = Harness(), None
     engine = Engine()
     engine.rank(0, tokens=500, moved=5000)
@@ -89,11 +89,13 @@ def test_a_counter_that_goes_down_is_a_restart_and_rollups_continue() -> None:
     restarted = Engine()  # the engine restarted: its counters from zero
     restarted.rank(0, tokens=20, moved=200)
     result = up.apply(read(restarted.text()))
-    assert result.resets == 1
-    assert rank.restarts == 1 and rank.epoch != first_epoch and rank.status is RankStatus.LIVE
+    assert result.series_resets == 2 and up.health.series_resets == 2
+    # Every series went down at once: the engine restarted, and so does its rank, with a new epoch.
+    assert result.resets == 1 and rank.restarts == 1 and rank.epoch != first_epoch and rank.status is RankStatus.LIVE
     assert rollup(h, "load_back_bytes_total") == 5200 and rollup(h, "load_back_tokens_total", pool="kv") == 520
+    assert rank.values[("load_back_bytes_total", ())] == 200  # the per-rank series start again from the engine's
     restarted.rank(0, tokens=5, moved=50)
-    assert up.apply(read(restarted.text())).resets == 0
+    assert up.apply(read(restarted.text())).series_resets == 0
     assert rollup(h, "load_back_bytes_total") == 5250
 
 

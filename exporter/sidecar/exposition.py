@@ -223,15 +223,6 @@ class SidecarCollector(Collector):
             metric["rejections"].add_sample(SELF + "rejections_total", {"reason": reason}, float(count))
         for family, count in sorted(state.ledger.layout_conflicts.items()):
             metric["rollup_layout_conflicts"].add_sample(SELF + "rollup_layout_conflicts_total", {"family": family}, float(count))
-        # The feed's per-series restarts (exporter.sidecar.upstream): how often an upstream's series
-        # went down, and which of them fall and rise too often to be restarts.
-        metric["upstream_series_resets"] = new_metric(Family(
-            SELF + "upstream_series_resets", "counter",
-            "Counters and histograms of the upstream read lower than the read before: each a restart of that series."))
-        metric["upstream_series_flapping"] = new_metric(Family(
-            SELF + "upstream_series_flapping", "gauge",
-            "Series of the upstream that went down more than twice within 5 minutes (two engines behind one URL, "
-            "or a broken engine): they count only above their highest value."))
         for health in stats.upstreams.values():
             labels = {"upstream": health.name}
             metric["upstream_series_resets"].add_sample(

@@ -55,6 +55,11 @@ SELF_FAMILIES: dict[str, Family] = {f.name: f for f in (
            "1 for a catalog family whose upstream series carry no rank labels: summed over ranks upstream, not rolled up."),
     Family(SELF + "upstream_cp_colliding_families", "gauge",
            "1 for a catalog family whose context-parallel peers share one label set upstream (summed there): not rolled up."),
+    Family(SELF + "upstream_series_resets", "counter",
+           "Counters and histograms of the upstream read lower than the read before: each a restart of that series."),
+    Family(SELF + "upstream_series_flapping", "gauge",
+           "Series of the upstream that went down more than twice within 5 minutes (two engines behind one URL, "
+           "or a broken engine): they count only above their highest value."),
     Family(SELF + "scrape_duration_seconds", "histogram", "Time to render /metrics."),
     Family(SELF + "ingest_duration_seconds", "histogram", "Time to apply one snapshot."),
 )}

@@ -18,6 +18,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.mmap_dict import _read_all_values
@@ -68,10 +69,10 @@ class _FileProblem(Exception):
         self.kind = kind
 
 
-def read_db_file(dir_fd: int, name: str, budget: int) -> tuple[float, list[tuple[str, float, float]], int]:
-    """One `.db` file's (mtime, entries, bytes read), opened relative to `dir_fd` without following a
-    link or blocking, refused (`_FileProblem`) unless it is a regular file whose `used` header fits
-    the file, MAX_FILE_BYTES and `budget`. FileNotFoundError: it was removed since the listing."""
+def read_db_file(dir_fd: int, name: str, budget: int) -> tuple[float, bytes, int]:
+    """One `.db` file's (mtime, used bytes, their count), opened relative to `dir_fd` without following
+    a link or blocking, refused (`_FileProblem`) unless it is a regular file whose `used` header fits
+    the file and MAX_FILE_BYTES (`TooLarge`: past `budget`). FileNotFoundError: removed since the listing."""
     fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY, dir_fd=dir_fd)
     try:
         info = os.fstat(fd)
@@ -85,7 +86,7 @@ def read_db_file(dir_fd: int, name: str, budget: int) -> tuple[float, list[tuple
             raise _FileProblem("truncated", "shorter than the 8-byte header")
         used = struct.unpack_from("i", header, 0)[0]
         if used == 0:  # a new file whose header is not written yet: no entries
-            return info.st_mtime, [], _HEADER
+            return info.st_mtime, header, 0
         if used < _HEADER:
             raise _FileProblem("corrupt", f"its header says {used} bytes are used")
         if used > info.st_size:
@@ -97,7 +98,7 @@ def read_db_file(dir_fd: int, name: str, budget: int) -> tuple[float, list[tuple
         data = _read_exactly(fd, used)
     finally:
         os.close(fd)
-    return info.st_mtime, list(_entries(data, used)), used
+    return info.st_mtime, data, used
 
 
 def _read_exactly(fd: int, size: int) -> bytes:
@@ -198,9 +199,15 @@ def read_directory(directory: Path, merged: bool = True, max_entries: int | None
                 out.skipped.append(Skipped(name, "bad_name", "not a name prometheus_client gives its files"))
                 continue
             try:
-                mtime, raw, size = read_db_file(dir_fd, name, budget)
+                mtime, data, size = read_db_file(dir_fd, name, budget)
                 kind = match.group("kind")
-                entries = [(_parse_key(key, kind), value, timestamp) for key, value, timestamp in raw]
+                entries: list[Any] = []
+                for key, value, timestamp in _entries(data, size):
+                    if max_entries is not None and out.entries + len(entries) >= max_entries:
+                        # Refused as the entries come, before they are taken apart: a file within
+                        # the byte caps can hold 10 times an engine's samples in short keys.
+                        raise TooLarge(f"the directory's files hold more than {max_entries} samples")
+                    entries.append((_parse_key(key, kind), value, timestamp))
             except FileNotFoundError:  # removed since the listing (a live gauge's process died)
                 continue
             except _FileProblem as err:
@@ -212,8 +219,6 @@ def read_directory(directory: Path, merged: bool = True, max_entries: int | None
                 continue
             budget -= size
             out.entries += len(entries)
-            if max_entries is not None and out.entries > max_entries:
-                raise TooLarge(f"the directory's files hold more than {max_entries} samples")
             by_pid.setdefault(match.group("pid"), []).append(
                 _File(name, kind, match.group("mode"), match.group("pid"), mtime, entries))
     finally:

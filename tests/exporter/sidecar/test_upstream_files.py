@@ -84,7 +84,7 @@ def directory(path: Path) -> None:
     path.mkdir()
 
 
-def writes(data: bytes) -> Callable[[Path], None]:
+def writes(data: bytes) -> Callable[[Path], object]:
     return lambda path: path.write_bytes(data)
 
 
@@ -92,7 +92,7 @@ def written(entries: list[tuple[str, float]]) -> Callable[[Path], None]:
     return lambda path: write_db(path, entries)
 
 
-HOSTILE = {  # name: (file name, how it is made, the kind it is skipped as)
+HOSTILE: dict[str, tuple[str, Callable[[Path], object], str]] = {  # name: (file name, how it is made, the kind it is skipped as)
     "0 bytes (a writer between open and truncate)": ("counter_9.db", writes(b""), "truncated"),
     "6 bytes": ("counter_9.db", writes(b"\x10\0\0\0\0\0"), "truncated"),
     "a header claiming more than the file": ("counter_9.db", writes(raw_db(1 << 20, size=64)), "corrupt"),

@@ -20,6 +20,7 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ def scraper(h: Harness, **config: Any) -> UpstreamScraper:
 
 
 def run(coro: Awaitable[Any]) -> Any:
-    return asyncio.run(asyncio.wait_for(coro, 30))  # type: ignore[arg-type]
+    return asyncio.run(asyncio.wait_for(coro, 30))
 
 
 @pytest.mark.parametrize("content_type, body, up, errors", [
@@ -165,9 +166,23 @@ def test_an_answer_with_more_lines_than_the_cap_is_refused_before_it_is_parsed()
     assert not s.health.up and s.health.errors == {"too_large": 1} and not h.state.ranks
 
 
-def test_the_default_line_cap_follows_the_series_budget() -> None:
+def test_the_caps_follow_the_series_budget_and_a_directory_past_its_cap_is_refused(tmp_path: Path) -> None:
     h = Harness()
-    assert scraper(h, url="http://e/m").max_lines == 16 * h.state.config.max_series_total
+    s = scraper(h, multiprocess_dir=str(tmp_path))
+    assert (s.max_lines, s.max_entries) == (16 * 24576, 4 * 24576) == (16 * h.state.config.max_series_total,
+                                                                      4 * h.state.config.max_series_total)
+    for pid in ("1", "2"):
+        values = MmapedDict(str(tmp_path / f"counter_{pid}.db"))
+        values.write_value(mmap_key("sglang:m", "sglang:m_total", ["tp_rank"], [pid], "m"), 1.0, 0.0)
+        values.close()
+    s.max_entries = 1
+
+    async def read() -> None:
+        await s.scrape_once()
+        await s.stop()
+
+    run(read())
+    assert not s.health.up and s.health.errors == {"too_large": 1} and not h.state.ranks
 
 
 def test_a_failure_nothing_foresaw_is_counted_as_internal_and_logged_once_a_minute(
@@ -176,7 +191,7 @@ def test_a_failure_nothing_foresaw_is_counted_as_internal_and_logged_once_a_minu
     h = Harness()
     now = [1000.0]
 
-    async def reads() -> tuple[UpstreamScraper, list[object]]:
+    async def reads() -> tuple[UpstreamScraper, list[Any]]:
         async with http_server(answer(TEXT, "text/plain")) as base:
             s = scraper(h, url=base + "/metrics")
             s.clock = lambda: now[0]
@@ -207,21 +222,21 @@ def test_a_stuck_read_is_busy_and_starves_no_other_upstream(tmp_path: Path, monk
     h = Harness()
 
     async def reads() -> tuple[UpstreamScraper, UpstreamScraper]:
-        async with http_server(answer(TEXT, "text/plain")) as base:
-            stuck_dir = scraper(h, multiprocess_dir=str(tmp_path), timeout_seconds=0.05)
-            url = scraper(h, url=base + "/metrics")
-            for _ in range(8):  # more than the default thread pool's 6 threads on 2 cores
-                await stuck_dir.scrape_once()
-            for _ in range(8):
-                await asyncio.wait_for(url.scrape_once(), 10)
-            await stuck_dir.stop()
-            await url.stop()
-            return stuck_dir, url
+        try:
+            async with http_server(answer(TEXT, "text/plain")) as base:
+                stuck_dir = scraper(h, multiprocess_dir=str(tmp_path), timeout_seconds=0.05)
+                url = scraper(h, url=base + "/metrics")
+                for _ in range(8):  # more than the default thread pool's 6 threads on 2 cores
+                    await stuck_dir.scrape_once()
+                for _ in range(8):
+                    await asyncio.wait_for(url.scrape_once(), 10)
+                await stuck_dir.stop()
+                await url.stop()
+                return stuck_dir, url
+        finally:
+            release.set()  # before the loop closes: it waits for its default pool's threads
 
-    try:
-        stuck_dir, url = run(reads())
-    finally:
-        release.set()
+    stuck_dir, url = run(reads())
     assert stuck_dir.health.errors == {"timeout": 1, "busy": 7}
     assert url.health.up and url.health.scrapes == 8 and not url.health.errors
 
@@ -317,6 +332,11 @@ def _hostile(rng: random.Random, directory: Path, good: bytes) -> None:
         path.write_bytes(good)
 
 
+def _both_read_again(hostile: UpstreamHealth, hostile_reads: int, healthy: UpstreamHealth, healthy_reads: int) -> bool:
+    """The healthy upstream read twice more, and the hostile one once more (a read or a failure)."""
+    return healthy.scrapes >= healthy_reads + 2 and hostile.scrapes + sum(hostile.errors.values()) > hostile_reads
+
+
 def test_a_hostile_directory_never_stops_the_sidecar_or_another_upstreams_reads(socket_dir: Path) -> None:
     mp = socket_dir / "mp"
     mp.mkdir()
@@ -342,8 +362,7 @@ def test_a_hostile_directory_never_stops_the_sidecar_or_another_upstreams_reads(
             _hostile(rng, mp, good)
             hostile_reads = hostile.scrapes + sum(hostile.errors.values())
             healthy_reads = healthy.scrapes
-            wait_until(lambda hostile_reads=hostile_reads, healthy_reads=healthy_reads: (
-                healthy.scrapes >= healthy_reads + 2 and hostile.scrapes + sum(hostile.errors.values()) > hostile_reads))
+            wait_until(partial(_both_read_again, hostile, hostile_reads, healthy, healthy_reads))
             assert http_get(sidecar.url + "/metrics")[0] == 200
         status = json.loads(http_get(sidecar.url + "/api/v1/status")[1])
     finally:

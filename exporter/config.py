@@ -213,6 +213,7 @@ class UpstreamConfig(_Strict):
     tls: UpstreamTLS | None = None
     labels: dict[str, str] = Field(default_factory=dict)  # static labels added to every rank of this upstream
     pass_through: bool = True  # families outside the catalog are re-exposed unchanged
+    follow_redirects: bool = False  # true: same-origin redirects only (credentials never go to another origin)
 
     @model_validator(mode="after")
     def _one_source(self) -> UpstreamConfig:
@@ -220,8 +221,8 @@ class UpstreamConfig(_Strict):
             raise ValueError("give exactly one of url and multiprocess_dir")
         if self.url is not None and not re.match(r"^https?://[^/\s]+", self.url):
             raise ValueError(f"url {self.url!r} must be an http:// or https:// URL")
-        if self.multiprocess_dir is not None and (self.basic_auth or self.tls or self.headers):
-            raise ValueError("headers, basic_auth and tls apply to a url upstream only")
+        if self.multiprocess_dir is not None and (self.basic_auth or self.tls or self.headers or self.follow_redirects):
+            raise ValueError("headers, basic_auth, tls and follow_redirects apply to a url upstream only")
         if self.timeout_seconds > self.interval_seconds:
             raise ValueError("timeout_seconds must not exceed interval_seconds")
         if not NAMESPACE_RE.match(self.prefix):

@@ -44,7 +44,7 @@ class UpstreamHealth:
         self.samples = 0  # samples in the last successful read
         self.scrapes = 0
         self.errors: dict[str, int] = {}  # by kind
-        self.last_error: str | None = None
+        self.last_error: str | None = None  # its kind and line number only: shown on unauthenticated views
         self.ranks = 0  # rank identities this upstream feeds
         self.unranked: set[str] = set()  # catalog families whose series carry no rank axes
         self.cp_colliding: set[str] = set()  # catalog families whose context-parallel peers share labels
@@ -52,9 +52,11 @@ class UpstreamHealth:
         self.series_resets = 0  # counters and histograms read lower than the last read (each one's own restart)
         self.flapping = 0  # series that went down too often to be restarts (upstream.FLAP_RESETS), as last read
 
-    def error(self, kind: str, message: str) -> None:
+    def error(self, kind: str, message: str = "", line: int | None = None) -> None:
+        """Count an error; `last_error` keeps its kind and line, never `message` (the upstream's text is for the log)."""
+        del message  # an upstream's text (a secret behind a redirect, say) must not reach /api/v1/status or the page
         self.errors[kind] = self.errors.get(kind, 0) + 1
-        self.last_error = f"{kind}: {message}"
+        self.last_error = kind if line is None else f"{kind} at line {line}"
 
 
 class SidecarStats:

@@ -1,28 +1,48 @@
-"""The proxy's reads: each upstream read on an interval (HTTP or its multiprocess directory) and handed to its feed."""
+"""The proxy's reads: each upstream read on an interval (HTTP or its multiprocess directory) and handed to its feed.
+
+Reading a source never raises past its loop: every failure is counted on its health by kind, logged
+at most once a minute per upstream and kind, and stops neither the sidecar nor another upstream.
+Each source's blocking work (its files, its parse) runs on its own daemon thread, one read at a
+time: a read stuck in the kernel starves no other source, holds up no exit, and while it is stuck
+the next reads are counted as `busy` rather than piling up threads.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import codecs
+import concurrent.futures
 import logging
+import queue
+import re
 import ssl
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
 from aiohttp import web
+from aiohttp.helpers import parse_mimetype
+from yarl import URL
 
 from exporter.config import UpstreamConfig
 from exporter.errors import ConfigError
 from exporter.sidecar.upstream import FeedResult, TextReading, UpstreamFeed
-from exporter.sidecar.upstream_files import Reading, read_multiprocess_dir
+from exporter.sidecar.upstream_files import DirectoryReading, Reading, TooLarge, read_directory
 
 log = logging.getLogger("hicache_exporter.upstream")
+T = TypeVar("T")
 
 
 # An upstream's answer is read up to this size: about 8 times what a 256-rank engine writes
 # (33,000 sample lines, 4.3 MB), so that a runaway or hostile upstream cannot fill the pod.
 MAX_BODY_BYTES = 32 << 20
+LOG_EVERY_SECONDS = 60.0  # one log line per upstream and error kind at most this often
+ENTRIES_PER_SERIES = 4  # a directory read's entries, per series of the sidecar's budget
+MAX_REDIRECTS = 5  # same-origin hops followed with follow_redirects: true
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 
 def client_ssl_context(config: UpstreamConfig) -> ssl.SSLContext | None:
@@ -38,6 +58,48 @@ def client_ssl_context(config: UpstreamConfig) -> ssl.SSLContext | None:
     return context
 
 
+class SourceThread:
+    """One source's blocking work, one call at a time, on its own daemon thread.
+
+    Not a ThreadPoolExecutor: the interpreter joins those threads at exit, so one stuck in `open()`
+    or a hung read would keep a stopped sidecar from exiting; a daemon thread is left behind.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[tuple[concurrent.futures.Future[object], Callable[[], object]] | None] = (
+            queue.SimpleQueue())
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        if self._closed:
+            raise RuntimeError(f"{self.name}: reads have stopped")
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        self._jobs.put((future, fn))  # type: ignore[arg-type]
+        return future
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except BaseException as err:  # handed to the awaiting read, whatever it is
+                future.set_exception(err)
+            else:
+                future.set_result(result)
+
+    def shutdown(self) -> None:
+        """Stop taking work; a call still running is left to finish (or not) on its own."""
+        self._closed = True
+        self._jobs.put(None)
+
+
 class UpstreamScraper:
     """Reads one upstream every `interval_seconds` and applies what it read to the state."""
 
@@ -48,19 +110,21 @@ class UpstreamScraper:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self.max_body_bytes = MAX_BODY_BYTES
+        # Lines of a text handed to the parser at most: as many as the feed keeps a text layout
+        # for (16 per series of the sidecar's max_series_total: 393,216 by default, about 270 MiB
+        # and 4.5 s of parsing at worst); a directory's entries cost 2 KiB each in
+        # prometheus_client's reader, so they get 4 per series (98,304: 3 times a 256-rank engine).
+        self.max_lines = feed.layout_lines
+        self.max_entries = ENTRIES_PER_SERIES * feed.state.config.max_series_total
+        self.clock: Callable[[], float] = time.monotonic
+        self._thread = SourceThread(f"upstream {self.health.name}")
+        self._running: concurrent.futures.Future[object] | None = None
+        self._logged: dict[str, float] = {}  # error kind -> when it was last logged
 
     async def start(self) -> None:
         """Read once (a pass-through family that clashes with the sidecar's stops start-up), then on an interval."""
         if self.config.url is not None:
-            auth = None
-            if self.config.basic_auth is not None:
-                ba = self.config.basic_auth
-                password = ba.password if ba.password is not None else Path(ba.password_file or "").read_text().strip()
-                auth = aiohttp.BasicAuth(ba.username, password)
-            self._session = aiohttp.ClientSession(
-                auth=auth, headers=self.config.headers, timeout=aiohttp.ClientTimeout(total=self.config.timeout_seconds),
-                connector=aiohttp.TCPConnector(ssl=client_ssl_context(self.config) or True, limit=1),
-            )
+            self._session = self._open_session()
         result = await self.scrape_once()
         if result is not None and result.clashes:
             await self.stop()
@@ -71,7 +135,19 @@ class UpstreamScraper:
             )
         self._task = asyncio.create_task(self._loop())
 
+    def _open_session(self) -> aiohttp.ClientSession:
+        auth = None
+        if self.config.basic_auth is not None:
+            ba = self.config.basic_auth
+            password = ba.password if ba.password is not None else Path(ba.password_file or "").read_text().strip()
+            auth = aiohttp.BasicAuth(ba.username, password)
+        return aiohttp.ClientSession(
+            auth=auth, headers=self.config.headers, timeout=aiohttp.ClientTimeout(total=self.config.timeout_seconds),
+            connector=aiohttp.TCPConnector(ssl=client_ssl_context(self.config) or True, limit=1),
+        )
+
     async def stop(self) -> None:
+        """Stop reading, at once whatever the source is doing (a read stuck in its thread is left behind)."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -79,44 +155,81 @@ class UpstreamScraper:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        self._thread.shutdown()
 
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.interval_seconds)
-            try:
-                await self.scrape_once()
-            except Exception as err:  # a bug must not end the reads: log it, count it, read again next time
-                log.exception("upstream %s: read failed", self.health.name)
-                self._failed("internal", f"{type(err).__name__}: {err}")
+            await self.scrape_once()
 
-    async def read(self) -> Reading | TextReading:
-        """One read of the upstream (the parsing and file reading run off the event loop)."""
+    async def _off_loop(self, fn: Callable[[], T], timeout: float | None) -> T:
+        """`fn` on this source's thread; `busy` while its previous call is still running there."""
+        if self._running is not None and not self._running.done():
+            raise _ReadError("busy", "the previous read is still running in its thread; this read is skipped")
+        future = self._thread.submit(fn)
+        self._running = future  # type: ignore[assignment]
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+
+    async def read(self) -> Reading | TextReading | DirectoryReading:
+        """One read of the upstream (file reading and parsing run on this source's thread)."""
         if self.config.multiprocess_dir is not None:
-            directory = self.config.multiprocess_dir
-            if not directory.is_dir():
-                raise _ReadError("read", f"{directory} is not a directory")
-            return await asyncio.wait_for(asyncio.to_thread(read_multiprocess_dir, directory, self.config.pass_through),
-                                          self.config.timeout_seconds)
-        assert self._session is not None and self.config.url is not None
-        openmetrics = self.config.format == "openmetrics"
-        accept = "application/openmetrics-text; version=1.0.0" if openmetrics else "text/plain; version=0.0.4"
+            return await self._off_loop(self._read_directory, self.config.timeout_seconds)
         try:
-            async with self._session.get(self.config.url, headers={"Accept": accept}) as response:
-                if response.status != 200:
-                    raise _ReadError("http_status", f"HTTP {response.status}")
-                body = await self._body(response)
-                openmetrics = response.headers.get("Content-Type", "").startswith("application/openmetrics-text")
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.config.timeout_seconds):
+                raw, charset, openmetrics = await self._fetch()
+        except TimeoutError:
             raise _ReadError("timeout", f"no answer within {self.config.timeout_seconds} s") from None
         except aiohttp.ClientError as err:
             raise _ReadError("connect", str(err) or type(err).__name__) from None
-        try:
-            return await asyncio.to_thread(self.feed.read_text, body, openmetrics)
-        except ValueError as err:
-            raise _ReadError("parse", str(err)) from None
+        return await self._off_loop(lambda: self._parse(raw, charset, openmetrics), None)
 
-    async def _body(self, response: aiohttp.ClientResponse) -> str:
-        """The answer's text, refused (not read on) once it is longer than `max_body_bytes`."""
+    def _read_directory(self) -> DirectoryReading:
+        directory = self.config.multiprocess_dir
+        assert directory is not None
+        try:
+            return read_directory(directory, self.config.pass_through, self.max_entries)
+        except TooLarge as err:
+            raise _ReadError("too_large", str(err)) from None
+        except NotADirectoryError:
+            raise _ReadError("read", f"{directory} is not a directory") from None
+
+    async def _fetch(self) -> tuple[bytes, str, bool]:
+        """The answer's bytes, charset and whether it is OpenMetrics, following same-origin redirects only if asked to."""
+        assert self.config.url is not None
+        if self._session is None:  # read before start(), as a test or a one-off read does
+            self._session = self._open_session()
+        openmetrics = self.config.format == "openmetrics"
+        accept = "application/openmetrics-text; version=1.0.0" if openmetrics else "text/plain; version=0.0.4"
+        url = URL(self.config.url)
+        for _ in range(MAX_REDIRECTS + 1):
+            # Redirects are never left to aiohttp: it would send the configured headers to another origin.
+            async with self._session.get(url, headers={"Accept": accept}, allow_redirects=False) as response:
+                if response.status in _REDIRECTS:
+                    url = self._redirect(url, response.headers.get("Location"), response.status)
+                    continue
+                if response.status != 200:
+                    raise _ReadError("http_status", f"HTTP {response.status}")
+                charset = _charset(response.headers.get("Content-Type", ""))
+                content_type = response.headers.get("Content-Type", "")
+                return await self._body(response), charset, content_type.startswith("application/openmetrics-text")
+        raise _ReadError("redirect", f"more than {MAX_REDIRECTS} redirects")
+
+    def _redirect(self, url: URL, location: str | None, status: int) -> URL:
+        """Where a redirect goes: only followed with follow_redirects, and only within the upstream's origin."""
+        if location is None:
+            raise _ReadError("redirect", f"HTTP {status} without a Location")
+        try:
+            target = url.join(URL(location))
+        except ValueError:
+            raise _ReadError("redirect", f"HTTP {status} to a Location that is no URL") from None
+        if not self.config.follow_redirects:
+            raise _ReadError("redirect", f"HTTP {status} to {target} is not followed (follow_redirects: false)")
+        if target.origin() != url.origin():
+            raise _ReadError("redirect", f"HTTP {status} to another origin ({target.origin()}) is not followed")
+        return target
+
+    async def _body(self, response: aiohttp.ClientResponse) -> bytes:
+        """The answer's bytes, refused (not read on) once it is longer than `max_body_bytes`."""
         chunks: list[bytes] = []
         size = 0
         async for chunk in response.content.iter_chunked(1 << 16):
@@ -124,21 +237,46 @@ class UpstreamScraper:
             if size > self.max_body_bytes:
                 raise _ReadError("too_large", f"the answer is longer than {self.max_body_bytes} bytes")
             chunks.append(chunk)
-        return b"".join(chunks).decode(response.get_encoding())
+        return b"".join(chunks)
+
+    def _parse(self, raw: bytes, charset: str, openmetrics: bool) -> TextReading:
+        """The answer decoded, its lines counted against `max_lines`, then read by the feed."""
+        try:
+            text = raw.decode(charset)
+        except UnicodeDecodeError as err:
+            line = raw.count(b"\n", 0, err.start) + 1
+            raise _ReadError("decode", f"not {charset} at byte {err.start}", line) from None
+        lines = text.count("\n") + 1
+        if lines > self.max_lines:
+            raise _ReadError("too_large", f"the answer has {lines} lines, more than {self.max_lines}")
+        try:
+            return self.feed.read_text(text, openmetrics)
+        except ValueError as err:
+            raise _ReadError("parse", str(err), _line_of(text, str(err))) from None
 
     async def scrape_once(self) -> FeedResult | None:
+        """One read applied to the state; never raises (each failure is counted by kind on its health)."""
         health = self.health
         started = time.perf_counter()
+        result = None
         try:
             reading = await self.read()
-        except _ReadError as err:
-            self._failed(err.kind, err.message)
-        except asyncio.TimeoutError:
-            self._failed("timeout", f"no read within {self.config.timeout_seconds} s")
-        except (OSError, ValueError) as err:
-            self._failed("read", str(err))
-        else:
+            if isinstance(reading, DirectoryReading):
+                for skipped in reading.skipped:
+                    health.error(skipped.kind, skipped.message)
+                    self._log(skipped.kind, "upstream %s: %s skipped: %s (%s); %d files skipped in this read",
+                              health.name, skipped.name, skipped.message, skipped.kind, len(reading.skipped))
+                reading = reading.reading
             result = self.feed.apply(reading)
+        except _ReadError as err:
+            self._failed(err.kind, err.message, err.line)
+        except TimeoutError:
+            self._failed("timeout", f"no read within {self.config.timeout_seconds} s")
+        except OSError as err:
+            self._failed("read", f"{type(err).__name__}: {err}")
+        except Exception as err:  # a bug or an input nothing above foresaw: count it, read again next time
+            self._failed("internal", f"{type(err).__name__}: {err}", exc_info=True)
+        else:
             health.up = True
             health.scrapes += 1
             health.last_scrape_wall = time.time()
@@ -149,23 +287,58 @@ class UpstreamScraper:
                 health.error("rejected_samples", f"{result.rejected} samples refused")
             if result.clashes:
                 health.error("name_clash", ", ".join(sorted(result.clashes)))
-            health.last_duration = time.perf_counter() - started
-            return result
         health.last_duration = time.perf_counter() - started
-        return None
+        return result
 
-    def _failed(self, kind: str, message: str) -> None:
-        if self.health.up or not self.health.errors:
-            log.warning("upstream %s: %s (%s); its ranks turn stale, then expire", self.health.name, message, kind)
+    def _failed(self, kind: str, message: str, line: int | None = None, exc_info: bool = False) -> None:
+        where = "" if line is None else f" at line {line}"
+        self._log(kind, "upstream %s: %s%s (%s); its ranks turn stale, then expire",
+                  self.health.name, message, where, kind, exc_info=exc_info)
         self.health.up = False
-        self.health.error(kind, message)
+        self.health.error(kind, message, line)
+
+    def _log(self, kind: str, message: str, *args: object, exc_info: bool = False) -> None:
+        """Log at most once a minute per error kind: a source that fails every read must not flood the log."""
+        now = self.clock()
+        last = self._logged.get(kind)
+        if last is not None and now - last < LOG_EVERY_SECONDS:
+            return
+        self._logged[kind] = now
+        log.warning(message, *args, exc_info=exc_info)
+
+
+def _charset(content_type: str) -> str:
+    """The answer's charset: UTF-8 where none is given, a read error (`charset`) where it is no text encoding."""
+    charset = parse_mimetype(content_type).parameters.get("charset", "").strip()
+    if not charset:
+        return "utf-8"
+    try:
+        codec = codecs.lookup(charset)
+    except (LookupError, ValueError):
+        codec = None
+    # codecs.lookup also finds bytes-to-bytes codecs such as `hex`, which decode to no text.
+    if codec is None or not getattr(codec, "_is_text_encoding", True):
+        raise _ReadError("charset", f"unknown charset {charset[:40]!r}")
+    return codec.name
+
+
+def _line_of(text: str, message: str) -> int | None:
+    """The line of `text` a parser's message quotes, if it quotes one: the page shows the number, never the line."""
+    for colon in (m.start() for m in re.finditer(":", message)):  # what follows a colon, longest first
+        fragment = message[colon + 1:].strip()
+        if len(fragment) >= 3:
+            at = text.find(fragment)
+            if at >= 0:
+                return text.count("\n", 0, at) + 1
+    return None
 
 
 class _ReadError(Exception):
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, line: int | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.line = line
 
 
 UPSTREAMS: web.AppKey[list[UpstreamScraper]] = web.AppKey("upstreams", list)

@@ -333,12 +333,20 @@ def test_upstreams_come_from_the_file_and_the_flags_add_to_them(tmp_path: Path) 
     ({"url": "ftp://e/metrics"}, "http:// or https://"),
     ({"url": "http://e/metrics", "timeout_seconds": 9}, "timeout_seconds must not exceed interval_seconds"),
     ({"multiprocess_dir": "/d", "headers": {"a": "b"}}, "url upstream only"),
+    ({"multiprocess_dir": "/d", "follow_redirects": True}, "follow_redirects apply to a url upstream only"),
+    ({"url": "http://e/metrics", "follow_redirects": "sometimes"}, "follow_redirects"),
     ({"url": "http://e/metrics", "basic_auth": {"username": "u"}}, "exactly one of password and password_file"),
     ({"url": "http://e/metrics", "colour": "red"}, "colour"),
 ])
 def test_a_bad_upstream_stops_start_up_naming_the_field(entry: dict, says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         config_from_data({"upstreams": [entry]}, "test")
+
+
+def test_redirects_are_not_followed_unless_an_upstream_asks() -> None:
+    config = config_from_data({"upstreams": [{"url": "http://a/metrics"},
+                                             {"url": "http://b/metrics", "follow_redirects": True}]}, "test")
+    assert [u.follow_redirects for u in config.upstreams] == [False, True]
 
 
 def test_two_upstreams_with_one_name_are_refused() -> None:

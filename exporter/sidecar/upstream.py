@@ -86,7 +86,7 @@ from exporter.sidecar.registry import RankIdentity, RankState
 from exporter.sidecar.series import static_key
 from exporter.sidecar.state import SidecarState
 from exporter.sidecar.stats import UpstreamHealth
-from exporter.sidecar.upstream_files import MERGED, Reading
+from exporter.sidecar.upstream_files import MERGED, Reading, TooLarge
 from exporter.sidecar.upstream_text import Number, TextLayout
 
 log = logging.getLogger("hicache_exporter.upstream")
@@ -310,7 +310,8 @@ class UpstreamFeed:
 
     def read_text(self, text: str, openmetrics: bool) -> TextReading:
         """One read of a text upstream: only its values when it has the last read's shape, else
-        prometheus_client's parse of it (raises ValueError where that fails). Touches no state: it
+        prometheus_client's parse of it (raises ValueError where that fails, TooLarge past the read's
+        sample bound, before parsing). Touches no state: it
         runs off the event loop, and `apply` takes what it gives."""
         if self._layout is not None:
             layout, plan = self._layout
@@ -322,7 +323,7 @@ class UpstreamFeed:
         # Sample lines (and blank ones): every line but the comments, counted without parsing.
         lines = text.count("\n") + (not text.endswith("\n")) - text.count("\n#") - text.startswith("#")
         if lines > self.max_read_samples:
-            raise ValueError(
+            raise TooLarge(
                 f"the answer has {lines} sample lines, more than the {self.max_read_samples} one read may have "
                 f"({READ_LINES_PER_SERIES} per series of ranks.max_series_total, and {MAX_PASS_THROUGH_SAMPLES} passed "
                 "through): it is not parsed; "
@@ -337,11 +338,11 @@ class UpstreamFeed:
         return TextReading(plan, [s.value for s in samples], [s.timestamp for s in samples], parsed=True)
 
     def plan_reading(self, reading: Reading) -> TextReading:
-        """A directory read's plan and values, for `apply` or `apply_async` (raises ValueError past the read's
+        """A directory read's plan and values, for `apply` or `apply_async` (raises TooLarge past the read's
         sample bound). Touches no state: the scraper runs it off the event loop, as `read_text`."""
         samples = sum(len(family.samples) for _, _, families in reading for family in families)
         if samples > self.max_read_samples:
-            raise ValueError(
+            raise TooLarge(
                 f"the directory holds {samples} samples, more than the {self.max_read_samples} one read may have "
                 f"({READ_LINES_PER_SERIES} per series of ranks.max_series_total, and {MAX_PASS_THROUGH_SAMPLES} passed "
                 "through); raise ranks.max_series_total "

@@ -41,8 +41,8 @@ MAX_KEY_BYTES = 64 << 10  # one entry's key (a JSON list of names, labels and he
 _HEADER = 8  # the `used` int and its padding
 
 
-class TooLarge(Exception):
-    """The directory holds more than one read may take: the read is refused as a whole."""
+class TooLarge(ValueError):
+    """A read holds more than one read may take (files, entries or samples): it is refused as a whole."""
 
 
 @dataclass

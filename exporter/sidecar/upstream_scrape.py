@@ -30,7 +30,7 @@ from yarl import URL
 from exporter.config import UpstreamConfig
 from exporter.errors import ConfigError
 from exporter.sidecar.upstream import FeedResult, TextReading, UpstreamFeed
-from exporter.sidecar.upstream_files import DirectoryReading, Reading, TooLarge, read_directory
+from exporter.sidecar.upstream_files import Skipped, TooLarge, read_directory
 
 log = logging.getLogger("hicache_exporter.upstream")
 T = TypeVar("T")
@@ -110,11 +110,9 @@ class UpstreamScraper:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self.max_body_bytes = MAX_BODY_BYTES
-        # Lines of a text handed to the parser at most: as many as the feed keeps a text layout
-        # for (16 per series of the sidecar's max_series_total: 393,216 by default, about 270 MiB
-        # and 4.5 s of parsing at worst); a directory's entries cost 2 KiB each in
-        # prometheus_client's reader, so they get 4 per series (98,304: 3 times a 256-rank engine).
-        self.max_lines = feed.layout_lines
+        # A text's sample lines are bounded by the feed before it parses (UpstreamFeed.max_read_samples);
+        # a directory's entries cost 2 KiB each in prometheus_client's reader, so they get 4 per
+        # series of max_series_total (98,304: 3 times a 256-rank engine), counted as they are read.
         self.max_entries = ENTRIES_PER_SERIES * feed.state.config.max_series_total
         self.clock: Callable[[], float] = time.monotonic
         self._thread = SourceThread(f"upstream {self.health.name}")
@@ -136,13 +134,13 @@ class UpstreamScraper:
         self._task = asyncio.create_task(self._loop())
 
     def _open_session(self) -> aiohttp.ClientSession:
-        auth = None
-        if self.config.basic_auth is not None:
+        headers = dict(self.config.headers)
+        if self.config.basic_auth is not None:  # a header of the session (aiohttp's `auth=` is deprecated)
             ba = self.config.basic_auth
             password = ba.password if ba.password is not None else Path(ba.password_file or "").read_text().strip()
-            auth = aiohttp.BasicAuth(ba.username, password)
+            headers["Authorization"] = aiohttp.BasicAuth(ba.username, password).encode()
         return aiohttp.ClientSession(
-            auth=auth, headers=self.config.headers, timeout=aiohttp.ClientTimeout(total=self.config.timeout_seconds),
+            headers=headers, timeout=aiohttp.ClientTimeout(total=self.config.timeout_seconds),
             connector=aiohttp.TCPConnector(ssl=client_ssl_context(self.config) or True, limit=1),
         )
 
@@ -170,24 +168,25 @@ class UpstreamScraper:
         self._running = future  # type: ignore[assignment]
         return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
 
-    async def read(self) -> Reading | TextReading | DirectoryReading:
+    async def read(self) -> TextReading | tuple[list[Skipped], TextReading]:
         """One read of the upstream (file reading and parsing run on this source's thread)."""
         if self.config.multiprocess_dir is not None:
             return await self._off_loop(self._read_directory, self.config.timeout_seconds)
-        try:
-            async with asyncio.timeout(self.config.timeout_seconds):
-                raw, charset, openmetrics = await self._fetch()
-        except TimeoutError:
+        try:  # asyncio.wait_for, not asyncio.timeout: the package runs on Python 3.10
+            raw, charset, openmetrics = await asyncio.wait_for(self._fetch(), self.config.timeout_seconds)
+        except asyncio.TimeoutError:
             raise _ReadError("timeout", f"no answer within {self.config.timeout_seconds} s") from None
         except aiohttp.ClientError as err:
             raise _ReadError("connect", str(err) or type(err).__name__) from None
         return await self._off_loop(lambda: self._parse(raw, charset, openmetrics), None)
 
-    def _read_directory(self) -> DirectoryReading:
+    def _read_directory(self) -> tuple[list[Skipped], TextReading]:
+        """The directory's files read and planned (on this source's thread), with the files skipped."""
         directory = self.config.multiprocess_dir
         assert directory is not None
         try:
-            return read_directory(directory, self.config.pass_through, self.max_entries)
+            read = read_directory(directory, self.config.pass_through, self.max_entries)
+            return read.skipped, self.feed.plan_reading(read.reading)
         except TooLarge as err:
             raise _ReadError("too_large", str(err)) from None
         except NotADirectoryError:
@@ -240,17 +239,16 @@ class UpstreamScraper:
         return b"".join(chunks)
 
     def _parse(self, raw: bytes, charset: str, openmetrics: bool) -> TextReading:
-        """The answer decoded, its lines counted against `max_lines`, then read by the feed."""
+        """The answer decoded, then read by the feed (which refuses more sample lines than a read may have)."""
         try:
             text = raw.decode(charset)
         except UnicodeDecodeError as err:
             line = raw.count(b"\n", 0, err.start) + 1
             raise _ReadError("decode", f"not {charset} at byte {err.start}", line) from None
-        lines = text.count("\n") + 1
-        if lines > self.max_lines:
-            raise _ReadError("too_large", f"the answer has {lines} lines, more than {self.max_lines}")
         try:
             return self.feed.read_text(text, openmetrics)
+        except TooLarge as err:
+            raise _ReadError("too_large", str(err)) from None
         except ValueError as err:
             raise _ReadError("parse", str(err), _line_of(text, str(err))) from None
 
@@ -261,13 +259,13 @@ class UpstreamScraper:
         result = None
         try:
             reading = await self.read()
-            if isinstance(reading, DirectoryReading):
-                for skipped in reading.skipped:
+            if isinstance(reading, tuple):
+                skipped_files, reading = reading
+                for skipped in skipped_files:
                     health.error(skipped.kind, skipped.message)
                     self._log(skipped.kind, "upstream %s: %s skipped: %s (%s); %d files skipped in this read",
-                              health.name, skipped.name, skipped.message, skipped.kind, len(reading.skipped))
-                reading = reading.reading
-            result = self.feed.apply(reading)
+                              health.name, skipped.name, skipped.message, skipped.kind, len(skipped_files))
+            result = await self.feed.apply_async(reading)
         except _ReadError as err:
             self._failed(err.kind, err.message, err.line)
         except TimeoutError:
@@ -296,6 +294,9 @@ class UpstreamScraper:
                   self.health.name, message, where, kind, exc_info=exc_info)
         self.health.up = False
         self.health.error(kind, message, line)
+        # Identities no read lists any more expire like silent pushed ranks and free their slots,
+        # even while the upstream never answers again.
+        self.feed.release_expired()
 
     def _log(self, kind: str, message: str, *args: object, exc_info: bool = False) -> None:
         """Log at most once a minute per error kind: a source that fails every read must not flood the log."""

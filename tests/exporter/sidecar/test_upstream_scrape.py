@@ -158,7 +158,7 @@ def test_an_answer_with_more_lines_than_the_cap_is_refused_before_it_is_parsed()
     async def reads() -> UpstreamScraper:
         async with http_server(answer(TEXT, "text/plain")) as base:
             s = scraper(h, url=base + "/metrics")
-            s.max_lines = TEXT.count(b"\n")  # one fewer than the text's lines (the last one is empty)
+            s.feed.max_read_samples = 1  # fewer than the text's sample lines
             await s.scrape_once()
             return s
 
@@ -169,8 +169,8 @@ def test_an_answer_with_more_lines_than_the_cap_is_refused_before_it_is_parsed()
 def test_the_caps_follow_the_series_budget_and_a_directory_past_its_cap_is_refused(tmp_path: Path) -> None:
     h = Harness()
     s = scraper(h, multiprocess_dir=str(tmp_path))
-    assert (s.max_lines, s.max_entries) == (16 * 24576, 4 * 24576) == (16 * h.state.config.max_series_total,
-                                                                      4 * h.state.config.max_series_total)
+    assert (s.feed.max_read_samples, s.max_entries) == (4 * 24576 + 16384, 4 * 24576) == (
+        4 * h.state.config.max_series_total + 16384, 4 * h.state.config.max_series_total)
     for pid in ("1", "2"):
         values = MmapedDict(str(tmp_path / f"counter_{pid}.db"))
         values.write_value(mmap_key("sglang:m", "sglang:m_total", ["tp_rank"], [pid], "m"), 1.0, 0.0)
@@ -196,10 +196,10 @@ def test_a_failure_nothing_foresaw_is_counted_as_internal_and_logged_once_a_minu
             s = scraper(h, url=base + "/metrics")
             s.clock = lambda: now[0]
 
-            def broken(*_: object) -> None:
+            async def broken(*_: object) -> None:
                 raise RuntimeError("a bug")
 
-            s.feed.apply = broken  # type: ignore[assignment,method-assign]
+            s.feed.apply_async = broken  # type: ignore[assignment,method-assign]
             results = [await s.scrape_once(), await s.scrape_once()]
             now[0] += 60
             results.append(await s.scrape_once())

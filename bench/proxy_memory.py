@@ -3,11 +3,12 @@
     python -m bench.proxy_memory [--reads 3] [--only floods,ranks,buckets,rotating] [--json FILE]
 
 Each case starts a fresh `serve` process whose one upstream is a local HTTP server (in this process)
-that answers with a body just under the proxy's body cap, shaped to hit one cost:
+that answers with a body just under the proxy's caps (32 MiB, and one sample line fewer than a read
+may have), shaped to hit one cost:
 
   floods    one pass-through family of short distinct lines (the parser's and pass-through's cost)
   ranks     one catalog counter with a new `tp_rank` per line (identities and their plans)
-  buckets   40 ranks x 9 histograms x 1,024 buckets (what the series budget must count)
+  buckets   ranks x 9 histograms x 1,024 buckets, as many as the caps let through (the series budget)
   rotating  every read lists new identities (what the feed and registry must forget)
 
 The sidecar reads `reads` answers, then /metrics, /api/v1/status and the page are asked for once
@@ -27,6 +28,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+from exporter.config import RanksConfig
+from exporter.sidecar.upstream import MAX_PASS_THROUGH_SAMPLES, READ_LINES_PER_SERIES
 from exporter.sidecar.upstream_scrape import MAX_BODY_BYTES
 
 from bench.common import Sidecar, progress_printer
@@ -48,51 +51,72 @@ def memory_limit_bytes() -> int:
     return int(SIDECAR_MEMORY_LIMIT)
 
 
-def _fill(line: Callable[[int], str], limit: int, head: str = "") -> bytes:
-    """`head` and then line(0), line(1), ... while the body stays under `limit` bytes."""
-    parts, size, index = [head], len(head), 0
-    while True:
+def _fill(line: Callable[[int], str], limit: int, lines: int, head: str = "") -> bytes:
+    """`head` and then line(0), line(1), ... while the body stays under `limit` bytes and `lines` lines."""
+    parts, size = [head], len(head)
+    for index in range(lines):
         text = line(index)
         if size + len(text) > limit:
-            return "".join(parts).encode()
+            break
         parts.append(text)
         size += len(text)
-        index += 1
+    return "".join(parts).encode()
 
 
-def floods(read: int, limit: int) -> bytes:
-    return _fill(lambda i: f'f{{i="{i}"}} 1\n', limit, "# TYPE f gauge\n")
+def _pad(limit: int, lines: int, fixed: int, most: int = 128) -> str:
+    """Padding that makes `lines` lines of `fixed` other bytes fill `limit` (a rank's static label values stay <= 128)."""
+    return "x" * max(0, min(most, limit // lines - fixed))
 
 
-def ranks(read: int, limit: int, base: int = 0) -> bytes:
-    return _fill(lambda i: f'sglang:evicted_tokens_total{{tp_rank="{base + i}",pp_rank="0",dp_rank="0"}} {read + 1}\n',
-                 limit, "# TYPE sglang:evicted_tokens_total counter\n")
+def floods(read: int, limit: int, lines: int) -> bytes:
+    pad = _pad(limit, lines, 30, most=limit)
+    return _fill(lambda i: f'f{{i="{i}",p="{pad}"}} 1\n', limit, lines, "# TYPE f gauge\n")
 
 
-def rotating(read: int, limit: int) -> bytes:
-    return ranks(read, limit, base=read * 1_000_000)
+def ranks(read: int, limit: int, lines: int, base: int = 0) -> bytes:
+    pad = _pad(limit, lines, 110)
+
+    def line(i: int) -> str:
+        tp, dp = (base + i) % 65536, (base + i) // 65536 % 65536  # every one a new identity
+        return f'sglang:evicted_tokens_total{{tp_rank="{tp}",pp_rank="0",dp_rank="{dp}",model_name="{pad}"}} {read + 1}\n'
+
+    return _fill(line, limit, lines, "# TYPE sglang:evicted_tokens_total counter\n")
+
+
+def rotating(read: int, limit: int, lines: int) -> bytes:
+    return ranks(read, limit, lines, base=read * 100_000)
 
 
 HISTOGRAMS = ("eviction_duration_seconds", "load_back_duration_seconds", "hicache_backup_duration_seconds",
               "prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth",
               "storage_prefetch_duration_seconds", "storage_backup_duration_seconds")
+BUCKETS = 1024
 
 
-def buckets(read: int, limit: int, ranks_: int = 40, per: int = 1024) -> bytes:
-    lines: list[str] = []
-    for name in HISTOGRAMS:
-        lines.append(f"# TYPE sglang:{name} histogram\n")
-        for tp in range(ranks_):
-            labels = f'tp_rank="{tp}",pp_rank="0",dp_rank="0"'
-            for b in range(per):
-                lines.append(f'sglang:{name}_bucket{{{labels},le="{(b + 1) / per:g}"}} {b + read}\n')
-            lines.append(f'sglang:{name}_bucket{{{labels},le="+Inf"}} {per + read}\n')
-            lines.append(f"sglang:{name}_count{{{labels}}} {per + read}\nsglang:{name}_sum{{{labels}}} 1.5\n")
-    body = "".join(lines).encode()
-    return body[:limit] if len(body) > limit else body
+def buckets(read: int, limit: int, lines: int) -> bytes:
+    """As many ranks x 9 histograms x 1,024 buckets as the line and byte caps let through."""
+    out: list[str] = []
+    size = count = 0
+    tp = 0
+    while True:
+        block: list[str] = []
+        labels = f'tp_rank="{tp}",pp_rank="0",dp_rank="0"'
+        for name in HISTOGRAMS:
+            block.append(f"# TYPE sglang:{name} histogram\n" if tp == 0 else "")
+            block.extend(f'sglang:{name}_bucket{{{labels},le="{(b + 1) / BUCKETS:g}"}} {b + read}\n' for b in range(BUCKETS))
+            block.append(f'sglang:{name}_bucket{{{labels},le="+Inf"}} {BUCKETS + read}\n')
+            block.append(f"sglang:{name}_count{{{labels}}} {BUCKETS + read}\nsglang:{name}_sum{{{labels}}} 1.5\n")
+        text = "".join(block)
+        added = len(HISTOGRAMS) * (BUCKETS + 3)
+        if count + added > lines or size + len(text) > limit:
+            return "".join(out).encode()
+        out.append(text)
+        size += len(text)
+        count += added
+        tp += 1
 
 
-BODIES: dict[str, Callable[[int, int], bytes]] = {"floods": floods, "ranks": ranks, "buckets": buckets,
+BODIES: dict[str, Callable[[int, int, int], bytes]] = {"floods": floods, "ranks": ranks, "buckets": buckets,
                                                   "rotating": rotating}
 
 
@@ -151,12 +175,15 @@ def measure(case: str, reads: int, body_bytes: int | None = None, progress: bool
     """One case: the sidecar's idle RSS, its peak after `reads` answers and one request of each view."""
     say = progress_printer(progress, "proxy_memory")
     limit = MAX_BODY_BYTES - SLACK if body_bytes is None else body_bytes
+    # The most sample lines a read may have (the feed refuses more before parsing), less one.
+    lines = READ_LINES_PER_SERIES * RanksConfig().max_series_total + MAX_PASS_THROUGH_SAMPLES - 1
     make = BODIES[case]
     def body(number: int) -> bytes:
-        return make(number, limit)
+        # The read at start-up gets an empty answer, so that the anchor is the sidecar before any hostile one.
+        return make(number, limit, lines) if number else b""
 
     upstream = _Upstream(body, changes=case == "rotating")
-    sample = body(0)
+    sample = body(1)
     lines = sample.count(b"\n")
     say(f"{case}: answers of {len(sample) / MB:.1f} MB ({lines} lines); starting the sidecar ...")
     config = (f"upstreams:\n  - url: {upstream.url}\n    name: hostile\n    interval_seconds: 10\n"
@@ -165,7 +192,7 @@ def measure(case: str, reads: int, body_bytes: int | None = None, progress: bool
         with Sidecar(config_yaml=config) as sidecar:
             idle = _status_bytes(sidecar.pid, "VmRSS")
             deadline = time.monotonic() + 60 + 30 * reads
-            while upstream.served < reads + 1 and time.monotonic() < deadline:
+            while upstream.served < reads + 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
             views = {}
             for path in ("/metrics", "/api/v1/status", "/"):
@@ -173,12 +200,12 @@ def measure(case: str, reads: int, body_bytes: int | None = None, progress: bool
                     views[path] = len(response.read())
             peak = _status_bytes(sidecar.pid, "VmHWM")
             alive = sidecar.proc.poll() is None
-            say(f"{case}: {upstream.served - 1} reads ended, peak RSS {peak / MB:.1f} MB (idle {idle / MB:.1f} MB); "
+            say(f"{case}: {upstream.served - 2} hostile reads ended, peak RSS {peak / MB:.1f} MB (idle {idle / MB:.1f} MB); "
                 f"/metrics {views['/metrics'] / MB:.2f} MB, status {views['/api/v1/status'] / MB:.2f} MB, "
                 f"page {views['/'] / MB:.2f} MB")
     finally:
         upstream.close()
-    return {"case": case, "idle_rss": idle, "peak_rss": peak, "answers": upstream.served - 1, "answer_bytes": len(sample),
+    return {"case": case, "idle_rss": idle, "peak_rss": peak, "answers": upstream.served - 2, "answer_bytes": len(sample),
             "views": views, "alive": alive}
 
 

@@ -248,6 +248,11 @@ class FeedResult:
 # A text layout holds a few strings per sample line: at most this many sample lines per series
 # the sidecar may hold (max_series_total), far above an engine's (about 4 at 64 ranks).
 LAYOUT_LINES_PER_SERIES = 16
+# ... and is kept between reads, at about 2.4 times the text's size (its lines, and each series'
+# part of them): only for texts up to this size, twice a 256-rank engine's 4.3 MB, so that the
+# largest answer the caps let through (16 MiB) keeps no 40 MB between reads. Larger texts are parsed
+# every time.
+MAX_LAYOUT_TEXT_BYTES = 8 << 20
 # A read is refused before prometheus_client parses it when it has more sample lines than this
 # many per series the sidecar may hold, plus the samples it may pass through (by default 98,304 +
 # 16,384 = 114,688 lines, 3.5 times a 256-rank engine's 33,000). The parser holds about 400 bytes
@@ -331,7 +336,8 @@ class UpstreamFeed:
         families = parse_exposition(text, openmetrics)
         reading: Reading = [(None, 0.0, families)]
         plan = self.plan(reading)
-        text_layout = TextLayout.of(text, families, openmetrics, self.layout_lines)
+        text_layout = TextLayout.of(text, families, openmetrics, self.layout_lines) if len(
+            text) <= MAX_LAYOUT_TEXT_BYTES else None
         if text_layout is not None:
             self._layout = (text_layout, plan)
         samples = [s for family in families for s in family.samples]

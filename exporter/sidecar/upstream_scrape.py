@@ -36,9 +36,10 @@ log = logging.getLogger("hicache_exporter.upstream")
 T = TypeVar("T")
 
 
-# An upstream's answer is read up to this size: about 8 times what a 256-rank engine writes
-# (33,000 sample lines, 4.3 MB), so that a runaway or hostile upstream cannot fill the pod.
-MAX_BODY_BYTES = 32 << 20
+# An upstream's answer is read up to this size: about 4 times what a 256-rank engine writes
+# (33,000 sample lines, 4.3 MB), as the feed's sample-line cap is, so that a runaway or hostile
+# upstream cannot fill the pod (the answer is held twice at most: its bytes, then its text).
+MAX_BODY_BYTES = 16 << 20
 LOG_EVERY_SECONDS = 60.0  # one log line per upstream and error kind at most this often
 ENTRIES_PER_SERIES = 4  # a directory read's entries, per series of the sidecar's budget
 MAX_REDIRECTS = 5  # same-origin hops followed with follow_redirects: true
@@ -192,7 +193,7 @@ class UpstreamScraper:
         except NotADirectoryError:
             raise _ReadError("read", f"{directory} is not a directory") from None
 
-    async def _fetch(self) -> tuple[bytes, str, bool]:
+    async def _fetch(self) -> tuple[bytearray, str, bool]:
         """The answer's bytes, charset and whether it is OpenMetrics, following same-origin redirects only if asked to."""
         assert self.config.url is not None
         if self._session is None:  # read before start(), as a test or a one-off read does
@@ -227,24 +228,23 @@ class UpstreamScraper:
             raise _ReadError("redirect", f"HTTP {status} to another origin ({target.origin()}) is not followed")
         return target
 
-    async def _body(self, response: aiohttp.ClientResponse) -> bytes:
+    async def _body(self, response: aiohttp.ClientResponse) -> bytearray:
         """The answer's bytes, refused (not read on) once it is longer than `max_body_bytes`."""
-        chunks: list[bytes] = []
-        size = 0
+        body = bytearray()  # decoded in place: chunks joined into bytes would hold the answer twice
         async for chunk in response.content.iter_chunked(1 << 16):
-            size += len(chunk)
-            if size > self.max_body_bytes:
+            if len(body) + len(chunk) > self.max_body_bytes:
                 raise _ReadError("too_large", f"the answer is longer than {self.max_body_bytes} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
+            body += chunk
+        return body
 
-    def _parse(self, raw: bytes, charset: str, openmetrics: bool) -> TextReading:
+    def _parse(self, raw: bytearray, charset: str, openmetrics: bool) -> TextReading:
         """The answer decoded, then read by the feed (which refuses more sample lines than a read may have)."""
         try:
             text = raw.decode(charset)
         except UnicodeDecodeError as err:
             line = raw.count(b"\n", 0, err.start) + 1
             raise _ReadError("decode", f"not {charset} at byte {err.start}", line) from None
+        raw.clear()  # the bytes, freed before the parse (the text is what is read from here)
         try:
             return self.feed.read_text(text, openmetrics)
         except TooLarge as err:

@@ -32,6 +32,10 @@ from exporter.protocol.messages import (
 from exporter.sidecar.runner import Sidecar
 
 T = TypeVar("T")
+# How long a test waits for the sidecar's own loop to start, answer or stop: a bound on a wait, not a
+# timing assertion (a stop closes HTTP with its 5 s grace, then the sources; a loaded machine took
+# over 10 s).
+LOOP_WAIT_SECONDS = 60.0
 
 
 def sidecar_config(socket_path: Path, **sections: dict[str, Any]) -> SidecarConfig:
@@ -59,7 +63,7 @@ class SidecarThread:
             await sidecar.start()
             return sidecar
 
-        self.sidecar = asyncio.run_coroutine_threadsafe(boot(), self.loop).result(10)
+        self.sidecar = asyncio.run_coroutine_threadsafe(boot(), self.loop).result(LOOP_WAIT_SECONDS)
         return self
 
     def call(self, fn: Callable[[], T]) -> T:
@@ -68,13 +72,13 @@ class SidecarThread:
         async def run() -> T:
             return fn()
 
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(LOOP_WAIT_SECONDS)
 
     def stop(self) -> None:
         if self.sidecar is not None:
-            asyncio.run_coroutine_threadsafe(self.sidecar.stop(), self.loop).result(10)
+            asyncio.run_coroutine_threadsafe(self.sidecar.stop(), self.loop).result(LOOP_WAIT_SECONDS)
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
+        self._thread.join(LOOP_WAIT_SECONDS)
         self.loop.close()
 
     @property

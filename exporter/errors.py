@@ -34,7 +34,8 @@ class ErrorCode(str, Enum):
     OLD_SEQ = "old_seq"
     SEQ_JUMP = "seq_jump"  # a reconnect's first seq far past what the epoch could have pushed since
     # Snapshot-level, applied: a reconnect's values went down within its epoch (two writers of
-    # one epoch); the identity restarts in place, so the newer writer's values flow on.
+    # one epoch). Below both writers' the identity restarts in place, so the newer writer's values
+    # flow on; at or above the set-aside writer's, that writer's values continue.
     EPOCH_CONFLICT = "epoch_conflict"
 
 

@@ -8,7 +8,7 @@ and hands the ledger one update per series that moved.
 from __future__ import annotations
 
 import operator
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from math import isfinite
 from typing import TypeVar
@@ -28,6 +28,7 @@ from exporter.sidecar.series import (
     RollupCounter,
     RollupKey,
     SeriesKey,
+    Value,
     histogram_cost,
 )
 
@@ -291,12 +292,11 @@ class SampleReader:
                 f"and rollup series together{weight}",
             )
 
-    def falls(self, rank: RankState, samples: list[Sample]) -> bool:
-        """Whether a counter or histogram in `samples` is below `rank`'s value of it this epoch:
-        on a reconnect, the sign of a second writer of the epoch. Checks nothing else (read does)."""
-        values = rank.values
-        if not values:
-            return False
+    def first_values(self, rank: RankState, samples: list[Sample]) -> dict[SeriesKey, Value]:
+        """The counters and histograms in `samples` by series, as values: what a reconnect's first
+        snapshot is compared with, to tell which writer of its epoch sent it. Checks nothing
+        else (read does): samples that name no series, and gauges, are left out."""
+        firsts: dict[SeriesKey, Value] = {}
         for sample in samples:
             labels = sample.labels
             route = rank.routes.get((sample.family, tuple(labels.items())) if labels else sample.family)
@@ -311,19 +311,16 @@ class SampleReader:
                     key = (plan.name, self._label_values(plan, labels) if labels or plan.labels else ())
                 except SampleRejected:
                     continue
-            previous = values.get(key)
-            if previous is None or plan.gauge:
+            if plan.gauge:
                 continue
-            if isinstance(previous, HistValue):
-                if sample.buckets is UNSET or sample.sum is UNSET:
+            if plan.histogram:
+                if sample.buckets is UNSET or sample.sum is UNSET or not sample.buckets:
                     continue
-                counts = [count for _, count in sample.buckets]
-                if (counts[-1] < previous.count or sample.sum < previous.sum
-                        or (len(counts) == len(previous.counts) and any(map(operator.lt, counts, previous.counts)))):
-                    return True
-            elif sample.value is not UNSET and sample.value < previous:
-                return True
-        return False
+                bounds, counts = zip(*sample.buckets)
+                firsts[key] = HistValue(bounds, counts, sample.sum)
+            elif sample.value is not UNSET:
+                firsts[key] = sample.value
+        return firsts
 
     def _label_values(self, plan: FamilyPlan, labels: dict[str, str]) -> tuple[str, ...]:
         names = plan.labels
@@ -339,3 +336,24 @@ class SampleReader:
         if values and max(map(len, values)) > limit:
             raise SampleRejected(ErrorCode.WRONG_LABELS, f"{plan.name!r}: a label value is longer than {limit} characters")
         return values
+
+
+def below(new: dict[SeriesKey, Value], old: dict[SeriesKey, Value], keys: Iterable[SeriesKey]) -> bool:
+    """Whether, in a series of `keys`, `new` is below `old` in some part: a counter's value, or a
+    histogram's count, sum or (same layout length) one of its buckets. A series `new` lacks counts
+    as zero (its writer has not counted it yet); one `old` lacks is not compared."""
+    for key in keys:
+        a, b = new.get(key), old.get(key)
+        if b is None:
+            continue
+        if a is None:
+            if (b.count > 0 or b.sum > 0) if isinstance(b, HistValue) else b > 0:
+                return True
+            continue
+        if isinstance(a, HistValue) and isinstance(b, HistValue):
+            if (a.count < b.count or a.sum < b.sum
+                    or (len(a.counts) == len(b.counts) and any(map(operator.lt, a.counts, b.counts)))):
+                return True
+        elif not isinstance(a, HistValue) and not isinstance(b, HistValue) and a < b:
+            return True
+    return False

@@ -62,11 +62,17 @@ class RankState:
     # Said hello again with its known epoch and not pushed since: its first snapshot is checked
     # against the epoch's last seq (`seq_jump`) and values (`epoch_conflict`).
     rejoined: bool = False
-    epoch_conflicts: int = 0  # reconnects whose values went down within their epoch: a second writer
+    # Reconnects of this identity's epochs that changed writer (`epoch_conflict`): one whose values
+    # went below what the epoch pushed, or that continued the epoch's other writer.
+    epoch_conflicts: int = 0
+    # The epoch's other writer, from before its last conflict: a writer that reconnects at or
+    # above these values continues from them, so two writers taking turns each add only their own.
+    other_writer: Writer | None = None
     cost: int = 0  # what `values` holds in series budget units (series.histogram_cost)
     pushed: bool = False  # has pushed since it last connected: its gauges are current
-    # The epoch of an identity the registry had forgotten to make room: its per_shard rollups
-    # already hold what it pushed before, so its first values this epoch are baselines.
+    # The epoch of an identity its source had when the registry forgot it (to make room, or when
+    # another source took the identity over): its per_shard rollups already hold what it pushed
+    # before, so its first values this epoch are baselines.
     resumed: bool = False
     stale: bool = False
     expired: bool = False
@@ -142,6 +148,15 @@ class RankState:
         return f"tp={self.tp_rank} pp={self.pp_rank} dp={self.dp_rank}{cp}" + (f" {static}" if static else "")
 
 
+@dataclass(eq=False)
+class Writer:
+    """One writer's values of an epoch, set aside while another writer pushes with that epoch."""
+
+    values: dict[SeriesKey, Value]
+    gauge_keys: dict[SeriesKey, None]
+    cost: int  # in series budget units: the budget keeps counting them while they are set aside
+
+
 def source_words(source: str) -> str:
     """Who reports an identity, for messages: "pushed ranks" or "upstream <name>"."""
     return "pushed ranks" if source == PUSH_SOURCE else source.replace(":", " ", 1)
@@ -196,8 +211,9 @@ class RankRegistry:
         self.clock = clock
         self.wall_clock = wall_clock
         self.ranks: dict[RankIdentity, RankState] = {}
-        # identity -> (its epoch, its source) when forgotten, oldest first
-        self.forgotten: dict[RankIdentity, tuple[str, str]] = {}
+        # By source, identity -> the epoch it had when forgotten, oldest first. Each source keeps
+        # at most max_ranks of its own, so no source's churn can flush another's memory.
+        self.forgotten: dict[str, dict[RankIdentity, str]] = {}
         self.budget = SeriesBudget(config.max_series_total)
 
     @property
@@ -213,7 +229,10 @@ class RankRegistry:
         rank = self.ranks.get(identity)
         if rank is not None and rank.source != source:
             self._check_owner(rank, source)  # raises while the owner holds it
-            self._forget(identity, rank)  # its owner went silent past expire_after: the identity is free
+            # Its owner went silent past expire_after: the identity is free. The owner is forgotten
+            # as making room forgets (its rollup contribution stays, its epoch goes into its own
+            # source's memory), so when it comes back its values are baselines again.
+            self._forget(identity, rank)
             rank = None
         result: HelloResult
         if rank is None:
@@ -222,7 +241,7 @@ class RankRegistry:
                 tp_rank=msg.rank.tp_rank, pp_rank=msg.rank.pp_rank, dp_rank=msg.rank.dp_rank,
                 static=static, epoch=msg.epoch, pid=msg.pid, attn_cp_rank=msg.rank.attn_cp_rank, source=source,
                 history=WindowHistory(self.window, self.window / HISTORY_POINTS),
-                resumed=self.forgotten.pop(identity, None) == (msg.epoch, source),
+                resumed=self._remembered(identity, source) == msg.epoch,
             )
             self.ranks[identity] = rank
             result = HelloResult(rank)
@@ -274,32 +293,73 @@ class RankRegistry:
         """Drop an identity's per-rank memory; its rollup contribution stays."""
         del self.ranks[identity]
         self.budget.per_rank -= rank.cost
-        self.forgotten[identity] = (rank.epoch, rank.source)
-        if len(self.forgotten) > self.config.max_ranks:  # a bounded memory of who was forgotten
-            del self.forgotten[next(iter(self.forgotten))]
+        self._drop_other_writer(rank)
+        memory = self.forgotten.setdefault(rank.source, {})
+        memory.pop(identity, None)  # re-inserted last: the memory forgets oldest first
+        memory[identity] = rank.epoch
+        if len(memory) > self.config.max_ranks:  # a bounded memory of whom this source had forgotten
+            del memory[next(iter(memory))]
+
+    def _remembered(self, identity: RankIdentity, source: str) -> str | None:
+        """The epoch `identity` had when `source`'s rank of it was forgotten (taken out of memory), or None."""
+        memory = self.forgotten.get(source)
+        if memory is None:
+            return None
+        epoch = memory.pop(identity, None)
+        if not memory:
+            del self.forgotten[source]
+        return epoch
 
     def _restart(self, rank: RankState, epoch: str) -> None:
         """A new process start: its values count from zero again, its positions carry on."""
         rank.replaced_epochs.append(rank.epoch)
         rank.epoch = epoch
+        self._drop_other_writer(rank)  # it wrote the replaced epoch
         self._start_over(rank)
         rank.rejoined = False
         rank.restarts += 1
 
     def epoch_conflict(self, rank: RankState) -> None:
-        """A reconnect's values went down within its epoch: two writers of one epoch. The epoch
+        """A reconnect's values went below both writers' of its epoch: a new writer. The epoch
         starts over in place, as a restart does (positions carry on from the last values, so no
-        rollup falls), and the values of the connection that pushes now are the rank's from here."""
+        rollup falls), and the values of the connection that pushes now are the rank's from here.
+        The writer it displaces is set aside (`other_writer`, in place of an earlier one)."""
         rank.epoch_conflicts += 1
-        self._start_over(rank)
+        self._drop_other_writer(rank)
+        rank.other_writer = Writer(rank.values, rank.gauge_keys, rank.cost)  # its cost stays in the budget
+        rank.cost = 0
+        rank.values = {}
+        rank.gauge_keys = {}
+        self._start_over(rank, carry_from=rank.other_writer.values)
 
-    def _start_over(self, rank: RankState) -> None:
-        """Values count from zero again; positions carry on."""
+    def resume_other_writer(self, rank: RankState) -> None:
+        """A reconnect's values are at or above those of its epoch's other writer: that writer is
+        back, and continues from its own values (only its increase counts); the writer it
+        displaces is set aside in its place."""
+        other = rank.other_writer
+        assert other is not None
+        rank.epoch_conflicts += 1
+        rank.other_writer = Writer(rank.values, rank.gauge_keys, rank.cost)
+        rank.values, rank.gauge_keys, rank.cost = other.values, other.gauge_keys, other.cost
+        rank.layout_conflicts.clear()
+        rank.resumed = False
+        rank.version += 1
+
+    def _drop_other_writer(self, rank: RankState) -> None:
+        """Free the values of the epoch's set-aside writer (its epoch ended, or a new writer replaces it)."""
+        if rank.other_writer is not None:
+            self.budget.per_rank -= rank.other_writer.cost
+            rank.other_writer = None
+
+    def _start_over(self, rank: RankState, carry_from: dict[SeriesKey, Value] | None = None) -> None:
+        """Values count from zero again; positions carry on (for the series in `carry_from`, the
+        ended values by default, then older series' while there is room)."""
+        ended = rank.values if carry_from is None else carry_from
+        if ended:
+            rank.positions = _carried(rank.positions, ended)
+            rank.bucket_positions = _carried(rank.bucket_positions, ended)
         self.budget.per_rank -= rank.cost
         rank.cost = 0
-        if rank.values:  # positions carry on for what the ended epoch reported, then older series' while there is room
-            rank.positions = _carried(rank.positions, rank.values)
-            rank.bucket_positions = _carried(rank.bucket_positions, rank.values)
         rank.values.clear()
         rank.gauge_keys.clear()
         rank.layout_conflicts.clear()

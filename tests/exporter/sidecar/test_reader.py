@@ -8,6 +8,7 @@ import pytest
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode
 from exporter.protocol.messages import BucketBound, HistogramSample, Sample, ScalarSample
+from exporter.sidecar.reader import below
 from exporter.sidecar.registry import OLDER_POSITIONS_KEPT
 from exporter.sidecar.series import BUCKETS_PER_SERIES, HistValue, histogram_cost
 from tests.exporter.sidecar.harness import (
@@ -523,3 +524,32 @@ def test_a_restart_frees_a_histograms_whole_weight(h: Harness) -> None:
     h.state.disconnect(conn, rank)
     h.hello(epoch="two")
     assert budget.per_rank == rank.cost == 0 and budget.rollup == 130  # the rollups keep theirs
+
+
+# --- telling an epoch's writers apart (review 19, finding 6) ---
+
+
+def test_first_values_name_a_snapshots_counters_and_histograms_not_its_gauges(h: Harness) -> None:
+    _, rank = h.hello()
+    h.push(rank, bytes_(1.0))  # a known route, and series found by catalog and labels alike
+    samples = [bytes_(5.0), tokens(7.0), used(9.0), hist(DURATION, one_hot(DURATION, 1, n=2), 0.5),
+               ScalarSample(family="no_such_family", labels={}, value=1.0), tokens(3.0, pool="bad pool")]
+    firsts = h.state.reader.first_values(rank, samples)
+    duration = firsts.pop((DURATION, ()))
+    assert isinstance(duration, HistValue) and duration.count == 2 and duration.sum == 0.5
+    assert duration.counts == tuple(cumulative(one_hot(DURATION, 1, n=2)))
+    assert firsts == {(BYTES, ()): 5.0, (TOKENS, ("kv",)): 7.0, (TOKENS, ("bad pool",)): 3.0}
+
+
+def test_below_compares_every_part_and_counts_a_missing_series_as_zero() -> None:
+    lay = layout(DURATION)
+    low = HistValue(lay, tuple(cumulative(one_hot(DURATION, 0, n=2))), 0.2)
+    shifted = HistValue(lay, tuple(cumulative(one_hot(DURATION, 1, n=2))), 0.2)  # same count, a lower first bucket
+    a, b, h_ = (BYTES, ()), (TOKENS, ("kv",)), (DURATION, ())
+    assert below({a: 1.0}, {a: 2.0}, [a]) and not below({a: 2.0}, {a: 2.0}, [a])
+    assert below({h_: shifted}, {h_: low}, [h_]) and not below({h_: low}, {h_: shifted}, [h_])
+    assert below({h_: low}, {h_: HistValue(lay, low.counts, 0.3)}, [h_])  # the sum alone
+    assert not below({a: 1.0}, {a: 2.0}, [b])  # only the keys asked about
+    assert not below({a: 1.0}, {}, [a])  # a series the old values lack is not compared
+    assert below({}, {a: 2.0}, [a]) and not below({}, {a: 0.0}, [a])  # one the new values lack counts as zero
+    assert below({}, {h_: low}, [h_])

@@ -463,3 +463,68 @@ def test_expired_upstream_identities_make_room_for_pushed_ranks() -> None:
     h.state.tick()
     _, pushed = h.hello(tp=5)
     assert list(h.state.ranks.values()) == [pushed] and pushed.source == "push"
+
+
+# --- the memory of forgotten identities, per source (issue 19, review 19, findings 4 and 5) ---
+
+
+def _expire(h: Harness, conn: object, rank: RankState) -> None:
+    """`rank`'s source stops reporting it, and it stays silent past expire_after (30 s here)."""
+    h.state.disconnect(conn, rank)
+    h.clock.advance(30.0)
+    h.state.tick()
+
+
+def test_one_sources_churn_cannot_flush_anothers_memory_of_a_forgotten_identity() -> None:
+    """Upstream A's identity is forgotten to make room while upstream B's identities come and go;
+    when A lists it again in the same epoch, its values are baselines, however many B forgot."""
+    max_ranks = 2
+    h = Harness(ranks_config=RanksConfig(stale_after_seconds=10.0, expire_after_seconds=30.0, max_ranks=max_ranks))
+    conn, x = _hello_from(h, UPSTREAM, "a-gen0")
+    h.push(x, bytes_(1000.0))
+    _expire(h, conn, x)
+    churned = 3 * max_ranks  # three times what one source remembers: a shared memory of max_ranks forgot X
+    for tp in range(1, churned + 1):
+        conn_b, rank_b = _hello_from(h, "upstream:b", f"b{tp}", tp=tp)
+        h.push(rank_b, bytes_(1.0))
+        _expire(h, conn_b, rank_b)
+    assert x.identity not in h.state.ranks
+    assert len(h.state.registry.forgotten["upstream:b"]) == max_ranks  # each source's memory stays bounded
+    assert h.counter(BYTES) == 1000.0 + churned
+    _, back = _hello_from(h, UPSTREAM, "a-gen0")
+    assert back.resumed and UPSTREAM not in h.state.registry.forgotten
+    h.push(back, bytes_(1010.0))  # a baseline: the 1,000 are counted already (the 10 moved while forgotten are not known)
+    assert h.counter(BYTES) == 1000.0 + churned
+    h.push(back, bytes_(1020.0))
+    assert h.counter(BYTES) == 1010.0 + churned  # and from there on every increase counts, once
+
+
+def test_a_source_remembers_at_most_max_ranks_forgotten_identities_of_its_own() -> None:
+    """Same-source churn past max_ranks forgets the oldest (docs/reliability.md says so)."""
+    h = Harness(ranks_config=RanksConfig(stale_after_seconds=10.0, expire_after_seconds=30.0, max_ranks=1))
+    for tp in range(3):
+        conn, rank = _hello_from(h, UPSTREAM, f"u{tp}", tp=tp)
+        _expire(h, conn, rank)
+    _hello_from(h, "upstream:b", "b0", tp=9)  # makes room: forgets tp 2, the last of the upstream's
+    assert h.state.registry.forgotten == {UPSTREAM: {(2, 0, 0, 0, STATIC_KEY): "u2"}}
+
+
+def test_a_takeover_by_another_source_leaves_the_old_owners_return_counted_once() -> None:
+    """An upstream's identity expires; a pushed rank takes it, pushes 1 and expires; the upstream
+    lists it again in its epoch: its values are baselines, so it adds only its increase."""
+    h = Harness(ranks_config=RanksConfig(stale_after_seconds=10.0, expire_after_seconds=30.0))
+    conn, owner = _hello_from(h, UPSTREAM, "up-gen0")
+    h.push(owner, bytes_(1000.0))
+    _expire(h, conn, owner)
+    conn, pushed = h.hello(epoch="imp")
+    assert not pushed.resumed and h.state.registry.forgotten == {UPSTREAM: {owner.identity: "up-gen0"}}
+    h.push(pushed, bytes_(1.0))
+    assert h.counter(BYTES) == 1001.0
+    _expire(h, conn, pushed)
+    _, back = _hello_from(h, UPSTREAM, "up-gen0")
+    assert back.resumed and back is not owner
+    assert h.state.registry.forgotten == {"push": {owner.identity: "imp"}}  # the pushed rank's turn to be remembered
+    h.push(back, bytes_(1010.0))
+    assert h.counter(BYTES) == 1001.0  # not 2,011: the 1,000 the upstream pushed before count once
+    h.push(back, bytes_(1020.0))
+    assert h.counter(BYTES) == 1011.0

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -334,3 +334,48 @@ class LedgerMachine(RuleBasedStateMachine):
 
 TestLedgerProperties = LedgerMachine.TestCase
 TestLedgerProperties.settings = PROPERTY_SETTINGS
+
+
+# --- two writers taking turns on one epoch (review 19, finding 6) ---
+
+TURNS = st.lists(
+    st.tuples(st.sampled_from((0, 1)), st.lists(st.integers(0, 1_000), min_size=1, max_size=3)),
+    min_size=1, max_size=20,
+)
+
+
+@PROPERTY_SETTINGS
+@given(family=st.sampled_from((BYTES, TOKENS)), turns=TURNS)
+def test_two_writers_taking_turns_on_one_epoch_add_no_more_than_their_own_increases(
+    family: str, turns: list[tuple[int, list[int]]],
+) -> None:
+    """A rank (writer 0) and an impostor (writer 1) reconnect with one epoch in turns, each pushing
+    its own rising count from zero. However they interleave, the rollup never falls, holds at
+    least the furthest count either reached, and never more than the two counts together: each
+    writer adds only its own increases, never the other's count over again."""
+    clock = FakeClock()
+    state = SidecarState(CATALOG, clock=clock, wall_clock=lambda: 1_764_400_000.0 + clock.now)
+    key = (TOKENS, ("kv",)) if family == TOKENS else (BYTES, ())
+    rollup_key = (family, STATIC_KEY, key[1])
+    counts = [0, 0]
+    seq = itertools.count(1)
+    conn: object | None = None
+    rank: RankState | None = None
+    last_rollup = 0.0
+    for writer, increases in [(0, [0]), *turns]:  # the rank says hello first
+        if conn is not None and rank is not None:
+            state.disconnect(conn, rank)
+        conn = object()
+        msg = Hello(protocol=1, epoch="E", pid=1 + writer, rank=RankId(tp_rank=0, pp_rank=0, dp_rank=0), labels=STATIC)
+        rank = state.hello(conn, msg).rank
+        for increase in increases:
+            counts[writer] += increase
+            sample = ScalarSample(family, float(counts[writer]), dict(zip(("pool",), key[1])))
+            result = state.snapshot(rank, Snapshot(seq=next(seq), time=clock.now, samples=[sample]))
+            assert not result.ignored and result.rejections == []
+            assert rank.values[key] == counts[writer]  # per-rank series show the writer that pushes now
+            rollup = state.ledger.counters[rollup_key]
+            assert last_rollup <= rollup  # never falls
+            assert max(counts) <= rollup <= sum(counts), (counts, rollup)
+            last_rollup = rollup
+            clock.now += 1.0

@@ -5,6 +5,8 @@ The rules themselves are tested per module: test_registry, test_reader, test_led
 
 from __future__ import annotations
 
+import pytest
+
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode
 from exporter.protocol.framing import encode_message
@@ -12,7 +14,7 @@ from exporter.protocol.messages import Sample, Snapshot, parse_client_message
 from exporter.sidecar.exposition import SidecarCollector
 from exporter.sidecar.registry import SEQ_JUMP_PER_SECOND, SEQ_JUMP_SLACK, RankStatus
 from exporter.sidecar.render import TextRenderer
-from exporter.sidecar.state import SidecarState
+from exporter.sidecar.state import SidecarState, SnapshotResult
 from exporter.sidecar.stats import SidecarStats
 from tests.exporter.sidecar.harness import (
     BYTES,
@@ -193,3 +195,108 @@ def test_after_an_epoch_conflict_metrics_shows_the_new_writers_series_only(h: Ha
     assert scrape.find("sglang_load_back_tokens_total", tp_rank="0") == []
     assert scrape.value("sglang_load_back_bytes_total", tp_rank="0") == 400.0
     assert scrape.value("sglang_hicache_host_used_tokens", tp_rank="0") == 3.0
+
+
+# --- two writers taking turns on one epoch (review 19, finding 6) ---
+
+
+def _turn(h: Harness, epoch: str, *samples: Sample) -> tuple[object, SnapshotResult]:
+    """One writer's turn: a reconnect with `epoch` and one snapshot; the connection is left open."""
+    conn, rank = h.hello(epoch=epoch)
+    return conn, h.push(rank, *samples)
+
+
+def test_an_impostor_taking_turns_on_a_ranks_epoch_adds_only_its_own_increases(h: Harness) -> None:
+    """The real rank at 1,050 leaves; an impostor reuses its epoch and pushes 5, then 1 on every
+    later turn: each time the real rank returns it continued from its own values, not from the
+    impostor's (ten turns once added 12,611 for 1,051 of the rank's own and the impostor's 5)."""
+    conn, rank = h.hello(epoch="E")
+    h.push(rank, bytes_(1050.0))
+    h.state.disconnect(conn, rank)
+    conn, result = _turn(h, "E", bytes_(5.0))
+    assert result.conflict is not None and "below what that epoch pushed" in result.conflict[1]
+    assert h.counter(BYTES) == 1055.0 and rank.values[(BYTES, ())] == 5.0
+    h.state.disconnect(conn, rank)
+    conn, result = _turn(h, "E", bytes_(1051.0))  # the real rank: at or above both writers', nearer its own
+    assert result.conflict is not None and result.conflict[0] is ErrorCode.EPOCH_CONFLICT
+    assert "continue those another writer of that epoch pushed" in result.conflict[1]
+    assert h.counter(BYTES) == 1056.0 and _per_rank_bytes(h.state) == 1051.0
+    for _ in range(10):
+        h.state.disconnect(conn, rank)
+        conn, _ = _turn(h, "E", bytes_(1.0))  # the impostor, below both: a new writer from 1
+        h.state.disconnect(conn, rank)
+        conn, _ = _turn(h, "E", bytes_(1051.0))  # the real rank continues its own 1,051
+        assert _per_rank_bytes(h.state) == 1051.0
+    assert h.counter(BYTES) == 1057.0  # 1,051 of the real rank's, 5 then 1 of the impostor's two starts
+    assert rank.epoch_conflicts == 22 and rank.restarts == 0 and rank.epoch == "E"
+    h.push(rank, bytes_(1060.0))  # and the real rank's increases count
+    assert h.counter(BYTES) == 1066.0
+
+
+def test_a_writer_at_or_above_the_last_writers_values_continues_them_without_conflict(h: Harness) -> None:
+    conn, rank = h.hello(epoch="E")
+    h.push(rank, bytes_(100.0))
+    h.state.disconnect(conn, rank)
+    conn, _ = _turn(h, "E", bytes_(5.0))  # a second writer: the first is set aside at 100
+    h.state.disconnect(conn, rank)
+    conn, result = _turn(h, "E", bytes_(7.0))  # above the last writer's 5, below the other's 100
+    assert result.conflict is None and h.counter(BYTES) == 107.0
+    h.state.disconnect(conn, rank)
+    _, result = _turn(h, "E", bytes_(130.0))  # at or above both, nearer the other writer's 100
+    assert result.conflict is not None and h.counter(BYTES) == 137.0 and rank.values[(BYTES, ())] == 130.0
+
+
+def test_two_writers_taking_turns_on_a_histogram_add_only_their_own_observations(h: Harness) -> None:
+    conn, rank = h.hello(epoch="E")
+    h.push(rank, hist(DURATION, one_hot(DURATION, 0, n=5), 0.005))
+    h.state.disconnect(conn, rank)
+    conn, _ = _turn(h, "E", hist(DURATION, one_hot(DURATION, 0, n=2), 0.002))
+    h.state.disconnect(conn, rank)
+    _, result = _turn(h, "E", hist(DURATION, one_hot(DURATION, 0, n=6), 0.006))
+    assert result.conflict is not None and result.rejections == []
+    histogram = h.histogram(DURATION)
+    assert histogram is not None and histogram.counts[-1] == 8  # 5 and 1 of the real rank's, 2 of the other's
+    assert histogram.sum == pytest.approx(0.008)
+
+
+def test_the_other_writers_values_count_in_the_series_budget_until_the_epoch_ends(h: Harness) -> None:
+    conn, rank = h.hello(epoch="E")
+    h.push(rank, bytes_(100.0), tokens(10.0))
+    h.state.disconnect(conn, rank)
+    conn, _ = _turn(h, "E", bytes_(5.0))
+    assert rank.other_writer is not None and rank.other_writer.cost == 2
+    assert h.state.registry.series_count == 3  # the set-aside writer's two and the new writer's one
+    h.state.disconnect(conn, rank)
+    conn, _ = _turn(h, "E", bytes_(1.0))  # a third writer: the one set aside before is dropped
+    assert h.state.registry.series_count == 2 and rank.other_writer.cost == 1  # type: ignore[union-attr]
+    h.state.disconnect(conn, rank)
+    h.hello(epoch="F")  # a restart: the other writer wrote the replaced epoch
+    assert rank.other_writer is None and h.state.registry.series_count == 0
+
+
+def test_a_writer_that_resumes_its_values_shows_its_own_series_on_metrics(h: Harness) -> None:
+    renderer = TextRenderer(SidecarCollector(h.state, SidecarStats(), "sglang_"))
+    conn, rank = h.hello(epoch="E")
+    h.push(rank, bytes_(100.0), used(3.0))
+    h.state.disconnect(conn, rank)
+    conn, _ = _turn(h, "E", bytes_(5.0), tokens(9.0))
+    assert Scrape(renderer.render().decode()).value("sglang_load_back_tokens_total", tp_rank="0", pool="kv") == 9.0
+    h.state.disconnect(conn, rank)
+    _turn(h, "E", bytes_(101.0))
+    scrape = Scrape(renderer.render().decode())
+    assert scrape.find("sglang_load_back_tokens_total", tp_rank="0") == []
+    assert scrape.value("sglang_load_back_bytes_total", tp_rank="0") == 101.0
+    assert scrape.value("sglang_hicache_host_used_tokens", tp_rank="0") == 3.0
+
+
+def test_an_impostor_whose_conflicting_snapshot_is_refused_cannot_have_the_rank_counted_again(h: Harness) -> None:
+    """A conflict whose samples are all refused leaves the new writer with no values: the real
+    rank returning must still continue its own values, not count them from zero again."""
+    conn, rank = h.hello(epoch="E")
+    h.push(rank, bytes_(1050.0))
+    h.state.disconnect(conn, rank)
+    conn, result = _turn(h, "E", bytes_(-1.0))  # below the epoch's 1,050, then refused as negative
+    assert result.conflict is not None and codes(result) == [ErrorCode.INVALID_VALUE] and rank.values == {}
+    h.state.disconnect(conn, rank)
+    _, result = _turn(h, "E", bytes_(1051.0))
+    assert result.conflict is not None and h.counter(BYTES) == 1051.0 and rank.values[(BYTES, ())] == 1051.0

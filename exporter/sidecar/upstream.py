@@ -421,8 +421,10 @@ class UpstreamFeed:
     def release_expired(self) -> int:
         """Disconnect this upstream's identities that the registry marked expired, so their slots can go
         to other ranks; for reads that fail (a read that succeeds departs what it no longer lists)."""
+        self._lines_this_read = self._unlogged_this_read = 0
         departed = self._depart(set(), only_expired=True)
         self._calm_unlisted()
+        self._log_summary()
         return departed
 
     def pass_through_text(self, openmetrics: bool) -> str:
@@ -971,11 +973,12 @@ class UpstreamFeed:
             kept.flapping = True
             self._flapping[kept] = series.name
             self.health.flapping = len(self._flapping)
-            log.warning("upstream %s: %s went down %d times within %d s: two processes write it (two engines "
-                        "behind one URL?) or the engine is broken. Its drops are no longer counted as restarts: "
-                        "it counts only above its highest value until it holds for %d s. Give each engine its "
-                        "own upstream", self.health.name, series.name, len(resets), FLAP_WINDOW_SECONDS,
-                        FLAP_WINDOW_SECONDS)
+            self._log_once("flapping", series.name, logging.WARNING,
+                           "upstream %s: %s went down %d times within %d s: two processes write it (two engines "
+                           "behind one URL?) or the engine is broken. Its drops are no longer counted as restarts: "
+                           "it counts only above its highest value until it holds for %d s. Give each engine its "
+                           "own upstream", self.health.name, series.name, len(resets), FLAP_WINDOW_SECONDS,
+                           FLAP_WINDOW_SECONDS)
         return not kept.flapping
 
     def _calm(self, kept: _Continuity, name: str, now: float) -> None:
@@ -986,8 +989,9 @@ class UpstreamFeed:
         kept.flapping = False
         kept.offset = [h - v for h, v in zip(kept.high, kept.last)]  # rises count again from its highest value
         self._flapping.pop(kept, None)
-        log.info("upstream %s: %s has not gone down for %d s: its drops count as restarts again",
-                 self.health.name, name, FLAP_WINDOW_SECONDS)
+        self._log_once("calm", name, logging.INFO,
+                       "upstream %s: %s has not gone down for %d s: its drops count as restarts again",
+                       self.health.name, name, FLAP_WINDOW_SECONDS)
 
     def _restart(self, entry: _UpstreamRank, result: FeedResult) -> None:
         """End the rank's epoch: a new one begins at the next hello, its series continuing from where they are."""

@@ -31,7 +31,19 @@ restarts, staleness and expiry follow one set of rules:
   in `hicache_exporter_upstream_series_resets_total{upstream}`;
 * a histogram whose bucket bounds change starts a new epoch for its rank (the state keeps one layout
   per series within an epoch): the epoch's values are the series' continuous values less those at
-  its start, so no other series is counted again;
+  its start, so no other series is counted again. A new layout is one more restart of that series:
+  it counts as a drop in the flapping rule (its drop history goes on), and a flapping series keeps
+  its layout: a read with another is refused (counted, logged), so two engines with different
+  buckets behind one URL add at most FLAP_RESETS whole values per window;
+* a series listed twice in one read (the same family and labels, or a histogram's bucket, _count or
+  _sum again, or a sample of a family passed through) keeps its first listing; the others are left
+  out and counted (`duplicate_series`). A rank is planned with at most ranks.max_series_per_rank
+  series (the rest counted: `series_limit`), the feed makes at most that many continuous per
+  identity (a new one past it is refused, as the state would; a series unlisted for
+  FORGET_SERIES_SECONDS may give its place), and a rank of many series is fed in snapshots of
+  APPLY_SLICE_SERIES series, the event loop running between them;
+* a problem is logged once, again after LOG_AGAIN_SECONDS, and a read logs at most
+  MAX_LOG_LINES_PER_READ lines and one line for the rest; the counters count every one;
 * in a multiprocess directory the epoch is the process (pid): a new pid for a known rank is an
   exact restart, and the older process's files are never summed into the newer one's; a drop
   within one process's files is a per-series reset, as above;
@@ -78,7 +90,7 @@ from prometheus_client.samples import Timestamp
 
 from exporter.catalog import Catalog, FamilySpec, MetricType
 from exporter.config import UpstreamConfig
-from exporter.errors import ProtocolError
+from exporter.errors import ErrorCode, ProtocolError
 from exporter.labels import MAX_RANK_AXIS, RANK_AXES, RANK_KEYS, rank_axis
 from exporter.protocol.messages import PROTOCOL_VERSION, Hello, RankId, Sample, Snapshot
 from exporter.sidecar.families import exported_name
@@ -106,8 +118,15 @@ def parse_exposition(text: str, openmetrics: bool) -> list[Metric]:
         if openmetrics:
             return list(parse_openmetrics(_OM_METADATA.sub(lambda m: m.group(1) + m.group(2).replace(":", "_"), text)))
         return list(parse_text(text))
+    except ValueError as err:
+        if str(err):
+            raise
+        # The parsers raise a bare ValueError() on some lines (`# TYPE evil.name counter`): the log
+        # line must still say what failed.
+        raise ValueError("ValueError: prometheus_client's parser refused a line and gave no reason "
+                         "(an invalid metric name or TYPE line?)") from None
     except (OverflowError, LookupError, TypeError) as err:  # what the parsers raise on some malformed lines
-        raise ValueError(f"{type(err).__name__}: {err}") from None
+        raise ValueError(f"{type(err).__name__}: {err}" if str(err) else f"{type(err).__name__} (no message)") from None
 
 
 # --- the feed: an upstream's families into the sidecar's state ---
@@ -144,6 +163,10 @@ class _SeriesPlan:
     name: str = ""  # the series as people read it (family and all labels), for log lines
 
 
+# A family passed through: the family, the number of its first sample, and the numbers of the
+# samples it keeps where it lists one twice (None: all of them, from the first on).
+PassedFamily = tuple[Metric, int, list[int] | None]
+
 # A series and its raw values: a counter's or gauge's value; a histogram's count, finite buckets, then sum.
 _Read = tuple[_SeriesPlan, list[float]]
 
@@ -165,7 +188,7 @@ class ReadPlan:
     """What one read gives whatever its values: each rank's series, the families passed through, what was flagged."""
 
     ranks: list[_RankPlan] = field(default_factory=list)
-    pass_through: list[tuple[Metric, int]] = field(default_factory=list)  # (family, number of its first sample)
+    pass_through: list[PassedFamily] = field(default_factory=list)
     samples: int = 0
     unranked: set[str] = field(default_factory=set)
     cp_colliding: set[str] = field(default_factory=set)
@@ -190,6 +213,26 @@ class TextReading:
     parsed: bool  # by prometheus_client's parser (the families passed through are its own)
 
 
+# A series that goes down more than FLAP_RESETS times within FLAP_WINDOW_SECONDS flaps. An engine
+# that restarts (a crash, a redeploy) does so a few times at most in minutes, each start taking
+# longer than a scrape interval; a series that falls and rises again and again is two writers
+# taking turns (two engines behind one Service URL) or a broken engine. Counting every rise would
+# add a whole value per read; a flapping series counts only above its highest value, until it
+# holds for a whole window.
+FLAP_RESETS = 2
+FLAP_WINDOW_SECONDS = 300
+# A series of a rank that no read has listed for this long may lose its continuity to a new series
+# when the rank holds max_series_per_rank of them: an hour is far past any engine restart or
+# redeploy, so only series the engine stopped writing are forgotten (one that comes back after
+# that counts from its value then, as a new series).
+FORGET_SERIES_SECONDS = 3600.0
+
+
+def _drop_times() -> deque[float]:
+    """A series' recent drop times: the flapping rule needs only the last FLAP_RESETS + 1."""
+    return deque(maxlen=FLAP_RESETS + 1)
+
+
 @dataclass(slots=True, eq=False)
 class _Continuity:
     """One counter or histogram (one unit) of a rank: its raw values as the engine reports them, made continuous."""
@@ -199,18 +242,11 @@ class _Continuity:
     offset: list[float]  # added to the raw values: what the series counted before its resets
     high: list[float]  # the continuous values so far (offset + raw at their highest): they never decrease
     base: list[float] | None = None  # `high` when the rank's current epoch began (None: zeros): it reports high - base
-    resets: deque[float] = field(default_factory=deque)  # state-clock times of its recent drops
+    resets: deque[float] = field(default_factory=_drop_times)  # state-clock times of its recent drops
     flapping: bool = False
+    seen: float = 0.0  # state-clock time of the last read that listed it
 
 
-# A series that goes down more than FLAP_RESETS times within FLAP_WINDOW_SECONDS flaps. An engine
-# that restarts (a crash, a redeploy) does so a few times at most in minutes, each start taking
-# longer than a scrape interval; a series that falls and rises again and again is two writers
-# taking turns (two engines behind one Service URL) or a broken engine. Counting every rise would
-# add a whole value per read; a flapping series counts only above its highest value, until it
-# holds for a whole window.
-FLAP_RESETS = 2
-FLAP_WINDOW_SECONDS = 300
 
 
 @dataclass(eq=False)
@@ -223,8 +259,9 @@ class _UpstreamRank:
     pid: str | None = None
     generation: int = 0
     seq: int = 0
-    series: dict[MonotoneKey, _Continuity] = field(default_factory=dict)
+    series: dict[MonotoneKey, _Continuity] = field(default_factory=dict)  # at most max_series_per_rank
     replaced_pids: set[str] = field(default_factory=set)
+    room: list[MonotoneKey] | None = None  # this read's series that may be forgotten for new ones, longest unlisted last
 
 
 @dataclass
@@ -296,7 +333,11 @@ class UpstreamFeed:
         self.pass_through: list[Metric] = []
         self.layout_lines = LAYOUT_LINES_PER_SERIES * state.config.max_series_total
         self._layout: tuple[TextLayout, ReadPlan] | None = None  # the last text read's, while it is one
-        self._logged: set[tuple[str, str]] = set()
+        # (kind, name) -> state-clock time it was last logged, oldest first: a problem is logged again
+        # after LOG_AGAIN_SECONDS, and the oldest are forgotten past MAX_LOGGED.
+        self._logged: dict[tuple[str, str], float] = {}
+        self._lines_this_read = 0  # log lines this read has written (at most MAX_LOG_LINES_PER_READ)
+        self._unlogged_this_read = 0  # problems this read did not log past that
         self._rendered: dict[bool, str] = {}  # the pass-through text per format, until a family passed through changes
         # Every name the sidecar's own families write (as prometheus_client escapes them): pass-through must not write one.
         self.reserved_forms = frozenset(escape_metric_name(name) + suffix
@@ -306,6 +347,9 @@ class UpstreamFeed:
         # epochs count restarts): one listed again says hello with the epoch it had. Bounded like
         # the registry's memory of forgotten identities.
         self._generations: dict[RankIdentity, int] = {}
+        # The series flapping now, and their names (for the line that says they calmed down): the
+        # flapping gauge is their number as of the last read.
+        self._flapping: dict[_Continuity, str] = {}
 
     def spec_of(self, name: str) -> FamilySpec | None:
         for prefix in self.prefixes:
@@ -377,7 +421,11 @@ class UpstreamFeed:
     def release_expired(self) -> int:
         """Disconnect this upstream's identities that the registry marked expired, so their slots can go
         to other ranks; for reads that fail (a read that succeeds departs what it no longer lists)."""
-        return self._depart(set(), only_expired=True)
+        self._lines_this_read = self._unlogged_this_read = 0
+        departed = self._depart(set(), only_expired=True)
+        self._calm_unlisted()
+        self._log_summary()
+        return departed
 
     def pass_through_text(self, openmetrics: bool) -> str:
         """The families passed through, as prometheus_client's own exposition writes them (cached per read)."""
@@ -404,6 +452,7 @@ class UpstreamFeed:
         lacking_cp: dict[str, bool] = {}  # catalog family -> whether none of its series carries attn_cp_rank
         help_texts: dict[str, str] = {}
         merged = any(pid == MERGED for pid, _, _ in reading)
+        duplicated: list[str] = []  # series (or a histogram's samples) listed again: the first is kept
         number = 0  # of the family's first sample in the reading
         for pid, _, families in reading:
             by_rank: dict[RankIdentity, _RankPlan] = {}
@@ -418,7 +467,7 @@ class UpstreamFeed:
                 plan.samples += len(family.samples)
                 if family.documentation and family.documentation != MULTIPROCESS_HELP:
                     help_texts[spec.name] = family.documentation
-                for labels, series in _series(spec, family, first, plan.refused):
+                for labels, series in _series(spec, family, first, plan.refused, duplicated):
                     if "attn_cp_size" in labels and _int(labels["attn_cp_size"]) > 1:
                         cp_size_above_one = True
                     if not all(key in labels for key in RANK_KEYS):
@@ -445,14 +494,40 @@ class UpstreamFeed:
         if cp_size_above_one:
             plan.cp_colliding = {name for name, lacking in lacking_cp.items() if lacking}
         left_out = plan.unranked | plan.cp_colliding
+        max_series = self.state.config.max_series_per_rank  # the most the state holds (and the feed continues)
+        series_cut = 0
         for _, by_rank in per_process:
             for rank in by_rank.values():
-                rank.series = [s for s in rank.series if s.family not in left_out]
+                listed: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+                kept: list[_SeriesPlan] = []
+                for s in rank.series:
+                    if s.family in left_out:
+                        continue
+                    key = (s.family, tuple(s.labels.items()))  # own labels, in the family's order
+                    if key in listed:
+                        # Twice in one read: two values of one series, which would read as a drop and a
+                        # rise on every read (each counted again). Prometheus refuses such an exposition.
+                        duplicated.append(s.name)
+                    elif len(kept) >= max_series:
+                        series_cut += 1
+                    else:
+                        listed.add(key)
+                        kept.append(s)
+                rank.series = kept
                 if rank.series:
                     rank.helps = {s.family: help_texts[s.family] for s in rank.series if s.family in help_texts}
                     plan.ranks.append(rank)
         plan.pass_through = passed.families
         plan.clashes, plan.duplicates = passed.clashes, passed.duplicates
+        duplicated += passed.duplicated
+        if duplicated:
+            plan.cut["duplicate_series"] = (
+                f"{len(duplicated)} series are listed more than once in this read (the first: {duplicated[0]}); "
+                "the first listing of each is kept, the others left out (Prometheus would refuse the exposition)")
+        if series_cut:
+            plan.cut["series_limit"] = (
+                f"{series_cut} series of ranks past the first {max_series} of their rank in this read are left out "
+                "(ranks.max_series_per_rank)")
         if ranks_cut:
             plan.cut["too_many_ranks"] = (
                 f"{ranks_cut} series of rank identities past the first {max_ranks} of this read are left out "
@@ -481,6 +556,7 @@ class UpstreamFeed:
     ) -> Iterator[None]:
         """Apply a read into `result`, pausing (yielding) after every APPLY_SLICE_SERIES series of ranks."""
         wall = time.time() if wall is None else wall
+        self._lines_this_read = self._unlogged_this_read = 0
         result.samples = plan.samples
         result.unranked, result.cp_colliding = set(plan.unranked), set(plan.cp_colliding)
         result.clashes, result.duplicates, result.cut = set(plan.clashes), set(plan.duplicates), dict(plan.cut)
@@ -507,19 +583,23 @@ class UpstreamFeed:
         done = 0
         for rank in plan.ranks:
             self._reattach(rank)
-            samples, monotone = self._samples(rank, values, result)
-            if samples:
-                self._feed(rank, samples, monotone, wall, result)
+            reads = self._samples(rank, values, result)
+            if reads:
+                for _ in self._feed(rank, reads, wall, result):  # a rank of many series, a slice at a time
+                    done = 0
+                    yield
             done += len(rank.series)
             if done >= APPLY_SLICE_SERIES:
                 done = 0
                 yield
+        self._calm_unlisted()
         passed = self._passed(plan, values, timestamps, parsed)
         if len(passed) != len(self.pass_through) or any(a is not b for a, b in zip(passed, self.pass_through)):
             self._rendered = {}  # a family passed through changed: its text is made again when asked
         self.pass_through = passed
         result.pass_through = self.pass_through
         result.ranks = sum(1 for r in self.ranks.values() if r.rank is not None and r.rank.connection is r.token)
+        self._log_summary()
 
     def _reattach(self, plan: _RankPlan) -> None:
         """Reconnect an identity an earlier read stopped listing, in the epoch it had (its seq goes on)."""
@@ -557,6 +637,7 @@ class UpstreamFeed:
                 departed += 1
             if rank is None or self.state.ranks.get(identity) is not rank:
                 del self.ranks[identity]
+                self._forget(entry, list(entry.series))
                 if entry.generation:
                     self._generations[identity] = entry.generation
                     if len(self._generations) > self.state.config.max_ranks:
@@ -565,13 +646,9 @@ class UpstreamFeed:
 
     def _samples(
         self, rank: _RankPlan, values: list[Number], result: FeedResult,
-    ) -> tuple[list[_Read], bool]:
-        """A rank's series' raw values from the read's (the ones no rule allows refused and counted), and
-        whether a histogram's bucket bounds differ from what that series had (a new epoch)."""
+    ) -> list[_Read]:
+        """A rank's series' raw values from the read's (the ones no rule allows refused and counted)."""
         reads: list[_Read] = []
-        known = self.ranks.get(rank.identity)
-        kept_series = known.series if known is not None else {}
-        relaid = False
         at = values.__getitem__
         for series in rank.series:
             if not series.histogram:
@@ -606,29 +683,35 @@ class UpstreamFeed:
             if not math.isfinite(total):
                 self._refuse(series, f"sum {total!r} is not a finite number", result)
                 continue
-            kept = kept_series.get(series.keys[0])
-            relaid = relaid or (kept is not None and kept.bounds != series.bounds)
             reads.append((series, [count, *finite, total]))
-        return reads, relaid
+        return reads
 
     def _passed(
         self, plan: ReadPlan, values: list[Number], timestamps: Sequence[Stamp] | None, parsed: bool,
     ) -> list[Metric]:
         """The families passed through: the parser's own, or the plan's made anew where their values changed."""
         if parsed or timestamps is None:
-            out = [family for family, _ in plan.pass_through]
+            out = [family for family, _, _ in plan.pass_through]
         else:
             last_values, last_timestamps = plan.passed_values, plan.passed_timestamps
             out = []
-            for (family, first), made in zip(plan.pass_through, plan.passed or [f for f, _ in plan.pass_through]):
-                end = first + len(family.samples)
-                if (last_values is not None and last_timestamps is not None and values[first:end] == last_values[first:end]
-                        and timestamps[first:end] == last_timestamps[first:end]):
+            for (family, first, numbers), made in zip(plan.pass_through,
+                                                      plan.passed or [f for f, _, _ in plan.pass_through]):
+                if numbers is None:
+                    end = first + len(family.samples)
+                    now_values, now_stamps = values[first:end], timestamps[first:end]
+                    last = (None if last_values is None or last_timestamps is None
+                            else (last_values[first:end], last_timestamps[first:end]))
+                else:  # a family that lists a sample twice: the samples it keeps
+                    now_values, now_stamps = [values[n] for n in numbers], [timestamps[n] for n in numbers]
+                    last = (None if last_values is None or last_timestamps is None
+                            else ([last_values[n] for n in numbers], [last_timestamps[n] for n in numbers]))
+                if last is not None and now_values == last[0] and now_stamps == last[1]:
                     out.append(made)
                     continue
                 metric = copy.copy(family)
                 metric.samples = [PromSample(s.name, s.labels, v, t, s.exemplar, s.native_histogram)
-                                  for s, v, t in zip(family.samples, values[first:end], timestamps[first:end])]
+                                  for s, v, t in zip(family.samples, now_values, now_stamps)]
                 out.append(metric)
         plan.passed, plan.passed_values, plan.passed_timestamps = out, values, timestamps
         return out
@@ -669,26 +752,46 @@ class UpstreamFeed:
         self.health.cp_colliding |= result.cp_colliding
 
     def _log_once(self, kind: str, name: str, level: int, message: str, *args: object) -> None:
-        if (kind, name) not in self._logged and len(self._logged) < MAX_LOGGED:
-            self._logged.add((kind, name))
-            log.log(level, message, *args)
+        """Log a problem unless it was logged within LOG_AGAIN_SECONDS or this read has logged its share."""
+        key, now = (kind, name), self.state.clock()
+        last = self._logged.get(key)
+        if last is not None and now - last < LOG_AGAIN_SECONDS:
+            return
+        if self._lines_this_read >= MAX_LOG_LINES_PER_READ:
+            self._unlogged_this_read += 1  # not remembered: a later read logs it
+            return
+        self._lines_this_read += 1
+        self._logged.pop(key, None)  # re-inserted last: the dict stays oldest first
+        self._logged[key] = now
+        while len(self._logged) > MAX_LOGGED:
+            del self._logged[next(iter(self._logged))]
+        log.log(level, message, *args)
 
-    def _feed(
-        self, plan: _RankPlan, reads: list[_Read], relaid: bool, wall: float, result: FeedResult,
-    ) -> None:
+    def _log_summary(self) -> None:
+        """End a read's logging: one line for the problems it did not log, and a fresh share for the next read."""
+        if self._unlogged_this_read:
+            log.warning("upstream %s: %d more problems this read, not logged; see "
+                        "hicache_exporter_upstream_scrape_errors_total", self.health.name, self._unlogged_this_read)
+        self._lines_this_read = self._unlogged_this_read = 0
+
+    def _feed(self, plan: _RankPlan, reads: list[_Read], wall: float, result: FeedResult) -> Iterator[None]:
+        """Feed one rank's reads to the state, in snapshots of at most APPLY_SLICE_SERIES series (a
+        snapshot updates only the series it names), pausing (yielding) between them."""
         identity, pid = plan.identity, plan.pid
         entry = self.ranks.get(identity)
         if entry is None:
             entry = self.ranks[identity] = _UpstreamRank()
+        now = self.state.clock()
+        entry.room = None  # which series may be forgotten for new ones is found anew each read
+        if entry.rank is not None and pid is not None and pid != entry.pid:
+            if pid in entry.replaced_pids:
+                return  # an older process's files: that epoch was replaced
+            entry.replaced_pids.add(str(entry.pid))
+            self._restart(entry, result)
+            self._forget(entry, list(entry.series))  # a new process: its values count from zero, its own
+        reads, relaid = self._relayouts(entry, reads, now, result)
         if entry.rank is not None:
-            if pid is not None and pid != entry.pid:
-                if pid in entry.replaced_pids:
-                    return  # an older process's files: that epoch was replaced
-                entry.replaced_pids.add(str(entry.pid))
-                self._restart(entry, result)
-                self.health.flapping -= sum(kept.flapping for kept in entry.series.values())
-                entry.series.clear()  # a new process: its values count from zero, its own
-            elif relaid:
+            if relaid:
                 self._restart(entry, result)  # the state keeps one bucket layout per series within an epoch
             elif pid is None and self._engine_restarted(entry, reads):
                 self._restart(entry, result)  # the per-rank series start again from the engine's values
@@ -708,25 +811,62 @@ class UpstreamFeed:
                                self.health.name, err.message)
                 return
             entry.seq = 0
-        samples: list[Sample] = []
-        now = self.state.clock()
-        for series, raw in reads:
-            if not series.keys:  # a gauge: as read
-                samples.append(Sample(series.family, series.labels, value=raw[0]))
-                continue
-            went = self._continue(entry, series, raw, now, result)
-            if not series.histogram:
-                samples.append(Sample(series.family, series.labels, value=went[0]))
-                continue
-            count, *finite, total = went
-            wire: list[tuple[float | str, int]] = [*zip(series.bounds, map(int, finite)), ("+Inf", int(count))]
-            samples.append(Sample(series.family, series.labels, buckets=wire, sum=total, count=int(count)))
-        entry.seq += 1
-        applied = self.state.snapshot(entry.rank, Snapshot(seq=entry.seq, time=wall, samples=samples, help=plan.helps))
-        result.rejected += len(applied.rejections)
-        for code, message in applied.rejections[:1]:
-            self._log_once("sample", f"{code.value}:{message}", logging.WARNING,
-                           "upstream %s: sample refused (%s): %s", self.health.name, code.value, message)
+        limited = 0
+        for start in range(0, len(reads), APPLY_SLICE_SERIES):
+            if start:
+                yield
+            samples: list[Sample] = []
+            for series, raw in reads[start:start + APPLY_SLICE_SERIES]:
+                if not series.keys:  # a gauge: as read
+                    samples.append(Sample(series.family, series.labels, value=raw[0]))
+                    continue
+                went = self._continue(entry, series, raw, now, result)
+                if went is None:
+                    limited += 1
+                    continue
+                if not series.histogram:
+                    samples.append(Sample(series.family, series.labels, value=went[0]))
+                    continue
+                count, *finite, total = went
+                wire: list[tuple[float | str, int]] = [*zip(series.bounds, map(int, finite)), ("+Inf", int(count))]
+                samples.append(Sample(series.family, series.labels, buckets=wire, sum=total, count=int(count)))
+            entry.seq += 1
+            applied = self.state.snapshot(entry.rank, Snapshot(seq=entry.seq, time=wall, samples=samples, help=plan.helps))
+            result.rejected += len(applied.rejections)
+            for code, message in applied.rejections[:1]:
+                self._log_once("sample", f"{code.value}:{message}", logging.WARNING,
+                               "upstream %s: sample refused (%s): %s", self.health.name, code.value, message)
+        if limited:
+            result.rejected += limited
+            self._log_once("sample", f"{ErrorCode.SERIES_LIMIT.value}:{identity}", logging.WARNING,
+                           "upstream %s: sample refused (%s): rank %s already has %d series made continuous "
+                           "(max_series_per_rank), none unlisted for %d s; %d new series are left out",
+                           self.health.name, ErrorCode.SERIES_LIMIT.value, plan.rank_id, len(entry.series),
+                           FORGET_SERIES_SECONDS, limited)
+
+    def _relayouts(
+        self, entry: _UpstreamRank, reads: list[_Read], now: float, result: FeedResult,
+    ) -> tuple[list[_Read], bool]:
+        """The reads a rank may take, and whether a histogram among them has new bucket bounds (a new epoch).
+
+        A new layout is one more restart of its series, so it counts as a drop in the flapping rule,
+        and the series keeps its drop history across it. A flapping series keeps its layout: a read
+        with another is refused (and is a drop), so two engines with different buckets behind one
+        URL add at most FLAP_RESETS whole values per window, as drops do."""
+        out: list[_Read] = []
+        relaid = False
+        for read in reads:
+            series = read[0]
+            kept = entry.series.get(series.keys[0]) if series.histogram else None
+            if kept is not None and kept.bounds != series.bounds:
+                if not self._reset(kept, series, now, result):
+                    kept.seen = now  # listed: a live series, whatever its layout
+                    self._refuse(series, f"bucket bounds {list(series.bounds)} while it flaps with bounds "
+                                 f"{list(kept.bounds)}: a flapping series keeps its layout", result)
+                    continue
+                relaid = True
+            out.append(read)
+        return out, relaid
 
     def _engine_restarted(self, entry: _UpstreamRank, reads: list[_Read]) -> bool:
         """Whether every counter and histogram of the rank that had counted anything went down at once
@@ -748,17 +888,22 @@ class UpstreamFeed:
 
     def _continue(
         self, entry: _UpstreamRank, series: _SeriesPlan, raw: list[float], now: float, result: FeedResult,
-    ) -> list[float]:
-        """Take a series' raw values and give the values its epoch reports: continuous across its resets, never lower.
+    ) -> list[float] | None:
+        """Take a series' raw values and give the values its epoch reports: continuous across its resets, never lower
+        (None: a new series past max_series_per_rank, refused).
 
         A histogram is one unit: a drop of its count or of any bucket resets all its parts, sum too."""
         key = series.keys[0]
         kept = entry.series.get(key)
         if kept is None or kept.bounds != series.bounds:  # a new series (or a new layout, in a new epoch)
-            if kept is not None and kept.flapping:
-                self.health.flapping -= 1  # the old layout's series is gone
+            if kept is None and len(entry.series) >= self.state.config.max_series_per_rank \
+                    and not self._make_room(entry, now):
+                return None  # past the bound, as the state would refuse it: not remembered either
             high = [max(v, 0.0) for v in raw]  # only a sum may be below zero: it starts at zero
-            kept = entry.series[key] = _Continuity(series.bounds, raw, [h - v for h, v in zip(high, raw)], high)
+            new = _Continuity(series.bounds, raw, [h - v for h, v in zip(high, raw)], high)
+            if kept is not None:
+                new.resets = kept.resets  # a new layout is one more drop of the same series (`_relayouts`)
+            kept = entry.series[key] = new
         elif not series.histogram and not kept.flapping and raw[0] >= kept.last[0]:  # a counter that rose or held
             went = kept.offset[0] + raw[0]
             if went > kept.high[0]:
@@ -777,14 +922,44 @@ class UpstreamFeed:
             high = kept.high = list(map(max, high, map(add, offset, raw)))
             kept.last = raw
             if kept.flapping:
-                self._calm(kept, series, now)
+                self._calm(kept, series.name, now)
             if series.histogram:
                 if len(high) > 2:  # parts that rose apart (after a flap) must stay cumulative, the count last
                     high[1:-1] = accumulate(high[1:-1], max)
                     high[0] = max(high[0], high[-2])
                 if high[0] == counted:
                     high[-1] = summed  # no new observation, no new sum (the state's rule: it refuses one)
+        kept.seen = now
         return kept.high if kept.base is None else list(map(sub, kept.high, kept.base))
+
+    def _make_room(self, entry: _UpstreamRank, now: float) -> bool:
+        """Forget the series of the rank unlisted longest, if for FORGET_SERIES_SECONDS: whether one was."""
+        cutoff = now - FORGET_SERIES_SECONDS
+        if entry.room is None:  # once per read and rank, only when full: a scan of at most max_series_per_rank
+            old = [(kept.seen, key) for key, kept in entry.series.items() if kept.seen < cutoff]
+            old.sort(key=lambda pair: pair[0], reverse=True)
+            entry.room = [key for _, key in old]
+        while entry.room:
+            key = entry.room.pop()
+            kept = entry.series.get(key)
+            if kept is not None and kept.seen < cutoff:
+                self._forget(entry, [key])
+                return True
+        return False
+
+    def _forget(self, entry: _UpstreamRank, keys: Iterable[MonotoneKey]) -> None:
+        """Drop series' continuity (and their part in the flapping gauge)."""
+        for key in keys:
+            kept = entry.series.pop(key, None)
+            if kept is not None:
+                self._flapping.pop(kept, None)
+
+    def _calm_unlisted(self) -> None:
+        """Calm the flapping series that have not gone down for a whole window, listed or not, and set the gauge."""
+        now = self.state.clock()
+        for kept, name in list(self._flapping.items()):
+            self._calm(kept, name, now)
+        self.health.flapping = len(self._flapping)
 
     def _reset(self, kept: _Continuity, series: _SeriesPlan, now: float, result: FeedResult) -> bool:
         """Note one drop of a series; whether it counts as a restart (False: the series flaps)."""
@@ -796,24 +971,27 @@ class UpstreamFeed:
         self.health.series_resets += 1
         if not kept.flapping and len(resets) > FLAP_RESETS:
             kept.flapping = True
-            self.health.flapping += 1
-            log.warning("upstream %s: %s went down %d times within %d s: two processes write it (two engines "
-                        "behind one URL?) or the engine is broken. Its drops are no longer counted as restarts: "
-                        "it counts only above its highest value until it holds for %d s. Give each engine its "
-                        "own upstream", self.health.name, series.name, len(resets), FLAP_WINDOW_SECONDS,
-                        FLAP_WINDOW_SECONDS)
+            self._flapping[kept] = series.name
+            self.health.flapping = len(self._flapping)
+            self._log_once("flapping", series.name, logging.WARNING,
+                           "upstream %s: %s went down %d times within %d s: two processes write it (two engines "
+                           "behind one URL?) or the engine is broken. Its drops are no longer counted as restarts: "
+                           "it counts only above its highest value until it holds for %d s. Give each engine its "
+                           "own upstream", self.health.name, series.name, len(resets), FLAP_WINDOW_SECONDS,
+                           FLAP_WINDOW_SECONDS)
         return not kept.flapping
 
-    def _calm(self, kept: _Continuity, series: _SeriesPlan, now: float) -> None:
+    def _calm(self, kept: _Continuity, name: str, now: float) -> None:
         """A flapping series that has not gone down for a whole window is a series again."""
         if kept.resets and kept.resets[-1] > now - FLAP_WINDOW_SECONDS:
             return
         kept.resets.clear()
         kept.flapping = False
         kept.offset = [h - v for h, v in zip(kept.high, kept.last)]  # rises count again from its highest value
-        self.health.flapping -= 1
-        log.info("upstream %s: %s has not gone down for %d s: its drops count as restarts again",
-                 self.health.name, series.name, FLAP_WINDOW_SECONDS)
+        self._flapping.pop(kept, None)
+        self._log_once("calm", name, logging.INFO,
+                       "upstream %s: %s has not gone down for %d s: its drops count as restarts again",
+                       self.health.name, name, FLAP_WINDOW_SECONDS)
 
     def _restart(self, entry: _UpstreamRank, result: FeedResult) -> None:
         """End the rank's epoch: a new one begins at the next hello, its series continuing from where they are."""
@@ -833,7 +1011,15 @@ class UpstreamFeed:
                        "upstream %s: %s refused this read: %s", self.health.name, series.name, why)
 
 
-MAX_LOGGED = 10_000  # distinct problems logged once each; past it, new ones are not logged (memory)
+# Distinct problems remembered as logged (about 200 bytes each); past it the oldest are forgotten,
+# so a read full of new problems cannot mute later ones.
+MAX_LOGGED = 10_000
+# A problem still there is logged again after an hour: often enough to be seen in a day's logs,
+# rarely enough not to flood them at one read every few seconds.
+LOG_AGAIN_SECONDS = 3600.0
+# One read logs at most this many lines (then one summary line): a read of thousands of bad
+# series writes a screenful, not thousands of lines; the counters stay exact.
+MAX_LOG_LINES_PER_READ = 20
 
 
 def _int(value: str) -> int:
@@ -852,22 +1038,32 @@ def _as_float(value: Number) -> float:
 
 
 def _series(
-    spec: FamilySpec, family: Metric, first: int, refused: list[str],
+    spec: FamilySpec, family: Metric, first: int, refused: list[str], duplicated: list[str],
 ) -> Iterable[tuple[dict[str, str], _SeriesPlan]]:
     """(all labels, how its protocol sample is made) per series of a catalog family whose first sample is number `first`.
 
-    A series whose rank axis is no rank number (labels.rank_axis) is refused: no rank is made of it."""
+    A series whose rank axis is no rank number (labels.rank_axis) is refused: no rank is made of it. A
+    histogram's bucket, `_count` or `_sum` listed again is left out (its first kept) and named in `duplicated`."""
     own = spec.labels
     if spec.type is MetricType.HISTOGRAM:
         grouped: dict[tuple[tuple[str, str], ...], dict[str, Any]] = {}
         for number, s in enumerate(family.samples, first):
             if s.name.endswith("_bucket"):
                 labels = {k: v for k, v in s.labels.items() if k != "le"}
-                entry = grouped.setdefault(tuple(sorted(labels.items())), {"buckets": []})
-                entry["buckets"].append((s.labels.get("le", "+Inf"), number))
+                entry = grouped.setdefault(tuple(sorted(labels.items())), {"buckets": [], "les": set()})
+                le = s.labels.get("le", "+Inf")
+                if le in entry["les"]:
+                    duplicated.append(_series_name(spec, labels) + f" bucket le={_short(le)}")
+                    continue
+                entry["les"].add(le)
+                entry["buckets"].append((le, number))
             elif s.name.endswith("_sum") or s.name.endswith("_count"):
-                entry = grouped.setdefault(tuple(sorted(s.labels.items())), {"buckets": []})
-                entry[s.name.rsplit("_", 1)[1]] = number
+                entry = grouped.setdefault(tuple(sorted(s.labels.items())), {"buckets": [], "les": set()})
+                part = s.name.rsplit("_", 1)[1]
+                if part in entry:
+                    duplicated.append(_series_name(spec, s.labels) + f" _{part}")
+                    continue
+                entry[part] = number
         for key, parts in grouped.items():
             labels = dict(key)
             name = _series_name(spec, labels)
@@ -940,10 +1136,11 @@ class _PassThroughPlan:
 
     def __init__(self, reserved: frozenset[str]) -> None:
         self.reserved = reserved
-        self.families: list[tuple[Metric, int]] = []  # (family, number of its first sample)
+        self.families: list[PassedFamily] = []
         self.taken: set[str] = set()  # names the families passed through write
         self.clashes: set[str] = set()
         self.duplicates: set[str] = set()
+        self.duplicated: list[str] = []  # samples a family passed through lists again (left out)
         self.over: list[str] = []  # families past the caps
         self.over_samples = 0
         self.samples = 0
@@ -963,6 +1160,20 @@ class _PassThroughPlan:
         if not names.isdisjoint(self.taken):
             self.duplicates.add(family.name)
             return
+        numbers = None
+        written: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+        for i, s in enumerate(family.samples):
+            key = (s.name, tuple(sorted(s.labels.items())))
+            if key in written:  # the same sample twice: Prometheus refuses the exposition; the first is kept
+                self.duplicated.append(s.name + "{" + ",".join(f"{k}={_short(v)}" for k, v in key[1]) + "}")
+                numbers = numbers or list(range(first, first + i))
+                continue
+            written.add(key)
+            if numbers is not None:
+                numbers.append(first + i)
+        if numbers is not None:
+            family = copy.copy(family)
+            family.samples = [family.samples[n - first] for n in numbers]
         count = len(family.samples)
         size = 0
         if self.samples + count <= MAX_PASS_THROUGH_SAMPLES:
@@ -975,7 +1186,7 @@ class _PassThroughPlan:
         self.samples += count
         self.bytes += size
         self.taken |= names
-        self.families.append((family, first))
+        self.families.append((family, first, numbers))
 
 
 class _Families:

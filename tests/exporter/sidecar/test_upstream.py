@@ -6,6 +6,7 @@ its parsers; the state runs on the harness's fake clock.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 from exporter.config import RanksConfig, UpstreamConfig
+from exporter.sidecar import upstream as upstream_module
 from exporter.sidecar.registry import RankStatus
 from exporter.sidecar.stats import UpstreamHealth
 from exporter.sidecar.upstream import TextReading, UpstreamFeed, _Families, parse_exposition
@@ -411,3 +413,48 @@ def test_a_directory_read_without_pass_through_skips_the_merged_reading_and_feed
     feed(apart, pass_through=False).apply(read_multiprocess_dir(tmp_path, merged=False), wall=1.0)
     assert rollup(apart, "load_back_bytes_total") == 300 == rollup(both, "load_back_bytes_total")
     assert [r.values for r in apart.state.ranks.values()] == [r.values for r in both.state.ranks.values()]
+
+
+# --- what the feed logs (review 19: findings 9, 11) ---
+
+
+def _bad_ranks(count: int) -> str:
+    """A counter with `count` series whose tp_rank has a leading zero: each refused, each a problem to log."""
+    return "# TYPE sglang:load_back_bytes_total counter\n" + "".join(
+        f'sglang:load_back_bytes_total{{cache_type="c",tp_rank="0{i}",pp_rank="0",dp_rank="0"}} 1\n'
+        for i in range(count))
+
+
+def test_a_read_logs_at_most_its_share_and_the_log_memory_forgets(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: one read of 10,000 bad rank labels logged 10,000 lines and filled the once-only memory
+    for good: a NaN counter an hour later was never logged."""
+    monkeypatch.setattr(upstream_module, "MAX_LOGGED", 30)
+    h = Harness()
+    up = feed(h)
+    caplog.set_level(logging.INFO, logger="hicache_exporter.upstream")
+    result = up.apply(read(_bad_ranks(100)))
+    lines = [r.getMessage() for r in caplog.records]
+    assert result.rejected == 100 and len(lines) == upstream_module.MAX_LOG_LINES_PER_READ + 1
+    assert all("tp_rank='0" in line for line in lines[:-1])
+    assert lines[-1] == ("upstream http://engine:30000/metrics: 80 more problems this read, not logged; see "
+                         "hicache_exporter_upstream_scrape_errors_total")
+    caplog.clear()
+    up.apply(read(_bad_ranks(100)))  # the next 20 problems are logged: the first 20 were, a moment ago
+    lines = [r.getMessage() for r in caplog.records]
+    assert "tp_rank='020'" in lines[0] and "60 more problems" in lines[-1] and len(up._logged) == 30
+    caplog.clear()
+    h.clock.advance(upstream_module.LOG_AGAIN_SECONDS)
+    up.apply(read('# TYPE sglang:load_back_bytes_total counter\nsglang:load_back_bytes_total{cache_type="c",'
+                  'tp_rank="0",pp_rank="0",dp_rank="0"} NaN\n'))
+    assert [r.getMessage() for r in caplog.records] == [
+        "upstream http://engine:30000/metrics: load_back_bytes_total{cache_type='c',dp_rank='0',pp_rank='0',"
+        "tp_rank='0'} refused this read: counter value nan is not a finite number of zero or more"]
+
+
+def test_a_parse_error_without_a_message_is_named() -> None:
+    """Before: `# TYPE evil.name counter` raised ValueError() and the log line read `upstream …:  (parse)`."""
+    with pytest.raises(ValueError) as raised:
+        parse_exposition("# TYPE evil.name counter\n", False)
+    assert str(raised.value) == ("ValueError: prometheus_client's parser refused a line and gave no reason "
+                                 "(an invalid metric name or TYPE line?)")

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.exposition import generate_latest
 
+from exporter.config import RanksConfig
 from exporter.sidecar.upstream import FLAP_RESETS, FLAP_WINDOW_SECONDS, UpstreamFeed
 from tests.exporter.sidecar.harness import Harness
 from tests.exporter.sidecar.test_upstream import Engine, feed, read, rollup
@@ -150,6 +151,126 @@ def test_a_layout_change_starts_a_new_epoch_without_counting_the_other_series_ag
     assert rollup(h, "load_back_bytes_total") == 1010 and rank.values[("load_back_bytes_total", ())] == 10
     up.apply(read(counter("load_back_bytes_total", 1020) + histogram([1, 2, 3], 3, 1.5, bounds=("0.01", "0.5", "+Inf"))))
     assert rollup(h, "load_back_bytes_total") == 1020 and rank.restarts == 1
+
+
+def test_bucket_bounds_that_alternate_count_as_drops_and_add_at_most_flap_resets_whole_values() -> None:
+    """Two engines with different buckets behind one URL (constant counts [1, 2, 3], sum 0.5): before,
+    20 reads rolled up [10, 20, 30] and 5.0 (19 rank restarts, growing every read); after, two
+    layout changes restart the rank, the third flaps and the series keeps its layout."""
+    h = Harness()
+    up = feed(h)
+    for n in range(20):
+        h.clock.advance(5)
+        bounds = ("0.01", "0.1", "+Inf") if n % 2 == 0 else ("0.02", "0.1", "+Inf")
+        result = up.apply(read(counter("load_back_bytes_total", 1000) + histogram([1, 2, 3], 3, 0.5, bounds=bounds)))
+    (rank,) = h.state.ranks.values()
+    assert duration(h) == ([2, 4, 6], 1.0) and rank.restarts == 2
+    assert rollup(h, "load_back_bytes_total") == 1000
+    # Reads 1, 2 and 3 changed the layout; from then on the series keeps the first one, and each of
+    # the 8 odd reads after them (the other layout) is a drop, refused.
+    assert up.health.series_resets == 3 + 8 and up.health.flapping == 1
+    assert result.rejected == 1  # the last read's other layout: refused while the series flaps
+    # Refused layouts are drops too: the series flaps on, and adds nothing more, however long it lasts.
+    for n in range(200):
+        h.clock.advance(5)
+        bounds = ("0.01", "0.1", "+Inf") if n % 2 == 0 else ("0.02", "0.1", "+Inf")
+        up.apply(read(counter("load_back_bytes_total", 1000) + histogram([1, 2, 3], 3, 0.5, bounds=bounds)))
+    assert duration(h) == ([2, 4, 6], 1.0) and rank.restarts == 2 and up.health.flapping == 1
+
+
+def test_a_layout_change_keeps_the_series_drop_history() -> None:
+    """Two value drops, then a layout change within the window: the third drop, so the series flaps
+    and the new layout is refused (before: a fresh series, its history lost, and a rank restart)."""
+    h = Harness()
+    up = feed(h)
+    steady = counter("load_back_bytes_total", 1000)  # not every series falls: no engine restart
+    for buckets, count in (([2, 4, 4], 4), ([1, 2, 2], 2), ([2, 4, 4], 4), ([1, 2, 2], 2)):
+        up.apply(read(steady + histogram(buckets, count, 1.0)))
+    result = up.apply(read(steady + histogram([2, 4, 4], 4, 1.0, bounds=("0.01", "0.5", "+Inf"))))
+    (rank,) = h.state.ranks.values()
+    assert up.health.series_resets == 3 and up.health.flapping == 1
+    assert result.rejected == 1 and result.resets == 0 and rank.restarts == 0
+
+
+def test_a_series_listed_twice_in_one_read_keeps_its_first_value_and_is_counted() -> None:
+    """1,000 and 5 for one series in every read: before, the rollup was 1,005 after one read, 3,000
+    after 12 and 5,000 after another window (every read a drop and a rise); after, 1,000."""
+    h = Harness()
+    up = feed(h)
+    labels = rank_labels()
+    text = (f"# TYPE sglang:load_back_bytes_total counter\nsglang:load_back_bytes_total{{{labels}}} 1000\n"
+            f"sglang:load_back_bytes_total{{{labels}}} 5\n")
+    for _ in range(12):
+        h.clock.advance(5)
+        result = up.apply(up.read_text(text, False))
+    assert rollup(h, "load_back_bytes_total") == 1000
+    assert up.health.series_resets == 0 and up.health.flapping == 0 and up.health.errors["duplicate_series"] == 12
+    assert result.cut["duplicate_series"] == (
+        "1 series are listed more than once in this read (the first: load_back_bytes_total{cache_type='c',"
+        "dp_rank='0',pp_rank='0',tp_rank='0'}); the first listing of each is kept, the others left out "
+        "(Prometheus would refuse the exposition)")
+
+
+def test_a_histogram_bucket_listed_twice_keeps_the_first() -> None:
+    h = Harness()
+    up = feed(h)
+    text = histogram([1, 2, 3], 3, 0.5)
+    name, labels = "sglang:load_back_duration_seconds", rank_labels()
+    result = up.apply(read(text + f'{name}_bucket{{{labels},le="0.1"}} 3\n{name}_count{{{labels}}} 9\n'))
+    assert duration(h) == ([1, 2, 3], 0.5) and result.rejected == 0
+    assert result.cut["duplicate_series"].startswith("2 series are listed more than once")
+
+
+def test_a_series_keeps_at_most_flap_resets_plus_one_drop_times() -> None:
+    """Before: every drop within the window was kept (600,000 for 50,000 duplicated series in 12 reads)."""
+    h = Harness()
+    up = feed(h)
+    for n in range(40):
+        up.apply(read(counter("load_back_bytes_total", 100 if n % 2 == 0 else 50)))
+    (entry,) = up.ranks.values()
+    (kept,) = entry.series.values()
+    assert len(kept.resets) == FLAP_RESETS + 1 and up.health.series_resets == 20 and up.health.flapping == 1
+
+
+def _flap(up: UpstreamFeed, h: Harness, other: str = "") -> None:
+    """Six reads 5 s apart of a bytes counter alternating 100 and 50: the series flaps."""
+    for n in range(6):
+        h.clock.advance(5)
+        up.apply(read(counter("load_back_bytes_total", 100 if n % 2 == 0 else 50) + other))
+    assert up.health.flapping == 1
+
+
+def test_the_flapping_gauge_drops_a_series_whose_identity_was_forgotten() -> None:
+    """Before: the gauge stayed 1 an hour after the flapping identity was forgotten."""
+    h = Harness(ranks_config=RanksConfig(stale_after_seconds=5, expire_after_seconds=10, max_ranks=1))
+    up = feed(h)
+    _flap(up, h)
+    h.clock.advance(11)
+    h.state.tick()
+    up.apply(read(counter("load_back_bytes_total", 0, tp="1")))  # tp 0 departs
+    h.clock.advance(11)
+    h.state.tick()
+    up.apply(read(counter("load_back_bytes_total", 0, tp="2")))  # tp 0 expired: forgotten, its slot tp 2's
+    assert up.health.flapping == 0 and [identity[0] for identity in up.ranks] == [1, 2]  # 22 s: no window yet
+
+
+def test_the_flapping_gauge_calms_a_series_not_listed_for_a_whole_window() -> None:
+    """Before: the gauge stayed 1 for 6,000 s after the flapping series stopped being listed."""
+    h = Harness()
+    up = feed(h)
+    other = counter("load_back_tokens_total", 1, extra=',pool="kv"')
+    _flap(up, h, other)
+    h.clock.advance(FLAP_WINDOW_SECONDS - 30)  # within the window since its last drop: it still flaps
+    up.apply(read(other))
+    assert up.health.flapping == 1
+    h.clock.advance(31)
+    up.apply(read(other))
+    assert up.health.flapping == 0
+    # Listed again, it is a series: its rises from its last value (50) count on its highest (300).
+    assert rollup(h, "load_back_bytes_total") == 300
+    up.apply(read(counter("load_back_bytes_total", 60) + other))
+    up.apply(read(counter("load_back_bytes_total", 70) + other))
+    assert rollup(h, "load_back_bytes_total") == 320 and up.health.flapping == 0
 
 
 def test_the_directory_source_restarts_a_rank_per_process_and_a_series_per_drop() -> None:

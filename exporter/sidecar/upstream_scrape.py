@@ -139,7 +139,9 @@ class UpstreamScraper:
         if self.config.basic_auth is not None:  # a header of the session (aiohttp's `auth=` is deprecated)
             ba = self.config.basic_auth
             password = ba.password if ba.password is not None else Path(ba.password_file or "").read_text().strip()
-            headers["Authorization"] = aiohttp.BasicAuth(ba.username, password).encode()
+            encode = getattr(aiohttp, "encode_basic_auth", None)  # aiohttp 3.12+; BasicAuth is deprecated there
+            headers["Authorization"] = (encode(ba.username, password) if encode is not None
+                                        else aiohttp.BasicAuth(ba.username, password).encode())
         return aiohttp.ClientSession(
             headers=headers, timeout=aiohttp.ClientTimeout(total=self.config.timeout_seconds),
             connector=aiohttp.TCPConnector(ssl=client_ssl_context(self.config) or True, limit=1),

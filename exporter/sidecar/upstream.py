@@ -260,7 +260,7 @@ class _UpstreamRank:
     generation: int = 0
     seq: int = 0
     series: dict[MonotoneKey, _Continuity] = field(default_factory=dict)  # at most max_series_per_rank
-    replaced_pids: set[str] = field(default_factory=set)
+    replaced_pids: dict[str, None] = field(default_factory=dict)  # oldest first, at most REPLACED_PIDS_KEPT
     room: list[MonotoneKey] | None = None  # this read's series that may be forgotten for new ones, longest unlisted last
 
 
@@ -786,7 +786,9 @@ class UpstreamFeed:
         if entry.rank is not None and pid is not None and pid != entry.pid:
             if pid in entry.replaced_pids:
                 return  # an older process's files: that epoch was replaced
-            entry.replaced_pids.add(str(entry.pid))
+            entry.replaced_pids[str(entry.pid)] = None
+            if len(entry.replaced_pids) > REPLACED_PIDS_KEPT:
+                del entry.replaced_pids[next(iter(entry.replaced_pids))]
             self._restart(entry, result)
             self._forget(entry, list(entry.series))  # a new process: its values count from zero, its own
         reads, relaid = self._relayouts(entry, reads, now, result)
@@ -834,7 +836,9 @@ class UpstreamFeed:
             applied = self.state.snapshot(entry.rank, Snapshot(seq=entry.seq, time=wall, samples=samples, help=plan.helps))
             result.rejected += len(applied.rejections)
             for code, message in applied.rejections[:1]:
-                self._log_once("sample", f"{code.value}:{message}", logging.WARNING,
+                # Keyed by rank and code, not the message: a message quoting a value that moves every
+                # read would be a new problem every read.
+                self._log_once("sample", f"{code.value}:{identity}", logging.WARNING,
                                "upstream %s: sample refused (%s): %s", self.health.name, code.value, message)
         if limited:
             result.rejected += limited
@@ -1007,10 +1011,14 @@ class UpstreamFeed:
     def _refuse(self, series: _SeriesPlan, why: str, result: FeedResult) -> None:
         """Count one series' value that no rule allows (it stays out of the state and of the series' last values)."""
         result.rejected += 1
-        self._log_once("value", f"{series.name}:{why}", logging.WARNING,
+        # Keyed by the series alone: `why` may quote a value, which would make each read a new problem.
+        self._log_once("value", series.name, logging.WARNING,
                        "upstream %s: %s refused this read: %s", self.health.name, series.name, why)
 
 
+# Processes of one rank whose files are known to be replaced by a newer process's, as the registry
+# keeps replaced epochs: enough for files that linger, bounded whatever pids a directory shows.
+REPLACED_PIDS_KEPT = 64
 # Distinct problems remembered as logged (about 200 bytes each); past it the oldest are forgotten,
 # so a read full of new problems cannot mute later ones.
 MAX_LOGGED = 10_000
@@ -1081,6 +1089,8 @@ def _series(
             try:
                 buckets = sorted(((float(le), number) for le, number in parts["buckets"]), key=lambda b: b[0])
             except ValueError:
+                buckets = []
+            if not buckets or any(math.isnan(bound) for bound, _ in buckets):  # NaN != NaN: no layout could hold it
                 refused.append(f"sample refused: histogram {spec.name} has a bucket bound that is not a number")
                 continue
             kept = tuple(b != _INF for b, _ in buckets)  # as the wire has them: +Inf is the count's

@@ -16,9 +16,11 @@ import logging
 import queue
 import re
 import ssl
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from itertools import islice
 from pathlib import Path
 from typing import TypeVar
 
@@ -43,6 +45,11 @@ MAX_BODY_BYTES = 16 << 20
 LOG_EVERY_SECONDS = 60.0  # one log line per upstream and error kind at most this often
 ENTRIES_PER_SERIES = 4  # a directory read's entries, per series of the sidecar's budget
 MAX_REDIRECTS = 5  # same-origin hops followed with follow_redirects: true
+LINE_OF_TRIES, LINE_OF_CHARS = 3, 200  # how a parse error's line is looked for (see _line_of)
+# The longest line a text may have: an engine's lines are well under a kilobyte, and the parser
+# copies a line several times over, so one line of megabytes costs several times its size.
+MAX_LINE_CHARS = 1 << 16
+_LONG_LINE = re.compile(f"(?m)^[^\\n]{{{MAX_LINE_CHARS + 1}}}")  # anchored at line starts: linear
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 
@@ -246,7 +253,18 @@ class UpstreamScraper:
         except UnicodeDecodeError as err:
             line = raw.count(b"\n", 0, err.start) + 1
             raise _ReadError("decode", f"not {charset} at byte {err.start}", line) from None
+        except UnicodeError as err:  # a codec that decodes nothing (charset=undefined)
+            raise _ReadError("decode", f"{charset} decodes no text: {type(err).__name__}") from None
         raw.clear()  # the bytes, freed before the parse (the text is what is read from here)
+        # One character beyond Latin-1 makes Python hold every character of the text in 4 bytes:
+        # the text may take no more memory than the answer's cap allows its bytes.
+        if sys.getsizeof(text) > self.max_body_bytes + (1 << 10):
+            raise _ReadError("too_large", f"the answer takes {sys.getsizeof(text)} bytes as text (characters beyond "
+                             f"Latin-1 take 4 bytes each), more than {self.max_body_bytes}")
+        long_line = _LONG_LINE.search(text)
+        if long_line is not None:
+            raise _ReadError("too_large", f"a line is longer than {MAX_LINE_CHARS} characters",
+                             text.count("\n", 0, long_line.start()) + 1)
         try:
             return self.feed.read_text(text, openmetrics)
         except TooLarge as err:
@@ -326,9 +344,12 @@ def _charset(content_type: str) -> str:
 
 
 def _line_of(text: str, message: str) -> int | None:
-    """The line of `text` a parser's message quotes, if it quotes one: the page shows the number, never the line."""
-    for colon in (m.start() for m in re.finditer(":", message)):  # what follows a colon, longest first
-        fragment = message[colon + 1:].strip()
+    """The line of `text` a parser's message quotes, if it quotes one: the page shows the number, never the line.
+
+    Linear in the text: at most LINE_OF_TRIES searches, each for at most LINE_OF_CHARS characters
+    (a message quoting a line of a million colons took minutes when every colon was tried)."""
+    for colon in islice((m.start() for m in re.finditer(":", message)), LINE_OF_TRIES):
+        fragment = message[colon + 1:].strip().strip("'\"")[:LINE_OF_CHARS]
         if len(fragment) >= 3:
             at = text.find(fragment)
             if at >= 0:

@@ -458,3 +458,42 @@ def test_a_parse_error_without_a_message_is_named() -> None:
         parse_exposition("# TYPE evil.name counter\n", False)
     assert str(raised.value) == ("ValueError: prometheus_client's parser refused a line and gave no reason "
                                  "(an invalid metric name or TYPE line?)")
+
+
+def test_a_refused_value_that_moves_every_read_is_logged_once_not_every_read(caplog: pytest.LogCaptureFixture) -> None:
+    """Before: the log key quoted the value, so a negative counter that moved was a new problem each read."""
+    h = Harness()
+    up = feed(h)
+    caplog.set_level(logging.INFO, logger="hicache_exporter.upstream")
+    for n in range(10):
+        up.apply(read('# TYPE sglang:load_back_bytes_total counter\nsglang:load_back_bytes_total{cache_type="c",'
+                      f'tp_rank="0",pp_rank="0",dp_rank="0"}} -{n + 1}\n'))
+    assert up.health.errors == {} and len(caplog.records) == 1  # counted ten times in `rejected`, logged once
+
+
+def test_a_nan_bucket_bound_is_refused_and_never_reads_as_a_layout_change() -> None:
+    """Before: NaN != NaN made every parsed read a new layout: rank restarts, series resets, a flapping series."""
+    h = Harness()
+    up = feed(h)
+    name, labels = "sglang:load_back_duration_seconds", 'cache_type="c",tp_rank="0",pp_rank="0",dp_rank="0"'
+    text = (f"# TYPE {name} histogram\n{name}_bucket{{{labels},le=\"NaN\"}} 1\n{name}_bucket{{{labels},le=\"+Inf\"}} 2\n"
+            f"{name}_count{{{labels}}} 2\n{name}_sum{{{labels}}} 0.5\n")
+    results = [up.apply(read(text)) for _ in range(8)]
+    assert all(r.rejected == 1 for r in results)
+    assert (up.health.series_resets, up.health.flapping) == (0, 0)
+    assert all(rank.restarts == 0 for rank in h.state.ranks.values())
+
+
+def test_the_pids_a_rank_replaced_are_remembered_boundedly() -> None:
+    """Before: every new pid of a rank in a directory read stayed in a set for good (20,000 reads, 19,999 pids)."""
+    h = Harness()
+    up = feed(h)
+    engine = Engine()
+    engine.rank(0, tokens=1, moved=10)
+    families = parse_exposition(engine.text(), False)
+    for pid in range(200):
+        up.apply([(str(pid), float(pid), families)])
+    (entry,) = up.ranks.values()
+    assert len(entry.replaced_pids) == upstream_module.REPLACED_PIDS_KEPT
+    assert list(entry.replaced_pids)[-1] == "198"
+    assert rollup(h, "load_back_bytes_total") == 200 * 10  # each new process counted from zero, as before

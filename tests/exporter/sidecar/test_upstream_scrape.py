@@ -88,6 +88,7 @@ def run(coro: Awaitable[Any]) -> Any:
     ("text/plain; charset=hex", TEXT, False, {"charset": 1}),
     ("text/plain; charset=no-such-thing", TEXT, False, {"charset": 1}),
     ("text/plain; charset=utf-8", TEXT + b"# HELP x \xff\n", False, {"decode": 1}),
+    ("text/plain; charset=undefined", TEXT, False, {"decode": 1}),  # a codec that decodes nothing: was `internal`
 ])
 def test_charsets_absent_means_utf8_and_unknown_is_a_read_error(content_type: str, body: bytes, up: bool,
                                                                 errors: dict[str, int]) -> None:
@@ -119,6 +120,35 @@ def test_what_an_upstream_says_is_reduced_to_its_kind_and_line(caplog: pytest.Lo
     line = TEXT.count(b"\n") + 1
     assert s.health.errors == {"parse": 1} and s.health.last_error == f"parse at line {line}"
     assert "wJalrXUtnFEMI" in caplog.text  # the whole text goes to the log only
+
+
+@pytest.mark.timeout(30)
+def test_a_parse_error_quoting_a_line_of_colons_is_looked_for_in_linear_time() -> None:
+    """Every colon of the message was tried against the whole text: minutes for a long line of colons."""
+    line = "x " + ":" * 200_000
+    text = "a 1\n" * 1000 + line + "\n"
+    assert upstream_scrape._line_of(text, f"Invalid line: '{line}'") == 1001  # its quotes dropped, found at once
+    assert upstream_scrape._line_of(text, "Invalid line: " + "y:" * 100_000) is None  # a few searches, then none
+
+
+@pytest.mark.parametrize("tail, said", [
+    ("\U0001f600".encode() + b"\n", "takes"),  # one emoji: every character of a 16 MiB text in 4 bytes
+    (b"", "longer than"),  # an ASCII line of megabytes: the parser copies it several times
+])
+def test_an_answer_whose_text_costs_more_than_its_bytes_may_is_refused_before_the_parse(tail: bytes, said: str) -> None:
+    h = Harness()
+    line = b'sglang:m_total{tp_rank="0",pp_rank="0",dp_rank="0",x="' + b"a" * (upstream_scrape.MAX_LINE_CHARS + 1)
+    body = TEXT + (b"# HELP f " + b"a" * (len(TEXT) * 2) + tail if said == "takes" else line + b'"} 1\n')
+
+    async def read() -> UpstreamScraper:
+        async with http_server(answer(body, "text/plain; charset=utf-8")) as base:
+            s = scraper(h, url=base + "/metrics")
+            s.max_body_bytes = len(body) + 16  # the bytes fit; the text does not
+            await s.scrape_once()
+            return s
+
+    s = run(read())
+    assert s.health.errors == {"too_large": 1} and not h.state.ranks
 
 
 def test_redirects_are_not_followed_unless_asked_and_never_to_another_origin() -> None:

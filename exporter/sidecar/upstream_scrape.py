@@ -117,6 +117,7 @@ class UpstreamScraper:
         self.health = feed.health
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self.max_body_bytes = MAX_BODY_BYTES
         # A text's sample lines are bounded by the feed before it parses (UpstreamFeed.max_read_samples);
         # a directory's entries cost 2 KiB each in prometheus_client's reader, so they get 4 per
@@ -156,6 +157,10 @@ class UpstreamScraper:
 
     async def stop(self) -> None:
         """Stop reading, at once whatever the source is doing (a read stuck in its thread is left behind)."""
+        # The loop also checks this: a timeout that fires as the task is cancelled (aiohttp's timer,
+        # wait_for) can turn the cancellation into a TimeoutError, which the read counts and returns
+        # from, and the loop would read on while this waits for it (a test's stop hung for 60 s).
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -166,9 +171,10 @@ class UpstreamScraper:
         self._thread.shutdown()
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.config.interval_seconds)
-            await self.scrape_once()
+            if not self._stopping:
+                await self.scrape_once()
 
     async def _off_loop(self, fn: Callable[[], T], timeout: float | None) -> T:
         """`fn` on this source's thread; `busy` while its previous call is still running there."""

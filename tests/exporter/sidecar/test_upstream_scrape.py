@@ -271,6 +271,32 @@ def test_a_stuck_read_is_busy_and_starves_no_other_upstream(tmp_path: Path, monk
     assert url.health.up and url.health.scrapes == 8 and not url.health.errors
 
 
+@pytest.mark.timeout(30)  # before the fix, stop() and then asyncio.run's own cleanup waited for ever
+def test_stop_ends_the_reads_even_when_a_timeout_swallows_the_cancellation() -> None:
+    """A timeout firing as stop() cancels the read turned the cancellation into a counted timeout,
+    and the loop read on: stop() waited for ever (a test's teardown hung for 60 s)."""
+    h = Harness()
+    reads = [0]
+
+    async def swallowing_read() -> None:
+        reads[0] += 1
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:  # what a timer that fired at the same instant makes of it
+            pass
+
+    async def start_then_stop() -> None:
+        s = scraper(h, url="http://127.0.0.1:9/metrics", interval_seconds=0.01, timeout_seconds=0.01)
+        s.scrape_once = swallowing_read  # type: ignore[method-assign,assignment]
+        s._task = asyncio.create_task(s._loop())
+        while reads[0] < 1:
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(s.stop(), 10)
+
+    run(start_then_stop())
+    assert reads[0] == 1
+
+
 # --- a real `serve`: SIGTERM exits within seconds whatever a source is doing ---
 
 

@@ -242,10 +242,8 @@ def test_pass_through_writes_each_name_once_and_promtool_reads_it(
 # --- applying a read in slices ---
 
 
-def test_apply_async_gives_the_loop_back_and_leaves_what_apply_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(upstream_module, "APPLY_SLICE_SERIES", 2)
-    results: list[FeedResult] = []
-    states = []
+async def applied_in_slices(up: UpstreamFeed, text: str) -> tuple[FeedResult, int]:
+    """`apply_async` of one text read, and how many times the loop ran something else meanwhile."""
     turns = 0
 
     async def ticker() -> None:
@@ -254,13 +252,19 @@ def test_apply_async_gives_the_loop_back_and_leaves_what_apply_leaves(monkeypatc
             await asyncio.sleep(0)
             turns += 1
 
-    async def applied(up: UpstreamFeed, text: str) -> FeedResult:
-        task = asyncio.create_task(ticker())
-        await asyncio.sleep(0)
-        try:
-            return await up.apply_async(up.read_text(text, False), wall=1.0)
-        finally:
-            task.cancel()
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    try:
+        return await up.apply_async(up.read_text(text, False), wall=1.0), turns
+    finally:
+        task.cancel()
+
+
+def test_apply_async_gives_the_loop_back_and_leaves_what_apply_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(upstream_module, "APPLY_SLICE_SERIES", 2)
+    results: list[FeedResult] = []
+    states = []
+    turns = 0
 
     engine = engine_of(*range(8))
     Gauge("sglang:other_gauge", "passed", registry=engine.registry).set(2)
@@ -271,7 +275,11 @@ def test_apply_async_gives_the_loop_back_and_leaves_what_apply_leaves(monkeypatc
         h = Harness()
         up = feed(h)
         for text in texts:
-            result = asyncio.run(applied(up, text)) if sliced else up.apply(up.read_text(text, False), wall=1.0)
+            if sliced:
+                result, read_turns = asyncio.run(applied_in_slices(up, text))
+                turns += read_turns
+            else:
+                result = up.apply(up.read_text(text, False), wall=1.0)
         results.append(result)
         states.append(({k: (r.status, dict(r.values)) for k, r in h.state.ranks.items()},
                        dict(h.state.ledger.counters), up.pass_through_text(False)))
@@ -319,23 +327,7 @@ def test_a_rank_lists_at_most_max_series_per_rank_series_and_is_fed_a_slice_at_a
     monkeypatch.setattr(upstream_module, "APPLY_SLICE_SERIES", 2)
     h = Harness(ranks_config=RanksConfig(max_series_per_rank=5))
     up = feed(h)
-    turns = 0
-
-    async def ticker() -> None:
-        nonlocal turns
-        while True:
-            await asyncio.sleep(0)
-            turns += 1
-
-    async def applied() -> FeedResult:
-        task = asyncio.create_task(ticker())
-        await asyncio.sleep(0)
-        try:
-            return await up.apply_async(up.read_text(pools(*"abcdefg"), False), wall=1.0)
-        finally:
-            task.cancel()
-
-    result = asyncio.run(applied())
+    result, turns = asyncio.run(applied_in_slices(up, pools(*"abcdefg")))
     assert result.cut == {"series_limit": "2 series of ranks past the first 5 of their rank in this read are left "
                                           "out (ranks.max_series_per_rank)"}
     assert up.health.errors == {"series_limit": 1} and result.rejected == 0

@@ -424,13 +424,6 @@ class RankRegistry:
                 )
         return None
 
-    def begin_snapshot(self, rank: RankState, seq: int) -> bool:
-        """Note a snapshot's arrival; False when it is refused (see `refusal`) and ignored."""
-        if self.refusal(rank, seq) is not None:
-            return False
-        self.accept_snapshot(rank, seq)
-        return True
-
     def accept_snapshot(self, rank: RankState, seq: int) -> None:
         """Note the arrival of a snapshot `refusal` let through."""
         rank.seq = seq

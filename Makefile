@@ -1,5 +1,5 @@
 # Two commands: `make demo` runs the sidecar with simulated ranks; `make test` runs the linters
-# (`make lint`: ruff and mypy), then the tests (it first installs or names promtool, Prometheus and Chromium).
+# (`make lint`: ruff, mypy and the import contracts), then the tests (it first installs or names promtool, Prometheus and Chromium).
 # `make bench` runs the benchmarks (`make bench BENCH_ARGS=--quick` for a short pass).
 VENV ?= .venv
 PYTHON ?= python3
@@ -59,6 +59,7 @@ serve: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check exporter cache_core bench tests config
 	$(VENV)/bin/mypy exporter cache_core
+	$(VENV)/bin/lint-imports
 
 test: prometheus-tools chromium $(STAMP) lint
 	$(PY) -m pytest

@@ -28,8 +28,8 @@ from typing import Any
 
 from exporter.catalog import default_catalog
 from exporter.protocol.messages import parse_client_message
+from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.process import serving_gc
-from exporter.sidecar.state import SidecarState
 
 from bench.common import advance_all, full_metric_set, hello_payload, progress_printer, rank_id, snapshot_payload
 from bench.report import report, row

@@ -20,10 +20,10 @@ import sys
 
 from exporter.catalog import default_catalog
 from exporter.protocol.messages import parse_client_message
-from exporter.sidecar.exposition import SidecarCollector
-from exporter.sidecar.render import TextRenderer
-from exporter.sidecar.state import SidecarState
-from exporter.sidecar.stats import SidecarStats
+from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.state import SidecarState
+from exporter.sidecar.expose.collector import SidecarCollector
+from exporter.sidecar.expose.render import TextRenderer
 
 from bench.common import NAMESPACE, advance_all, full_metric_set, hello_payload, rank_id, snapshot_payload
 

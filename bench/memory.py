@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from exporter.sidecar.registry import HISTORY_POINTS
+from exporter.sidecar.core.ranks import HISTORY_POINTS
 
 from bench.common import RawRank, Sidecar, progress_printer
 from bench.report import report, row

@@ -26,10 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.catalog import MetricType, default_catalog
 from exporter.config import UpstreamConfig
-from exporter.sidecar.families import exported_name
-from exporter.sidecar.state import SidecarState
-from exporter.sidecar.stats import UpstreamHealth
-from exporter.sidecar.upstream import UpstreamFeed
+from exporter.sidecar.core.health import UpstreamHealth
+from exporter.sidecar.core.state import SidecarState
+from exporter.sidecar.upstream.feed import UpstreamFeed
 
 from bench.common import progress_printer
 from bench.report import row
@@ -51,7 +50,7 @@ class Engine:
             if spec.type is MetricType.GAUGE or spec.beyond_upstream:
                 continue
             axes = STORAGE if spec.collector and spec.collector.value == "storage" else RADIX
-            name = "sglang:" + exported_name(spec, "")
+            name = "sglang:" + spec.exported_name("")
             labels = [*axes, *spec.labels]
             metric = (Counter(name, spec.help, labels, registry=self.registry) if spec.type is MetricType.COUNTER
                       else Histogram(name, spec.help, labels, buckets=spec.buckets or (1.0,), registry=self.registry))

@@ -47,14 +47,14 @@ from exporter.protocol.messages import (
     World,
     parse_client_message,
 )
-from exporter.sidecar.api import BandwidthHistory, StatusView
-from exporter.sidecar.exposition import SidecarCollector
-from exporter.sidecar.page import render_page
+from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.ranks import RankState
+from exporter.sidecar.core.state import SidecarState
+from exporter.sidecar.expose.collector import SidecarCollector
+from exporter.sidecar.expose.page import render_page
+from exporter.sidecar.expose.render import TextRenderer
+from exporter.sidecar.expose.status import BandwidthHistory, StatusView
 from exporter.sidecar.process import serving_gc
-from exporter.sidecar.registry import RankState
-from exporter.sidecar.render import TextRenderer
-from exporter.sidecar.state import SidecarState
-from exporter.sidecar.stats import SidecarStats
 
 from bench.common import (
     NAMESPACE,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,18 @@ class Collector(str, Enum):
     SCHEDULER = "scheduler"
 
 
+def bucket_layout_problem(bounds: Sequence[float]) -> str | None:
+    """Why `bounds` cannot be a histogram's bucket layout, or None: finite upper bounds, strictly
+    ascending, at least one (+Inf is implied). The one check of a layout, wherever one enters."""
+    if not bounds:
+        return "buckets must name at least one finite upper bound (+Inf is implied)"
+    if any(not math.isfinite(b) for b in bounds):
+        return f"buckets must be finite (+Inf is implied), got {list(bounds)}"
+    if any(a >= b for a, b in zip(bounds, bounds[1:])):
+        return f"buckets must be strictly ascending, got {list(bounds)}"
+    return None
+
+
 class FamilySpec(BaseModel):
     """One metric family as ranks push it (names are without the namespace)."""
 
@@ -78,10 +90,9 @@ class FamilySpec(BaseModel):
         if self.type is MetricType.HISTOGRAM:
             if not self.buckets:
                 raise ValueError(f"histogram {self.name!r} needs `buckets`")
-            if any(not math.isfinite(b) for b in self.buckets):
-                raise ValueError(f"histogram {self.name!r}: buckets must be finite (+Inf is implied)")
-            if list(self.buckets) != sorted(set(self.buckets)):
-                raise ValueError(f"histogram {self.name!r}: buckets must be strictly ascending")
+            problem = bucket_layout_problem(self.buckets)
+            if problem:
+                raise ValueError(f"histogram {self.name!r}: {problem}")
         elif self.buckets is not None:
             raise ValueError(f"{self.type.value} {self.name!r} cannot have `buckets`")
         if self.type is MetricType.COUNTER and not self.name.endswith("_total"):
@@ -110,6 +121,21 @@ class FamilySpec(BaseModel):
     def base_name(self) -> str:
         """Name without the counter's `_total` suffix."""
         return self.name[: -len("_total")] if self.name.endswith("_total") else self.name
+
+    def exported_name(self, prefix: str) -> str:
+        """The exported family name under `prefix`, as prometheus_client names it: a counter's without
+        its `_total` suffix, which its samples (and the 0.0.4 HELP and TYPE lines) add."""
+        return prefix + (self.base_name if self.type is MetricType.COUNTER else self.name)
+
+    @property
+    def replicated(self) -> bool:
+        """Every replica of a dp group counts it alike (tokens, requests): one replica per group counts."""
+        return self.semantics is Semantics.REPLICATED
+
+    @property
+    def per_shard(self) -> bool:
+        """Each rank counts its own shard (bytes, time): the ranks add up."""
+        return self.semantics is Semantics.PER_SHARD
 
     def preset_label_sets(self) -> list[dict[str, str]]:
         """Label sets to create at 0 on every rank: the cross product of `preset`, if it covers all labels."""

@@ -235,7 +235,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    from exporter.sidecar.security import server_ssl_context
+    from exporter.sidecar.http.security import server_ssl_context
 
     config: SidecarConfig = load_config(args.file, env={})
     catalog = load_catalog(config.metrics.catalog)

@@ -140,8 +140,8 @@ def _print_progress(sidecar: Sidecar, layout: list[tuple[int, int, int, int]], s
     for dp in groups:
         done = [completed[i] for i, slot in enumerate(layout) if slot[0] == dp]
         per_group.append(f"dp{dp}:{min(done)}")
-    live = sum(1 for r in state.ranks.values() if r.live)
-    tokens = sum(v for (family, _, _), v in state.ledger.counters.items() if family == "load_back_tokens_total")
-    moved = sum(v for (family, _, _), v in state.ledger.counters.items() if family == "load_back_bytes_total")
+    live = sum(1 for r in state.known_ranks() if r.live)
+    tokens = sum(v for (family, _, _), v in state.rollup_counters().items() if family == "load_back_tokens_total")
+    moved = sum(v for (family, _, _), v in state.rollup_counters().items() if family == "load_back_bytes_total")
     print(f"[{elapsed:6.1f}s] requests {' '.join(per_group)} | ranks alive {alive}, connections pushing {live} | "
           f"rollup load-back {int(tokens)} tokens, {moved / 2**20:.1f} MiB", flush=True)

@@ -17,15 +17,15 @@ from prometheus_client.process_collector import ProcessCollector
 from exporter.catalog import Catalog, load_catalog
 from exporter.config import SidecarConfig
 from exporter.errors import StartupError
-from exporter.sidecar.app import build_app
-from exporter.sidecar.exposition import SidecarCollector
-from exporter.sidecar.listener import IngestServer
-from exporter.sidecar.render import TextRenderer
-from exporter.sidecar.security import server_ssl_context
-from exporter.sidecar.state import SidecarState
-from exporter.sidecar.stats import SidecarStats, UpstreamHealth
-from exporter.sidecar.upstream import UpstreamFeed
-from exporter.sidecar.upstream_scrape import UpstreamScraper
+from exporter.sidecar.core.health import SidecarStats, UpstreamHealth
+from exporter.sidecar.core.state import SidecarState
+from exporter.sidecar.expose.collector import SidecarCollector
+from exporter.sidecar.expose.render import TextRenderer
+from exporter.sidecar.http.app import build_app
+from exporter.sidecar.http.security import server_ssl_context
+from exporter.sidecar.ingest.listener import IngestServer
+from exporter.sidecar.upstream.feed import UpstreamFeed
+from exporter.sidecar.upstream.scrape import UpstreamScraper
 
 log = logging.getLogger("hicache_exporter")
 HTTP_SHUTDOWN_SECONDS = 5.0  # open HTTP requests get this long at shutdown (aiohttp's default is 60 s)

@@ -183,12 +183,12 @@ def exported_names(ns: str = DEFAULT_NAMESPACE) -> frozenset[str]:
 
 @cache
 def collector_names(ns: str = DEFAULT_NAMESPACE, prefix: str = "") -> frozenset[str]:
-    """Sample names the real collector (exporter/sidecar/exposition.py) declares, on a sidecar with one upstream."""
+    """Sample names the real collector (exporter/sidecar/expose/collector.py) declares, on a sidecar with one upstream."""
     from exporter.catalog import default_catalog
     from exporter.config import SidecarConfig
-    from exporter.sidecar.exposition import SidecarCollector
-    from exporter.sidecar.state import SidecarState
-    from exporter.sidecar.stats import SidecarStats, UpstreamHealth
+    from exporter.sidecar.core.health import SidecarStats, UpstreamHealth
+    from exporter.sidecar.core.state import SidecarState
+    from exporter.sidecar.expose.collector import SidecarCollector
 
     config = SidecarConfig()
     state = SidecarState(default_catalog(), config.ranks, config.rollup.window_seconds)

@@ -30,7 +30,8 @@ from playwright.sync_api import Browser, Page, sync_playwright
 from playwright.sync_api import Error as PlaywrightError
 
 from exporter.client import RankClient
-from exporter.sidecar import api, page
+from exporter.sidecar.expose import page
+from exporter.sidecar.expose import status as api
 from tests.helpers import RawClient, SidecarThread, hello, http_get, sidecar_config, steady_rank, wait_until
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ import bcrypt
 import pytest
 
 from exporter import __version__
-from exporter.sidecar.exposition import build_revision
+from exporter.sidecar.expose.collector import build_revision
 from tests.helpers import Scrape, free_port, http_get, self_signed_cert, wait_until
 
 CLI = [sys.executable, "-m", "exporter.cli"]
@@ -166,7 +166,7 @@ def test_log_format(fmt: str, socket_dir: Path, serving: list[Serve]) -> None:
 
 
 def test_the_env_revision_wins() -> None:
-    code = "from exporter.sidecar.exposition import build_revision; print(build_revision())"
+    code = "from exporter.sidecar.expose.collector import build_revision; print(build_revision())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
                          env={**os.environ, "HICACHE_EXPORTER_REVISION": "abc123"}).stdout.strip()
     assert out == "abc123"

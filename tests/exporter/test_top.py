@@ -35,7 +35,7 @@ from rich.console import Console, RenderableType
 
 from exporter.catalog import default_catalog
 from exporter.errors import ErrorCode, HicacheExporterError
-from exporter.sidecar.api import GRID_CELLS, GRID_CELLS_PER_GROUP, grid_model
+from exporter.sidecar.expose.status import GRID_CELLS, GRID_CELLS_PER_GROUP, grid_model
 from exporter.top.fetch import (
     ENV_PASSWORD,
     MAX_DOCUMENT_BYTES,
@@ -629,7 +629,7 @@ def test_without_rich_it_says_what_to_install_and_the_sidecar_never_imports_it()
     result = subprocess.run([sys.executable, "-c", hide_rich], capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert result.stderr.strip() == "hicache-exporter: error: top needs the rich library: pip install 'hicache-exporter[top]'"
-    imports = ("import sys, exporter.cli, exporter.sidecar.runner, exporter.sidecar.app, exporter.top.fetch\n"
+    imports = ("import sys, exporter.cli, exporter.sidecar.runner, exporter.sidecar.http.app, exporter.top.fetch\n"
                "print(sorted(m for m in sys.modules if m == 'rich' or m.startswith('rich.')))")
     loaded = subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True, timeout=30, check=True)
     assert loaded.stdout.strip() == "[]"

@@ -25,17 +25,17 @@ from rich.console import Console, RenderableType
 
 from exporter.config import SidecarConfig
 from exporter.protocol.messages import Hello, RankId, World
-from exporter.sidecar import api
-from exporter.sidecar.api import StatusView
-from exporter.sidecar.page import render_page
-from exporter.sidecar.stats import SidecarStats
+from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.expose import status as api
+from exporter.sidecar.expose.page import render_page
+from exporter.sidecar.expose.status import StatusView
 from exporter.top import render
 from exporter.top.fetch import Fetched, Target
 from exporter.top.render import render_frame
 from exporter.top.view import View
+from tests.exporter.sidecar.expose.test_status import assert_valid
 from tests.exporter.sidecar.harness import STATIC, Harness
-from tests.exporter.sidecar.test_api import assert_valid
-from tests.exporter.sidecar.test_upstream import feed, read
+from tests.exporter.sidecar.upstream.test_feed import feed, read
 
 CLI = [sys.executable, "-m", "exporter.cli"]
 TARGET = Target(url="http://sidecar:9400", status_url="http://sidecar:9400/api/v1/status")

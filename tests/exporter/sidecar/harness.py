@@ -13,9 +13,9 @@ from exporter.catalog import Catalog, FamilySpec, MetricType, Semantics, default
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode
 from exporter.protocol.messages import BucketBound, Hello, HistogramSample, RankId, Sample, ScalarSample, Snapshot
-from exporter.sidecar.registry import HelloResult, RankState
-from exporter.sidecar.series import HistAccumulator, Layout, RollupKey, StaticKey
-from exporter.sidecar.state import SidecarState, SnapshotResult
+from exporter.sidecar.core.keys import HistAccumulator, Layout, RollupKey, StaticKey
+from exporter.sidecar.core.ranks import HelloResult, RankState
+from exporter.sidecar.core.state import SidecarState, SnapshotResult
 
 STATIC: dict[str, str] = {"cache_type": "UnifiedRadixCache"}
 STATIC_KEY: StaticKey = (("cache_type", "UnifiedRadixCache"),)

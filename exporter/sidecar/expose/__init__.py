@@ -1,0 +1,1 @@
+"""What the sidecar shows: its families, the collector, the text renderer, the status document and page."""

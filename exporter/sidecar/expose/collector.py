@@ -1,0 +1,250 @@
+"""A prometheus_client collector over the sidecar's state: the reference exposition; no I/O.
+
+/metrics is served by the faster renderer (render.py), whose output parses to exactly the
+samples this collector yields (tests/exporter/sidecar/expose/test_render.py holds the two side by side).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from collections.abc import Iterable, Iterator, Sequence
+from functools import lru_cache
+from typing import TypeVar
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from exporter import __version__
+from exporter.sidecar.core.health import DurationHistogram, SidecarStats
+from exporter.sidecar.core.keys import HistAccumulator, HistValue, LabelValues, Layout, RollupKey
+from exporter.sidecar.core.ranks import RankState, RankStatus
+from exporter.sidecar.core.state import SidecarState
+from exporter.sidecar.core.window import Increases
+from exporter.sidecar.expose.families import SELF, SELF_FAMILIES, ExposedFamilies, Family
+
+ENV_REVISION = "HICACHE_EXPORTER_REVISION"
+KeyT = TypeVar("KeyT", bound=tuple)
+ValueT = TypeVar("ValueT")
+_METRIC_CLASS = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}
+
+
+def new_metric(family: Family, help_text: str | None = None) -> Metric:
+    """An empty prometheus_client metric family for `family` (with another HELP text, if given)."""
+    return _METRIC_CLASS[family.type](family.name, help_text or family.help)
+
+
+@lru_cache(maxsize=1)
+def build_revision() -> str:
+    """The commit the sidecar runs: $HICACHE_EXPORTER_REVISION (set by an image build), else the git
+    checkout the package lives in, else "unknown"."""
+    revision = os.environ.get(ENV_REVISION, "").strip()
+    if revision:
+        return revision
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                                capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    out = result.stdout.strip()
+    return out if result.returncode == 0 and out else "unknown"
+
+
+@lru_cache(maxsize=256)
+def le_values(bounds: Layout) -> tuple[str, ...]:
+    """`le` values of a bucket layout in Go's spelling, worked out once per layout."""
+    return tuple(b if isinstance(b, str) else floatToGoString(b) for b in bounds)
+
+
+def add_value(metric: Metric, labels: dict[str, str], value: float | HistValue | HistAccumulator) -> None:
+    """The samples of one series: a counter's `_total`, a gauge, or a histogram's buckets, count and sum."""
+    name = metric.name
+    if isinstance(value, (HistValue, HistAccumulator)):
+        for bound, count in zip(le_values(value.bounds), value.counts):
+            metric.add_sample(name + "_bucket", {**labels, "le": bound}, float(count))
+        metric.add_sample(name + "_count", labels, float(value.counts[-1]))
+        metric.add_sample(name + "_sum", labels, float(value.sum))
+    else:
+        metric.add_sample(name + "_total" if metric.type == "counter" else name, labels, float(value))
+
+
+def _labels(names: tuple[str, ...], values: LabelValues, base: dict[str, str]) -> dict[str, str]:
+    if not values:
+        return base  # no labels of its own: share the rank's (or rollup's) dict, which nobody changes
+    labels = dict(zip(names, values))
+    labels.update(base)
+    return labels
+
+
+def _by_family(*sources: Iterable[tuple[KeyT, ValueT]]) -> dict[str, list[tuple[KeyT, ValueT]]]:
+    """Entries keyed by (family, ...) grouped by family, in one pass: not one scan per family."""
+    grouped: dict[str, list[tuple[KeyT, ValueT]]] = {}
+    for source in sources:
+        for entry in source:
+            grouped.setdefault(entry[0][0], []).append(entry)
+    return grouped
+
+
+def rollup_cells(state: SidecarState) -> dict[str, list[tuple[RollupKey, float | HistAccumulator]]]:
+    """Every rollup series (counters, histograms, then gauges over the current ranks), grouped by family."""
+    return _by_family(state.rollup_counters().items(), state.rollup_histograms().items(), state.rollup_gauges().items())
+
+
+def window_increases(state: SidecarState) -> tuple[list[RankState], dict[int, Increases]]:
+    """Every known rank in exposition order, and (by id) the increase of each of its positions over the window."""
+    known = state.known_ranks()
+    return known, state.window_increases(known)
+
+
+class SidecarCollector(Collector):
+    """Yields per-rank series, rollups, bandwidth and spread gauges, and the sidecar's self-metrics."""
+
+    def __init__(
+        self, state: SidecarState, stats: SidecarStats, namespace: str, per_rank_series: bool = True,
+        extra: Sequence[Collector] = (),
+    ) -> None:
+        self.state = state
+        self.stats = stats
+        self.per_rank_series = per_rank_series
+        self.extra = tuple(extra)  # other collectors rendered last, such as prometheus_client's process collector
+        self.revision = build_revision()
+        self.families = ExposedFamilies(state.catalog, namespace)
+        self._labels = {spec.name: spec.labels for spec in state.catalog}
+
+    def collect(self) -> Iterator[Metric]:
+        self.state.tick()
+        ranks = self.state.exposed_ranks()
+        rank_labels = {id(r): r.label_dict() for r in ranks}
+        yield from self._per_rank(ranks, rank_labels)
+        yield from self.derived(ranks, rank_labels)
+
+    def derived(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
+        """Everything but the per-rank catalog series: rollups, bandwidth, spread, self-metrics."""
+        state = self.state
+        yield from self._rollups()
+        known, increases = window_increases(state)
+        yield from self._bandwidth(known, increases, rank_labels)
+        yield from self._spreads(increases)
+        yield from self._self_metrics(ranks, rank_labels)
+        for collector in self.extra:
+            yield from collector.collect()
+
+    def exposed_names(self) -> set[str]:
+        """Every family name this collector can expose (counters without `_total`)."""
+        names = {f.name for f in self.families.per_rank.values()} | {f.name for f in self.families.rollup.values()}
+        names |= {f.name for pair in self.families.bandwidth.values() for f in pair}
+        names |= {f.name for f in self.families.spread.values()} | set(SELF_FAMILIES)
+        names |= {metric.name for collector in self.extra for metric in collector.collect()}  # process_*, say
+        return names
+
+    def _per_rank(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
+        if not self.per_rank_series:
+            return
+        reported = self.state.help
+        metrics = {name: new_metric(family, reported.get(name)) for name, family in self.families.per_rank.items()}
+        for rank in ranks:
+            base = rank_labels[id(rank)]
+            for (family, values), value in rank.values.items():
+                add_value(metrics[family], _labels(self._labels[family], values, base), value)
+        yield from metrics.values()
+
+    def _rollups(self) -> Iterator[Metric]:
+        by_family = rollup_cells(self.state)
+        for name, family in self.families.rollup.items():
+            metric = new_metric(family)
+            for (_, static, values), value in by_family.get(name, ()):
+                add_value(metric, _labels(self._labels[name], values, dict(static)), value)
+            yield metric
+
+    def _bandwidth(
+        self, known: list[RankState], increases: dict[int, dict[tuple[str, LabelValues], float]],
+        rank_labels: dict[int, dict[str, str]],
+    ) -> Iterator[Metric]:
+        per_rank, rolled = self.state.bandwidths(known, increases)
+        rank_rows: dict[str, list[tuple[RankState, LabelValues, float]]] = {}
+        for spec, rank, values, bw in per_rank:
+            rank_rows.setdefault(spec.name, []).append((rank, values, bw.value))
+        rolled_rows = _by_family(rolled.items())
+        for name, (per_rank_family, rollup_family) in self.families.bandwidth.items():
+            names = self._labels[name]
+            if self.per_rank_series:  # a per-rank series of a catalog family, as the per-rank values are
+                metric = new_metric(per_rank_family)
+                for rank, values, value in rank_rows.get(name, ()):
+                    metric.add_sample(metric.name, _labels(names, values, rank_labels[id(rank)]), value)
+                yield metric
+            rollup = new_metric(rollup_family)
+            for (_, static, values), bw in rolled_rows.get(name, ()):
+                rollup.add_sample(rollup.name, _labels(names, values, dict(static)), bw.value)
+            yield rollup
+
+    def _spreads(self, increases: dict[int, dict[tuple[str, LabelValues], float]]) -> Iterator[Metric]:
+        state = self.state
+        by_family = _by_family(state.spreads(increases).items())
+        for name, family in self.families.spread.items():
+            metric = new_metric(family)
+            for (_, (dp_rank, static), values), ratio in by_family.get(name, ()):
+                labels = _labels(self._labels[name], values, {"dp_rank": str(dp_rank), **dict(static)})
+                metric.add_sample(metric.name, labels, ratio)
+            yield metric
+
+    def _self_metrics(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
+        stats, state = self.stats, self.state
+        metric = {name[len(SELF):]: new_metric(family) for name, family in SELF_FAMILIES.items()}
+        info = metric["build_info"]
+        info.add_sample(info.name, {"version": __version__, "revision": self.revision,
+                                  "python_version": platform.python_version()}, 1.0)
+        for status, count in state.ranks_by_status().items():
+            metric["ranks"].add_sample(SELF + "ranks", {"state": status.value}, float(count))
+        up, last, restarts = metric["rank_up"], metric["rank_last_push_timestamp_seconds"], metric["rank_restarts"]
+        for rank in ranks:
+            labels = rank_labels[id(rank)]
+            up.add_sample(up.name, labels, 1.0 if rank.status is RankStatus.LIVE else 0.0)
+            if rank.last_push_wall is not None:
+                last.add_sample(last.name, labels, rank.last_push_wall)
+            restarts.add_sample(restarts.name + "_total", labels, float(rank.restarts))
+        for name, value in (
+            ("connections", stats.connections_open), ("connections_accepted", stats.connections_accepted),
+            ("frames_received", stats.frames_received), ("snapshots_received", stats.snapshots_received),
+            ("snapshots_applied", stats.snapshots_applied), ("samples_applied", stats.samples_applied),
+        ):
+            metric[name].add_metric([], float(value))  # type: ignore[attr-defined]
+        for reason, count in sorted(stats.rejections.items()):
+            metric["rejections"].add_sample(SELF + "rejections_total", {"reason": reason}, float(count))
+        for family, count in state.layout_conflicts().items():
+            metric["rollup_layout_conflicts"].add_sample(SELF + "rollup_layout_conflicts_total", {"family": family}, float(count))
+        for health in stats.upstreams.values():
+            labels = {"upstream": health.name}
+            metric["upstream_series_resets"].add_sample(
+                SELF + "upstream_series_resets_total", labels, float(health.series_resets))
+            metric["upstream_series_flapping"].add_sample(
+                SELF + "upstream_series_flapping", labels, float(health.flapping))
+            metric["upstream_up"].add_sample(SELF + "upstream_up", labels, 1.0 if health.up else 0.0)
+            if health.last_scrape_wall is not None:
+                metric["upstream_last_scrape_timestamp_seconds"].add_sample(
+                    SELF + "upstream_last_scrape_timestamp_seconds", labels, health.last_scrape_wall)
+            if health.last_duration is not None:
+                metric["upstream_scrape_duration_seconds"].add_sample(
+                    SELF + "upstream_scrape_duration_seconds", labels, health.last_duration)
+            metric["upstream_samples"].add_sample(SELF + "upstream_samples", labels, float(health.samples))
+            for kind, count in sorted(health.errors.items()):
+                metric["upstream_scrape_errors"].add_sample(
+                    SELF + "upstream_scrape_errors_total", {**labels, "kind": kind}, float(count))
+            for family in sorted(health.unranked):
+                metric["upstream_unranked_families"].add_sample(
+                    SELF + "upstream_unranked_families", {**labels, "family": family}, 1.0)
+            for family in sorted(health.cp_colliding):
+                metric["upstream_cp_colliding_families"].add_sample(
+                    SELF + "upstream_cp_colliding_families", {**labels, "family": family}, 1.0)
+        _durations(metric["scrape_duration_seconds"], stats.scrape_duration)
+        _durations(metric["ingest_duration_seconds"], stats.ingest_duration)
+        if stats.upstreams:
+            yield from metric.values()
+        else:  # a sidecar without upstreams shows no empty proxy families
+            yield from (m for name, m in metric.items() if not name.startswith("upstream_"))
+
+
+def _durations(metric: Metric, histogram: DurationHistogram) -> None:
+    buckets = [(floatToGoString(b), float(c)) for b, c in zip((*histogram.bounds, float("inf")), histogram.cumulative())]
+    metric.add_metric([], buckets, histogram.sum)  # type: ignore[attr-defined]

@@ -1,0 +1,90 @@
+"""Every family the sidecar exposes, defined once: exported name, type and help text.
+
+Names follow prometheus_client's convention: a counter's name is given without `_total`,
+which its samples (and the 0.0.4 text format's HELP and TYPE lines) add.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from exporter.catalog import Catalog, MetricType, Semantics
+
+SELF = "hicache_exporter_"
+ROLLUP_HELP = {
+    Semantics.PER_SHARD: "Sum over all ranks (per-shard quantity). ",
+    Semantics.REPLICATED: "Furthest replica of each dp replica group, summed over groups (logically replicated quantity). ",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One exposed family: name (counters without `_total`), Prometheus type and HELP text."""
+
+    name: str
+    type: str
+    help: str
+
+
+SELF_FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family(SELF + "build_info", "gauge", "Version, git revision and Python version of the running sidecar (value is always 1)."),
+    Family(SELF + "ranks", "gauge", "Rank identities the sidecar knows, by status."),
+    Family(SELF + "rank_up", "gauge", "1 while the rank is connected and pushing, else 0."),
+    Family(SELF + "rank_last_push_timestamp_seconds", "gauge", "Wall-clock time of the rank's last snapshot."),
+    Family(SELF + "rank_restarts", "counter", "Process restarts (new epochs) seen for the rank."),
+    Family(SELF + "connections", "gauge", "Open rank connections."),
+    Family(SELF + "connections_accepted", "counter", "Rank connections accepted."),
+    Family(SELF + "frames_received", "counter", "Frames received from ranks."),
+    Family(SELF + "snapshots_received", "counter", "Snapshot frames received from ranks."),
+    Family(SELF + "snapshots_applied", "counter", "Snapshots applied to rank state."),
+    Family(SELF + "samples_applied", "counter", "Samples applied to rank state."),
+    Family(SELF + "rejections", "counter", "Frames, hellos, snapshots and samples refused, by reason."),
+    Family(SELF + "rollup_layout_conflicts", "counter",
+           "Rank histogram series left out of their rollup because their bucket layout differs from the rollup's, by family."),
+    Family(SELF + "upstream_up", "gauge", "1 when the last read of the upstream succeeded, else 0."),
+    Family(SELF + "upstream_last_scrape_timestamp_seconds", "gauge", "Wall-clock time of the upstream's last successful read."),
+    Family(SELF + "upstream_scrape_duration_seconds", "gauge", "Seconds the upstream's last read took."),
+    Family(SELF + "upstream_samples", "gauge", "Samples in the upstream's last successful read."),
+    Family(SELF + "upstream_scrape_errors", "counter", "Failed or partly refused reads of the upstream, by kind."),
+    Family(SELF + "upstream_unranked_families", "gauge",
+           "1 for a catalog family whose upstream series carry no rank labels: summed over ranks upstream, not rolled up."),
+    Family(SELF + "upstream_cp_colliding_families", "gauge",
+           "1 for a catalog family whose context-parallel peers share one label set upstream (summed there): not rolled up."),
+    Family(SELF + "upstream_series_resets", "counter",
+           "Counters and histograms of the upstream read lower than the read before: each a restart of that series."),
+    Family(SELF + "upstream_series_flapping", "gauge",
+           "Series of the upstream that went down more than twice within 5 minutes (two engines behind one URL, "
+           "or a broken engine): they count only above their highest value."),
+    Family(SELF + "scrape_duration_seconds", "histogram", "Time to render /metrics."),
+    Family(SELF + "ingest_duration_seconds", "histogram", "Time to apply one snapshot."),
+)}
+
+
+class ExposedFamilies:
+    """The catalog-derived families under one namespace: per rank, rollups, bandwidth and spread."""
+
+    def __init__(self, catalog: Catalog, namespace: str) -> None:
+        self.namespace = namespace
+        self.per_rank = {spec.name: Family(spec.exported_name(namespace), spec.type.value, spec.help) for spec in catalog}
+        rollup = namespace + "rollup_"
+        self.rollup = {
+            spec.name: Family(spec.exported_name(rollup), spec.type.value, ROLLUP_HELP[spec.semantics] + spec.help)
+            for spec in catalog
+        }
+        self.bandwidth: dict[str, tuple[Family, Family]] = {}
+        for bytes_spec, _ in catalog.bandwidth_pairs():
+            help_text = (
+                f"Active bandwidth of {bytes_spec.name}: byte increase over the window divided by the "
+                "increase of its duration histogram's sum (idle time excluded); absent without transfers."
+            )
+            self.bandwidth[bytes_spec.name] = (
+                Family(namespace + bytes_spec.bandwidth_name, "gauge", help_text),
+                Family(rollup + bytes_spec.bandwidth_name, "gauge", "Rolled up: " + help_text),
+            )
+        self.spread = {
+            spec.name: Family(
+                namespace + spec.base_name + "_replica_spread_ratio", "gauge",
+                f"How far live replicas' increases of {spec.name} over the window disagree: (max - min) / max.",
+            )
+            for spec in catalog if spec.type is MetricType.COUNTER and spec.replicated
+        }

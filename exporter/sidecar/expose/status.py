@@ -1,0 +1,678 @@
+"""The JSON API v1 (docs/api.md, docs/api/v1.schema.json): the sidecar's state as plain dicts; no I/O.
+
+The numbers are the ones /metrics shows, read through the same computations (exposition.py's
+`rollup_cells`, `window_increases`, the window's bandwidths and spreads): this module only
+reshapes them for people and for `hicache-exporter top`. What it adds is read off the ranks'
+hellos: the layout their worlds expect, and the positions of it no known rank holds.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+import platform
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from exporter import __version__
+from exporter.catalog import Catalog
+from exporter.config import SidecarConfig
+from exporter.protocol.messages import World
+from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.keys import GroupKey, HistAccumulator, LabelValues, RollupKey, StaticKey
+from exporter.sidecar.core.ranks import RankIdentity, RankState
+from exporter.sidecar.core.state import SidecarState
+from exporter.sidecar.core.window import Bandwidth, Increases
+from exporter.sidecar.expose.collector import build_revision, rollup_cells, window_increases
+from exporter.sidecar.expose.families import ExposedFamilies
+from exporter.sidecar.upstream.scrape import UpstreamScraper
+
+API_VERSION = 1
+SPREAD_THRESHOLD = 0.2  # the HiCacheReplicaSpreadHigh alert's threshold (config/prometheus/alerting_rules.yml)
+HISTORY_INTERVAL_SECONDS = 5.0  # bandwidth history: one point per interval, sampled by housekeeping
+HISTORY_POINTS = 60  # five minutes of points at 5 s: a few KiB whatever the number of ranks
+# Listings that a rank's label values can grow are cut to their largest entries; the counts and
+# sums beside them stay exact (docs/api.md). Every catalog family's own rollup series are on /metrics.
+REASONS_LISTED = 20  # per reason family, after its preset reasons
+BANDWIDTH_SERIES_LISTED = 20  # per bytes family
+SPREAD_SERIES_LISTED = 5  # per replica group (the page shows the widest, top the widest three)
+ENCODED_MAX_AGE_SECONDS = 1.0  # one housekeeping tick: viewers within it share one encoded document
+# The grid of a replica group (groups[].grid) is what the page, its script and `top` draw, so what they
+# draw is bounded here once: at most these many cells, with exact counts of the rows, columns and ranks
+# left out. 1,024 is ranks.max_ranks's default: a plausible world's group with every position held
+# is drawn whole; four such groups' worth over the document, since a cell that names a rank carries
+# its identity (up to a few KiB of labels) into the page.
+GRID_CELLS_PER_GROUP = 1024
+GRID_CELLS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One movement of KV data between two cache tiers, and the families that count it."""
+
+    name: str
+    source: str  # tier the data leaves
+    target: str  # tier the data arrives in
+    tokens_family: str
+    bytes_family: str
+
+
+# The four movements of DESIGN section 4 (L1 = device, L2 = host, L3 = storage), stated once.
+TRANSFERS: tuple[Transfer, ...] = (
+    Transfer("load_back", "L2", "L1", "load_back_tokens_total", "load_back_bytes_total"),
+    Transfer("backup", "L1", "L2", "hicache_backup_tokens_total", "hicache_backup_bytes_total"),
+    Transfer("prefetch", "L3", "L2", "prefetched_tokens_total", "storage_prefetch_bytes_total"),
+    Transfer("storage_backup", "L2", "L3", "backuped_tokens_total", "storage_backup_bytes_total"),
+)
+# A family's unit, by the ending of its name (catalog names follow the Prometheus naming rules).
+_UNITS = (
+    ("_tokens_total", "tokens"), ("_tokens", "tokens"), ("_bytes_total", "bytes"), ("_seconds", "seconds"),
+    ("_pgs", "pages"), ("_states", "states"), ("_bandwidth", "gigabytes_per_second"),
+)
+
+
+def unit_of(name: str) -> str | None:
+    """The unit a family's name says (docs/api.md lists them), or None."""
+    return next((unit for suffix, unit in _UNITS if name.endswith(suffix)), None)
+
+
+def quoted_labels(static: StaticKey) -> tuple[str, ...]:
+    """Static labels as Prometheus writes them, `name="value"` with backslash, quote and newline
+    escaped: unambiguous, so two label sets never read alike (`a="1 b=2"` is not `a="1" b="2"`)."""
+    return tuple(f'{name}="{_escaped(value)}"' for name, value in static)
+
+
+def _escaped(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def identity_text(tp_rank: int, pp_rank: int, dp_rank: int, attn_cp_rank: int | None, static: StaticKey) -> str:
+    """A rank identity as people read it: its axes, then its static labels, quoted (unambiguous: these
+    are its identity). The document does not carry it (each rank's labels would be written again):
+    the page and `top` build it from the rank's axes, its label set and its own labels."""
+    cp = () if attn_cp_rank is None else (f"cp={attn_cp_rank}",)
+    return " ".join((f"tp={tp_rank}", f"pp={pp_rank}", f"dp={dp_rank}", *cp, *quoted_labels(static)))
+
+
+def own_labels(rank: RankState) -> StaticKey:
+    """The static labels of a rank's identity that its replica group leaves out (derived ones: moe_ep_rank)."""
+    return tuple(item for item in rank.static if item not in rank.shared)
+
+
+def short_rank_id(group: str, rank: RankState) -> str:
+    """A rank's id in the document: its group's id, its axes, and its own labels quoted, if any
+    (`g3/tp=1,pp=0,cp=0`): unique, since the group id stands for dp_rank and the shared labels."""
+    cp = "" if rank.attn_cp_rank is None else f",cp={rank.attn_cp_rank}"
+    own = own_labels(rank)
+    return f"{group}/tp={rank.tp_rank},pp={rank.pp_rank}{cp}" + ("".join(" " + q for q in quoted_labels(own)))
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentIds:
+    """One document's short ids: `s<N>` per static label set and `g<N>` per replica group, numbered in
+    exposition order (static labels, then dp rank). Unique and stable within one document only: a
+    rank arriving or being forgotten renumbers what sorts after it. Every label set is written once,
+    in `label_sets`, and everything else names it by these ids."""
+
+    label_sets: dict[StaticKey, str]
+    groups: dict[GroupKey, str]
+
+    @classmethod
+    def of(cls, groups: Iterable[GroupKey]) -> DocumentIds:
+        keys = sorted(groups, key=lambda key: (key[1], key[0]))
+        label_sets: dict[StaticKey, str] = {}
+        for _, static in keys:
+            label_sets.setdefault(static, f"s{len(label_sets)}")
+        return cls(label_sets, {key: f"g{n}" for n, key in enumerate(keys)})
+
+
+def rate(bw: Bandwidth | None) -> float | None:
+    """A bandwidth as the API shows it: bytes per second, or None when the window saw no transfer
+    time or the quotient is not a finite number (bytes over a duration sum so small that it overflows,
+    say 2**62 bytes in 1e-300 s). /metrics keeps such a gauge at +Inf, which its format can say and
+    JSON cannot; every bandwidth the API shows goes through here."""
+    if bw is None or bw.seconds_delta <= 0:
+        return None
+    value = bw.value
+    return value if math.isfinite(value) else None
+
+
+def _labels(names: tuple[str, ...], values: LabelValues, static: StaticKey) -> dict[str, str]:
+    labels = dict(zip(names, values))
+    labels.update(static)
+    return labels
+
+
+def _total(bandwidths: Iterable[Bandwidth]) -> Bandwidth:
+    moved = seconds = 0.0
+    for bw in bandwidths:
+        moved += bw.bytes_delta
+        seconds += bw.seconds_delta
+    return Bandwidth(moved, seconds)
+
+
+def rolled_bandwidth(state: SidecarState, increases: dict[int, Increases], known: list[RankState]
+                     ) -> dict[str, list[tuple[RollupKey, Bandwidth]]]:
+    """The window's rolled-up active bandwidth by bytes family (the rollup gauges on /metrics)."""
+    _, rolled = state.bandwidths(known, increases)
+    by_family: dict[str, list[tuple[RollupKey, Bandwidth]]] = {}
+    for key, bw in rolled.items():
+        by_family.setdefault(key[0], []).append((key, bw))
+    return by_family
+
+
+class BandwidthHistory:
+    """Each bytes family's rolled-up active bandwidth, one point per `interval`, the last `points` kept.
+
+    Sampled by the app's housekeeping task, never per request, so a page left open costs the
+    sidecar nothing more than the JSON it fetches (bench/status_api.py measures a sample).
+    """
+
+    def __init__(self, families: Iterable[str], interval: float | None = None, points: int | None = None) -> None:
+        self.interval = HISTORY_INTERVAL_SECONDS if interval is None else interval
+        self.points = HISTORY_POINTS if points is None else points
+        self._series: dict[str, deque[tuple[float, float | None]]] = {name: deque(maxlen=self.points) for name in families}
+        self._next = float("-inf")
+
+    def due(self, now: float) -> bool:
+        """Whether a sample is due at monotonic time `now` (and, if so, the next one is `interval` later)."""
+        if now < self._next:
+            return False
+        self._next = now + self.interval
+        return True
+
+    def sample(self, state: SidecarState, wall: float) -> None:
+        """Append one point per bytes family: its bandwidth over the window ending now (None while idle)."""
+        known, increases = window_increases(state)
+        rolled = rolled_bandwidth(state, increases, known)
+        for name, points in self._series.items():
+            points.append((wall, rate(_total(bw for _, bw in rolled.get(name, ())))))
+
+    def history(self, family: str) -> list[list[float | None]]:
+        """A family's points, oldest first, as [time, bytes per second] pairs."""
+        return [[t, v] for t, v in self._series.get(family, ())]
+
+
+def world_dict(world: World | None) -> dict[str, int] | None:
+    """A world as the API shows it: tp_size, pp_size, dp_size; None for a rank that gave none."""
+    return None if world is None else {"tp_size": world.tp_size, "pp_size": world.pp_size, "dp_size": world.dp_size}
+
+
+def label_set_worlds(ranks: Iterable[RankState]) -> dict[StaticKey, World | None]:
+    """Each static label set's world: the one its ranks reported, None where they disagree.
+
+    A label set is one server's ranks of one collector (its dp groups differ only by dp_rank), so
+    they were all launched with one world; ranks that say otherwise make every expectation of
+    that label set unknowable. A label set no rank reported a world for is absent.
+    """
+    seen: dict[StaticKey, set[World]] = {}
+    for rank in ranks:
+        if rank.world is not None:
+            seen.setdefault(rank.shared, set()).add(rank.world)
+    return {static: next(iter(worlds)) if len(worlds) == 1 else None for static, worlds in seen.items()}
+
+
+def world_positions(world: World) -> int:
+    """How many rank positions a world names: tp_size x pp_size x dp_size (its cp size is unknown)."""
+    return world.tp_size * world.pp_size * world.dp_size
+
+
+def plausible(world: World, max_ranks: int) -> bool:
+    """Whether this sidecar could ever hold every position of `world`: not more than the rank identities it
+    remembers (ranks.max_ranks). A larger world can never be filled, so its missing count would only
+    measure the claim (65,536 x 65,536 is within the protocol's bounds); it is reported as a conflict."""
+    return world_positions(world) <= max_ranks
+
+
+def missing_positions(world: World, members: Iterable[RankState], room: int) -> tuple[int, list[dict[str, int]]]:
+    """How many (pp_rank, tp_rank) positions of `world` no member holds at any cp rank, and the first `room` of them.
+
+    The count is exact; the listing visits at most the held positions plus `room`, so a world of
+    65536 x 65536 (the protocol's bounds) costs what a small one does.
+    """
+    held = {(r.pp_rank, r.tp_rank) for r in members if r.pp_rank < world.pp_size and r.tp_rank < world.tp_size}
+    count = world.pp_size * world.tp_size - len(held)
+    listed: list[dict[str, int]] = []
+    if count and room > 0:
+        for pp in range(world.pp_size):
+            for tp in range(world.tp_size):
+                if (pp, tp) not in held:
+                    listed.append({"pp_rank": pp, "tp_rank": tp})
+                    if len(listed) >= room:
+                        return count, listed
+    return count, listed
+
+
+Position = tuple[int, int | None, int]  # (pp_rank, attn_cp_rank, tp_rank) of a rank in a group's grid
+
+
+def _row_order(row: tuple[int, int | None]) -> tuple[int, bool, int]:
+    return row[0], row[1] is not None, row[1] or 0  # by pp stage, the row without a cp axis first
+
+
+def grid_model(held: Iterable[Position], missing: Iterable[tuple[int, int]], room: int) -> dict[str, Any]:
+    """What the grid of one group draws, at most `room` cells: rows of (pp, cp), columns of tp, and exact counts.
+
+    Columns are the tp ranks some member holds or a missing position names. Rows are every pp stage
+    (held or missing) by every cp rank of the group, as a layout has them, where that product fits
+    the room; where it does not (ranks at (i, i, i) make a cube of them), only the (pp, cp) rows some
+    member holds, and one row per pp stage that only missing positions name. Both are cut to the
+    room, columns first; the work is linear in the members and the listed missing positions.
+    """
+    held = list(held)
+    missing = list(missing)
+    tps = sorted({tp for _, _, tp in held} | {tp for _, tp in missing})
+    pps = sorted({pp for pp, _, _ in held} | {pp for pp, _ in missing})
+    cps: list[int | None] = [*sorted({cp for _, cp, _ in held if cp is not None})]
+    if not cps or any(cp is None for _, cp, _ in held):
+        cps.insert(0, None)  # a rank without a cp axis gets a row of its own
+    columns = tps[:max(room, 0)]
+    fit = room // len(columns) if columns else 0
+    rows: list[tuple[int, int | None]]
+    if len(pps) * len(cps) <= fit:
+        rows, row_count = [(pp, cp) for pp in pps for cp in cps], len(pps) * len(cps)
+    else:
+        pairs = {(pp, cp) for pp, cp, _ in held}
+        stages = {pp for pp, _ in pairs}
+        pairs.update((pp, None) for pp, _ in missing if pp not in stages)
+        ordered = sorted(pairs, key=_row_order)
+        rows, row_count = ordered[:fit], len(ordered)
+    drawn_rows, drawn_columns = set(rows), set(columns)
+    hidden = sum(1 for pp, cp, tp in held if (pp, cp) not in drawn_rows or tp not in drawn_columns)
+    return {
+        "rows": [{"pp_rank": pp, "attn_cp_rank": cp} for pp, cp in rows],
+        "tp_ranks": columns,
+        "row_count": row_count,
+        "column_count": len(tps),
+        "hidden_ranks": hidden,
+    }
+
+
+def upstream_sources(upstreams: Iterable[UpstreamScraper]) -> dict[RankIdentity, str]:
+    """Which upstream feeds each rank identity it proxies (`upstream:<name>`); pushed ranks are not in it."""
+    sources: dict[RankIdentity, str] = {}
+    for scraper in upstreams:
+        for identity in scraper.feed.ranks:
+            sources[identity] = "upstream:" + scraper.health.name
+    return sources
+
+
+def lifecycle(rank: RankState, now: float) -> dict[str, Any]:
+    """What both rank listings say of a rank's process, connection and pushes."""
+    return {
+        "epoch": rank.epoch,
+        "pid": rank.pid,
+        "seq": rank.seq,
+        "restarts": rank.restarts,
+        "reconnects": rank.reconnects,
+        "snapshots": rank.snapshots,
+        "series": len(rank.values),
+        "seconds_since_activity": round(now - rank.last_activity, 3),
+        "last_push_time": rank.last_push_wall,
+        "world": world_dict(rank.world),
+    }
+
+
+def rank_rows(state: SidecarState) -> list[dict[str, Any]]:
+    """GET /api/v1/ranks' rows: one per known rank, in exposition order."""
+    now = state.clock()
+    return [
+        {
+            "tp_rank": rank.tp_rank,
+            "pp_rank": rank.pp_rank,
+            "dp_rank": rank.dp_rank,
+            "attn_cp_rank": rank.attn_cp_rank,
+            "labels": dict(rank.static),
+            "status": rank.status.value,
+            **lifecycle(rank, now),
+        }
+        for rank in state.known_ranks()
+    ]
+
+
+def upstream_rows(stats: SidecarStats) -> list[dict[str, Any]]:
+    """One row per configured upstream, in config order."""
+    return [
+        {
+            "name": h.name, "source": h.source, "up": h.up, "last_scrape_time": h.last_scrape_wall,
+            "last_scrape_duration_seconds": h.last_duration, "samples": h.samples, "scrapes": h.scrapes,
+            "ranks": h.ranks, "pass_through_families": h.pass_through, "errors": dict(h.errors),
+            "last_error": h.last_error, "unranked_families": sorted(h.unranked),
+            "cp_colliding_families": sorted(h.cp_colliding),
+        }
+        for h in stats.upstreams.values()
+    ]
+
+
+class StatusView:
+    """Builds GET /api/v1/status from the sidecar's state; what depends only on the catalog is worked out once."""
+
+    def __init__(self, config: SidecarConfig, state: SidecarState, stats: SidecarStats,
+                 upstreams: Iterable[UpstreamScraper] = (), history: BandwidthHistory | None = None) -> None:
+        self.config = config
+        self.state = state
+        self.stats = stats
+        self.upstreams = list(upstreams)
+        catalog: Catalog = state.catalog
+        self.catalog = catalog
+        self.families = ExposedFamilies(catalog, config.metrics.namespace)
+        self.pairs = catalog.bandwidth_pairs()
+        self.history = history or BandwidthHistory(b.name for b, _ in self.pairs)
+        self.transfers = [t for t in TRANSFERS if t.tokens_family in catalog or t.bytes_family in catalog]
+        self.transfer_of = {t.bytes_family: t.name for t in TRANSFERS}
+        self.reason_specs = [spec for spec in catalog if "reason" in spec.labels]
+        self.specs = {spec.name: spec for spec in catalog}
+        self.revision = build_revision()
+
+    def document(self) -> dict[str, Any]:
+        """The whole status document, as of now."""
+        state = self.state
+        state.tick()
+        known, increases = window_increases(state)
+        cells = rollup_cells(state)
+        totals = {name: self._series_total(entries) for name, entries in cells.items()}
+        bandwidth = rolled_bandwidth(state, increases, known)
+        bw_totals = {name: _total(bw for _, bw in entries) for name, entries in bandwidth.items()}
+        registry_groups = state.replica_groups()
+        ids = DocumentIds.of(registry_groups)
+        groups, missing_groups, missing_totals = self._groups(registry_groups, ids)
+        return {
+            "api_version": API_VERSION,
+            "generated_at": state.wall_time(),
+            "sidecar": self._sidecar(),
+            "label_sets": [{"id": set_id, "labels": dict(static)} for static, set_id in ids.label_sets.items()],
+            "ranks": self._ranks(known, ids),
+            "groups": groups,
+            "missing_groups": missing_groups,
+            "missing_totals": missing_totals,
+            "rollups": self._rollups(cells, totals),
+            "transfers": self._transfers(totals, bw_totals),
+            "bandwidth": self._bandwidth(bandwidth, bw_totals),
+            "reasons": self._reasons(cells),
+            "spread": self._spread(registry_groups, increases, ids),
+            "upstreams": upstream_rows(self.stats),
+        }
+
+    def encode(self) -> bytes:
+        """The status document as JSON (msgspec: any label value, markup or control characters, comes out escaped)."""
+        return msgspec.json.encode(self.document())
+
+    def _sidecar(self) -> dict[str, Any]:
+        stats, state, config = self.stats, self.state, self.config
+        budget = state.series_budget()
+        return {
+            "version": __version__,
+            "revision": self.revision,
+            "python_version": platform.python_version(),
+            "namespace": config.metrics.namespace,
+            "started_at": stats.started_at,
+            "uptime_seconds": round(time.monotonic() - stats.started_monotonic, 3),
+            "ready": stats.ingest_listening,
+            "ingest": {"listening": stats.ingest_listening, "socket_path": str(config.ingest.socket_path)},
+            "connections": {"open": stats.connections_open, "accepted": stats.connections_accepted,
+                            "allowed": config.ingest.max_connections},
+            "frames_received": stats.frames_received,
+            "snapshots_received": stats.snapshots_received,
+            "snapshots_applied": stats.snapshots_applied,
+            "samples_applied": stats.samples_applied,
+            "ranks_by_state": {status.value: count for status, count in state.ranks_by_status().items()},
+            "rejections": dict(sorted(stats.rejections.items())),
+            "rejections_total": sum(stats.rejections.values()),
+            "rollup_layout_conflicts": state.layout_conflicts(),
+            "limits": {
+                "series_used": budget.per_rank + budget.rollup,
+                "series_rank": budget.per_rank,
+                "series_rollup": budget.rollup,
+                "series_allowed": budget.limit,
+                "series_per_rank_allowed": state.config.max_series_per_rank,
+                "ranks_known": state.rank_count(),
+                "ranks_allowed": state.config.max_ranks,
+                "stale_after_seconds": state.config.stale_after_seconds,
+                "expire_after_seconds": state.config.expire_after_seconds,
+                "window_seconds": state.window_seconds,
+            },
+        }
+
+    def _ranks(self, known: list[RankState], ids: DocumentIds) -> list[dict[str, Any]]:
+        now = self.state.clock()
+        wall = self.state.wall_time()
+        sources = upstream_sources(self.upstreams)
+        return [
+            {
+                "id": short_rank_id(ids.groups[rank.replica_group], rank),
+                "group": ids.groups[rank.replica_group],
+                "tp_rank": rank.tp_rank,
+                "pp_rank": rank.pp_rank,
+                "dp_rank": rank.dp_rank,
+                "attn_cp_rank": rank.attn_cp_rank,
+                "own_labels": dict(own_labels(rank)),
+                "state": rank.status.value,
+                "source": sources.get(rank.identity, "push"),
+                "seconds_since_push": None if rank.last_push_wall is None else round(wall - rank.last_push_wall, 3),
+                **lifecycle(rank, now),
+            }
+            for rank in known
+        ]
+
+    def _groups(self, groups: dict[GroupKey, list[RankState]], ids: DocumentIds
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
+        """The replica groups with their expected layout and missing positions, the dp groups no rank
+        of an expected layout holds, and the exact totals of both."""
+        state = self.state
+        max_ranks = state.config.max_ranks
+        reported = label_set_worlds(state.known_ranks())
+        implausible = {static for static, world in reported.items()
+                       if world is not None and not plausible(world, max_ranks)}
+        # An implausible world is a conflict: nothing is expected of it (docs/api.md).
+        worlds = {static: None if static in implausible else world for static, world in reported.items()}
+        cells = GRID_CELLS
+        # Listings are bounded (counts stay exact): at most max_ranks positions and as many groups,
+        # whatever sizes a rank claims; more than the sidecar could ever track is not worth listing.
+        room = max_ranks
+        positions = 0
+        out = []
+        for key, members in sorted(groups.items(), key=lambda item: (item[0][1], item[0][0])):
+            world = worlds.get(key[1])
+            count, missing = missing_positions(world, members, room) if world is not None else (0, [])
+            room -= len(missing)
+            positions += count
+            grid = grid_model(((r.pp_rank, r.attn_cp_rank, r.tp_rank) for r in members),
+                              ((m["pp_rank"], m["tp_rank"]) for m in missing), min(GRID_CELLS_PER_GROUP, cells))
+            cells -= len(grid["rows"]) * len(grid["tp_ranks"])
+            out.append({
+                "id": ids.groups[key],
+                "label_set": ids.label_sets[key[1]],
+                "dp_rank": key[0],
+                "size": len(members),
+                "live": sum(1 for rank in members if rank.live),
+                "pp_ranks": sorted({rank.pp_rank for rank in members}),
+                "tp_ranks": sorted({rank.tp_rank for rank in members}),
+                "attn_cp_ranks": sorted({rank.attn_cp_rank for rank in members if rank.attn_cp_rank is not None}),
+                "expected": world_dict(world),
+                "world_conflict": key[1] in worlds and world is None,
+                "world_implausible": key[1] in implausible,
+                "missing": missing,
+                "missing_count": count,
+                "grid": grid,
+            })
+        present: dict[StaticKey, set[int]] = {}
+        for dp_rank, static in groups:
+            present.setdefault(static, set()).add(dp_rank)
+        missing_groups: list[dict[str, Any]] = []
+        absent_groups = 0
+        room = max_ranks
+        for static, world in sorted(worlds.items()):
+            if world is None:
+                continue
+            dps = present.get(static, set())
+            absent = world.dp_size - sum(1 for dp in dps if dp < world.dp_size)
+            absent_groups += absent
+            positions += absent * world.tp_size * world.pp_size
+            if not absent or room <= 0:
+                continue
+            expected, label_set = world_dict(world), ids.label_sets[static]
+            for dp in range(world.dp_size):  # visits at most the present dp ranks plus `room`
+                if dp not in dps:
+                    missing_groups.append({"label_set": label_set, "dp_rank": dp, "expected": expected})
+                    room -= 1
+                    if room <= 0:
+                        break
+        return out, missing_groups, {"positions": positions, "groups": absent_groups}
+
+    @staticmethod
+    def _series_total(entries: list[tuple[RollupKey, float | HistAccumulator]]) -> float:
+        return sum(value.counts[-1] if isinstance(value, HistAccumulator) else value for _, value in entries)
+
+    def _rollups(self, cells: dict[str, list[tuple[RollupKey, float | HistAccumulator]]],
+                 totals: dict[str, float]) -> list[dict[str, Any]]:
+        out = []
+        for spec in self.catalog:
+            out.append({
+                "family": spec.name,
+                "exported": self.families.rollup[spec.name].name,
+                "type": spec.type.value,
+                "semantics": spec.semantics.value,
+                "attempt_level": spec.attempt_level,
+                "unit": unit_of(spec.name),
+                "total": totals.get(spec.name, 0.0),
+                "series_count": len(cells.get(spec.name, ())),
+            })
+        return out
+
+    def _transfers(self, totals: dict[str, float], bw_totals: dict[str, Bandwidth]) -> list[dict[str, Any]]:
+        catalog = self.catalog
+        out = []
+        for transfer in self.transfers:
+            bw = bw_totals.get(transfer.bytes_family)
+            out.append({
+                "name": transfer.name,
+                "from": transfer.source,
+                "to": transfer.target,
+                "tokens_family": transfer.tokens_family if transfer.tokens_family in catalog else None,
+                "tokens": totals.get(transfer.tokens_family, 0.0) if transfer.tokens_family in catalog else None,
+                "bytes_family": transfer.bytes_family if transfer.bytes_family in catalog else None,
+                "bytes": totals.get(transfer.bytes_family, 0.0) if transfer.bytes_family in catalog else None,
+                "bytes_per_second": rate(bw),
+            })
+        return out
+
+    def _bandwidth(self, bandwidth: dict[str, list[tuple[RollupKey, Bandwidth]]],
+                   bw_totals: dict[str, Bandwidth]) -> dict[str, Any]:
+        families = []
+        for bytes_spec, duration_spec in self.pairs:
+            total = bw_totals.get(bytes_spec.name, Bandwidth(0.0, 0.0))
+            moving = [(key, value) for key, value in
+                      ((key, rate(bw)) for key, bw in bandwidth.get(bytes_spec.name, ())) if value is not None]
+            listed = sorted(moving, key=lambda item: -item[1])[:BANDWIDTH_SERIES_LISTED]
+            families.append({
+                "family": bytes_spec.name,
+                "exported": self.families.bandwidth[bytes_spec.name][1].name,
+                "duration_family": duration_spec.name,
+                "transfer": self.transfer_of.get(bytes_spec.name),
+                "bytes_per_second": rate(total),
+                "bytes_delta": total.bytes_delta,
+                "seconds_delta": total.seconds_delta,
+                "series": [{"labels": _labels(bytes_spec.labels, values, static), "bytes_per_second": value}
+                           for (_, static, values), value in listed],
+                "series_count": len(moving),
+                "history": self.history.history(bytes_spec.name),
+            })
+        return {
+            "window_seconds": self.state.window_seconds,
+            "history_interval_seconds": self.history.interval,
+            "history_points": self.history.points,
+            "families": families,
+        }
+
+    def _reasons(self, cells: dict[str, list[tuple[RollupKey, float | HistAccumulator]]]) -> list[dict[str, Any]]:
+        out = []
+        for spec in self.reason_specs:
+            at = spec.labels.index("reason")
+            by_reason = dict.fromkeys(spec.preset.get("reason", ()), 0.0)
+            found: dict[str, float] = {}
+            for (_, _, values), value in cells.get(spec.name, ()):
+                amount = value.counts[-1] if isinstance(value, HistAccumulator) else value
+                if values[at] in by_reason:
+                    by_reason[values[at]] += amount
+                else:
+                    found[values[at]] = found.get(values[at], 0.0) + amount
+            # The largest pushed reasons, ties alphabetically; the rest only counted and summed.
+            largest = sorted(found.items(), key=lambda item: (-item[1], item[0]))
+            rest = largest[REASONS_LISTED:]
+            by_reason.update(sorted(largest[:REASONS_LISTED]))
+            out.append({
+                "family": spec.name,
+                "semantics": spec.semantics.value,
+                "attempt_level": spec.attempt_level,
+                "total": sum(by_reason.values()) + sum(value for _, value in rest),
+                "by_reason": [{"reason": reason, "value": value} for reason, value in by_reason.items()],
+                "other_reasons": len(rest),
+                "other_value": sum(value for _, value in rest),
+            })
+        return out
+
+    def _spread(self, registry_groups: dict[GroupKey, list[RankState]], increases: dict[int, Increases],
+                ids: DocumentIds) -> dict[str, Any]:
+        state = self.state
+        # The window's rule: a group is read while at least two of its replicas are current.
+        current = {key for key, members in registry_groups.items() if sum(1 for r in members if r.current) >= 2}
+        per_group: dict[GroupKey, list[tuple[str, LabelValues, float]]] = {}
+        for (family, group_key, values), ratio in state.spreads(increases).items():
+            per_group.setdefault(group_key, []).append((family, values, ratio))
+        groups = []
+        for key in sorted(current, key=lambda k: (k[1], k[0])):
+            entries = sorted((e for e in per_group.get(key, ()) if e[2] > 0), key=lambda e: -e[2])
+            top = entries[0][2] if entries else 0.0
+            groups.append({
+                "group": ids.groups[key],
+                "max_ratio": top,
+                "diverging": top > SPREAD_THRESHOLD,
+                "series": [{"family": family, "labels": dict(zip(self.specs[family].labels, values)), "ratio": ratio}
+                           for family, values, ratio in entries[:SPREAD_SERIES_LISTED]],
+                "series_count": len(entries),
+            })
+        return {"threshold": SPREAD_THRESHOLD, "groups": groups}
+
+
+
+class EncodedStatus:
+    """The status document as served: encoded once per `max_age` (one housekeeping tick) and shared by
+    every request until then, with its gzipped form made on first demand; one copy of each is held.
+
+    Without it each request built its own copy: four viewers of a sidecar whose series were all
+    escape-heavy labels held four documents at once (998 MB at the peak, before the listings were
+    bounded). A frame, a connection or an upstream read since the build makes it stale at once, so a
+    reader polling for a change sees it on its next request.
+    """
+
+    def __init__(self, view: StatusView, max_age: float = ENCODED_MAX_AGE_SECONDS) -> None:
+        self.view = view
+        self.max_age = max_age
+        self._built_at = float("-inf")
+        self._token: tuple[int, ...] = ()
+        self._plain = b""
+        self._gzipped: bytes | None = None
+
+    def _change_token(self) -> tuple[int, ...]:
+        stats = self.view.stats
+        return (stats.frames_received, stats.connections_accepted, stats.connections_open,
+                *(health.scrapes for health in stats.upstreams.values()))
+
+    def body(self, gzipped: bool) -> bytes:
+        """The current document's JSON, gzipped (level 1) if asked."""
+        now = self.view.state.clock()
+        token = self._change_token()
+        if now - self._built_at >= self.max_age or token != self._token:
+            self._plain, self._gzipped = b"", None  # let the old copy go before the new one is built
+            self._plain = self.view.encode()
+            self._built_at, self._token = now, token
+        if not gzipped:
+            return self._plain
+        if self._gzipped is None:
+            self._gzipped = gzip.compress(self._plain, compresslevel=1)
+        return self._gzipped

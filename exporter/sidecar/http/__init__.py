@@ -1,0 +1,1 @@
+"""The HTTP side: the aiohttp application, its middlewares (bodies, auth, TLS) and static files."""

@@ -1,0 +1,680 @@
+"""The JSON API v1 (exporter.sidecar.expose.status) and the status page's HTML (exporter.sidecar.expose.page).
+
+Live responses of a real sidecar (ranks pushing over its socket, an engine read as an upstream)
+are validated against docs/api/v1.schema.json with jsonschema, and their numbers checked against
+the same sidecar's /metrics as prometheus_client's parser reads it. The state-level tests run on
+the harness's fake clocks.
+"""
+
+from __future__ import annotations
+
+import gzip
+import html
+import json
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from exporter.catalog import MetricType, default_catalog
+from exporter.client import RankClient
+from exporter.config import RanksConfig, SidecarConfig, config_from_data
+from exporter.protocol.messages import Hello, RankId, World
+from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.expose import status as api
+from exporter.sidecar.expose.collector import window_increases
+from exporter.sidecar.expose.page import Names, render_page, sparkline_path
+from exporter.sidecar.expose.status import SPREAD_THRESHOLD, TRANSFERS, BandwidthHistory, StatusView, _escaped
+from exporter.sidecar.http import app as app_module
+from tests.exporter.sidecar.harness import STATIC, Harness, bytes_, dropped, hist, one_hot, tokens
+from tests.exporter.sidecar.upstream.test_feed import Engine, EngineHTTP
+from tests.helpers import RawClient, Scrape, SidecarThread, counter, hello, http_get, snapshot, wait_until
+
+REPO = Path(__file__).resolve().parents[4]
+SCHEMA = json.loads((REPO / "docs" / "api" / "v1.schema.json").read_text())
+HOSTILE = "<script>alert(1)</script>\"'&amp;\u2028\n\t\\"
+PUSHED_LABELS = {"cache_type": "UnifiedRadixCache", "model": HOSTILE}
+STALE_AFTER = 1.0
+
+
+def validator(definition: str) -> jsonschema.Draft202012Validator:
+    """A validator of one of the schema's documents (`status`, `ranks_response`)."""
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
+    return jsonschema.Draft202012Validator({**SCHEMA, "$ref": f"#/$defs/{definition}"})
+
+
+def rank_labels(doc: dict[str, Any], rank: dict[str, Any]) -> dict[str, str]:
+    """A rank's static labels, read back from its group's label set and its own labels."""
+    names = Names(doc)
+    return {**names.labels[names.groups[rank["group"]]["label_set"]], **rank["own_labels"]}
+
+
+def group_labels(doc: dict[str, Any], group: dict[str, Any]) -> dict[str, str]:
+    return Names(doc).labels[group["label_set"]]
+
+
+def assert_valid(definition: str, document: Any) -> None:
+    errors = sorted(validator(definition).iter_errors(document), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors[:10])
+
+
+def get_json(url: str) -> Any:
+    status, body, headers = http_get(url)
+    assert status == 200, body
+    assert headers["Content-Type"] == "application/json; charset=utf-8"
+    return json.loads(body)
+
+
+def full_catalog_client(socket_path: str, tp: int, scale: int) -> RankClient:
+    """A replica pushing a value for every catalog family (scaled so replicas differ)."""
+    client = RankClient(socket_path, rank={"tp_rank": tp, "pp_rank": 0, "dp_rank": 0}, labels=PUSHED_LABELS,
+                        interval=0.1)
+    for spec in default_catalog():
+        labels = {name: "kv" if name == "pool" else "host_capacity" if name == "reason" else "input"
+                  for name in spec.labels}
+        if spec.type is MetricType.COUNTER:
+            client.counter(spec.name, **labels).inc(1000 * scale)
+        elif spec.type is MetricType.GAUGE:
+            client.gauge(spec.name, **labels).set(512)
+        else:
+            client.histogram(spec.name, **labels).observe(0.004 * scale)
+    return client.start()
+
+
+@pytest.fixture
+def proxied(socket_dir: Path) -> Iterator[tuple[SidecarThread, EngineHTTP]]:
+    """A sidecar with an engine upstream (two ranks) and a short stale timeout."""
+    engine = Engine()
+    engine.rank(0, tokens=10, moved=100, seconds=0.01)
+    engine.rank(1, tokens=10, moved=200, seconds=0.01)
+    http = EngineHTTP(engine)
+    config = config_from_data({
+        "http": {"host": "127.0.0.1", "port": 0}, "ingest": {"socket_path": str(socket_dir / "m.sock")},
+        "ranks": {"stale_after_seconds": STALE_AFTER},
+        "upstreams": [{"name": "engine-0", "url": http.url, "interval_seconds": 0.2, "timeout_seconds": 0.2}],
+    }, "test")
+    sidecar = SidecarThread(config).start()
+    try:
+        yield sidecar, http
+    finally:
+        sidecar.stop()
+        http.stop()
+
+
+def test_status_is_valid_against_the_schema_and_names_every_source(proxied: tuple[SidecarThread, EngineHTTP]) -> None:
+    sidecar, http = proxied
+    clients = [full_catalog_client(sidecar.socket_path, tp, tp + 1) for tp in range(2)]
+    try:
+        wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["ranks"]) == 4)
+        doc = get_json(sidecar.url + "/api/v1/status")
+        assert_valid("status", doc)
+        sources = {(r["tp_rank"], rank_labels(doc, r).get("model")): r["source"] for r in doc["ranks"]}
+        assert sources == {(0, HOSTILE): "push", (1, HOSTILE): "push",
+                           (0, None): "upstream:engine-0", (1, None): "upstream:engine-0"}
+        assert {r["state"] for r in doc["ranks"]} == {"live"}
+        assert doc["sidecar"]["ranks_by_state"] == {"live": 4, "stale": 0, "departed": 0, "expired": 0}
+        assert doc["sidecar"]["ready"] is True and doc["sidecar"]["connections"]["open"] == 2
+        (upstream,) = doc["upstreams"]
+        assert upstream["name"] == "engine-0" and upstream["source"] == http.url and upstream["up"]
+        # Replica groups: the pushed pair and the proxied pair, each rank naming its group by id.
+        groups = {g["id"]: g for g in doc["groups"]}
+        (pushed,) = (g for g in groups.values() if group_labels(doc, g) == PUSHED_LABELS)
+        assert [r["id"] for r in doc["ranks"] if r["group"] == pushed["id"]] == [
+            f'{pushed["id"]}/tp=0,pp=0', f'{pushed["id"]}/tp=1,pp=0']
+        assert [s["labels"] for s in doc["label_sets"]].count(PUSHED_LABELS) == 1  # written once
+        assert (pushed["size"], pushed["live"], pushed["tp_ranks"], pushed["pp_ranks"]) == (2, 2, [0, 1], [0])
+        assert {r["group"] for r in doc["ranks"]} == set(groups)
+        # No rank here said hello with a world (the proxy never invents one): nothing is expected, nothing missing.
+        assert all(r["world"] is None for r in doc["ranks"])
+        assert all(g["expected"] is None and g["missing"] == [] and not g["world_conflict"] for g in groups.values())
+        assert doc["missing_groups"] == [] and doc["missing_totals"] == {"positions": 0, "groups": 0}
+        # Hostile label values come back exactly, as JSON strings.
+        assert all(rank_labels(doc, r)["model"] == HOSTILE for r in doc["ranks"] if r["source"] == "push")
+        assert_valid("ranks_response", get_json(sidecar.url + "/api/v1/ranks"))
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_every_number_equals_the_metrics_rollups(proxied: tuple[SidecarThread, EngineHTTP]) -> None:
+    sidecar, _ = proxied
+    clients = [full_catalog_client(sidecar.socket_path, tp, tp + 1) for tp in range(2)]
+    wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["ranks"]) == 4)
+    for client in clients:
+        client.close()  # departed: the rollups keep their contribution and stop moving
+    wait_until(lambda: get_json(sidecar.url + "/api/v1/status")["sidecar"]["ranks_by_state"]["departed"] == 2)
+    doc = get_json(sidecar.url + "/api/v1/status")
+    scrape = Scrape(sidecar.metrics_text())
+    assert_valid("status", doc)
+    compared = 0
+    for family in doc["rollups"]:
+        name = family["exported"]
+        suffix = "_total" if family["type"] == "counter" else "_count" if family["type"] == "histogram" else ""
+        on_metrics = {tuple(sorted(s.labels.items())): s.value for s in scrape.find(name + suffix)}
+        assert family["series_count"] == len(on_metrics), name  # the series themselves are on /metrics only
+        assert family["total"] == pytest.approx(sum(on_metrics.values())), name
+        compared += len(on_metrics)
+    assert compared > 40  # the full catalog of the pushed replicas, and the proxied ranks' families
+    by_family = {f["family"]: f for f in doc["rollups"]}
+    # Tokens: the furthest replica of each group (2000 pushed + 10 proxied); bytes: every shard.
+    transfers = {t["name"]: t for t in doc["transfers"]}
+    assert transfers["load_back"]["tokens"] == 2000 + 10 and transfers["load_back"]["bytes"] == 3000 + 300
+    assert transfers["prefetch"]["tokens"] == 2000 and transfers["prefetch"]["bytes"] == 3000
+    for transfer in TRANSFERS:
+        assert transfers[transfer.name]["tokens"] == by_family[transfer.tokens_family]["total"]
+        assert transfers[transfer.name]["bytes"] == by_family[transfer.bytes_family]["total"]
+    for bw in doc["bandwidth"]["families"]:
+        on_metrics = {tuple(sorted(s.labels.items())): s.value for s in scrape.find(bw["exported"])}
+        assert {tuple(sorted(s["labels"].items())): s["bytes_per_second"] for s in bw["series"]} == on_metrics
+        assert bw["bytes_per_second"] == pytest.approx(bw["bytes_delta"] / bw["seconds_delta"])
+        assert transfers[bw["transfer"]]["bytes_per_second"] == bw["bytes_per_second"]
+    assert doc["bandwidth"]["families"][0]["bytes_per_second"] == pytest.approx((3000 + 300) / (0.004 * 3 + 0.02))
+    for state, count in doc["sidecar"]["ranks_by_state"].items():
+        assert scrape.value("hicache_exporter_ranks", state=state) == count
+    for reason, count in doc["sidecar"]["rejections"].items():
+        assert scrape.value("hicache_exporter_rejections_total", reason=reason) == count
+    unfulfilled = next(r for r in doc["reasons"] if r["family"] == "storage_prefetch_unfulfilled_tokens_total")
+    assert unfulfilled["attempt_level"] and unfulfilled["total"] == 2000
+    preset = default_catalog().get("storage_prefetch_unfulfilled_tokens_total").preset["reason"]
+    assert [r["reason"] for r in unfulfilled["by_reason"]] == list(preset)  # catalog order, zeros included
+    assert {r["reason"]: r["value"] for r in unfulfilled["by_reason"]}["host_capacity"] == 2000
+
+
+def test_a_silent_rank_is_stale_in_the_api_and_on_the_page(proxied: tuple[SidecarThread, EngineHTTP]) -> None:
+    sidecar, _ = proxied
+    raw = RawClient(sidecar.socket_path)
+    try:
+        raw.send(hello(tp=5, dp=7, epoch="quiet", cache_type="UnifiedRadixCache"))
+        raw.recv()
+        raw.send(snapshot(1, counter("load_back_bytes_total", 10)))
+        identity = 'tp=5 pp=0 dp=7 cache_type="UnifiedRadixCache"'
+
+        def state() -> str | None:
+            doc = get_json(sidecar.url + "/api/v1/status")
+            return next((r["state"] for r in doc["ranks"] if Names(doc).rank(r) == identity), None)
+
+        wait_until(lambda: state() == "live")
+        wait_until(lambda: state() == "stale", timeout=STALE_AFTER + 5)
+        doc = get_json(sidecar.url + "/api/v1/status")
+        assert_valid("status", doc)
+        rank = next(r for r in doc["ranks"] if Names(doc).rank(r) == identity)
+        assert rank["seconds_since_push"] >= STALE_AFTER and rank["seq"] == 1 and rank["epoch"] == "quiet"
+        assert doc["sidecar"]["ranks_by_state"]["stale"] >= 1
+        page = http_get(sidecar.url + "/")[1].decode()
+        rank_id = next(r["id"] for r in get_json(sidecar.url + "/api/v1/status")["ranks"] if r["tp_rank"] == 5)
+        assert f'class="rank state-stale" data-rank="{html.escape(rank_id)}" title="{html.escape(identity)}' in page
+        assert sidecar.scrape().value("hicache_exporter_rank_up", tp_rank="5", dp_rank="7") == 0
+    finally:
+        raw.close()
+
+
+def test_every_response_carries_the_security_headers(sidecar: SidecarThread) -> None:
+    for path, content_type in (("/", "text/html; charset=utf-8"), ("/api/v1/status", "application/json; charset=utf-8"),
+                               ("/static/status.js", "text/javascript; charset=utf-8"),
+                               ("/static/status.css", "text/css; charset=utf-8")):
+        status, body, headers = http_get(sidecar.url + path)
+        assert status == 200 and headers["Content-Type"] == content_type, path
+        policy = headers["Content-Security-Policy"]
+        assert policy == app_module.CONTENT_SECURITY_POLICY
+        assert "default-src 'none'" in policy and "script-src 'self'" in policy and "unsafe-inline" not in policy
+        assert headers["X-Content-Type-Options"] == "nosniff"
+        assert body
+    for path in ("/static/app.py", "/static/..%2Fapp.py", "/static/", "/static/status.js.map"):
+        status, _, headers = http_get(sidecar.url + path)
+        assert status == 404 and headers["X-Content-Type-Options"] == "nosniff", path
+    page = http_get(sidecar.url + "/")[1].decode()
+    assert "<script>" not in page and "style=" not in page and "<style" not in page  # nothing inline the CSP would block
+    assert 'src="static/status.js"' in page and 'href="static/status.css"' in page
+
+
+def test_the_packaged_script_builds_the_dom_without_markup() -> None:
+    script = (REPO / "exporter" / "sidecar" / "http" / "static" / "status.js").read_text()
+    for forbidden in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
+        assert forbidden not in script, forbidden
+    assert "textContent" in script and "createElementNS" in script
+
+
+# --- state level: the harness's fake clocks ---
+
+
+def view_of(h: Harness, history: BandwidthHistory | None = None) -> StatusView:
+    return StatusView(SidecarConfig(), h.state, SidecarStats(), history=history)
+
+
+def test_spread_marks_a_diverging_group() -> None:
+    h = Harness()
+    _, a = h.hello(tp=0)
+    _, b = h.hello(tp=1)
+    _, c = h.hello(tp=0, dp=1)
+    _, d = h.hello(tp=1, dp=1)
+    h.push(a, tokens(1000))
+    h.push(b, tokens(500))  # this replica counts half: a real divergence
+    h.push(c, tokens(1000))
+    h.push(d, tokens(990))
+    doc = view_of(h).document()
+    spread = doc["spread"]
+    by_dp = {g["id"]: g["dp_rank"] for g in doc["groups"]}
+    groups = {by_dp[g["group"]]: g for g in spread["groups"]}
+    assert spread["threshold"] == SPREAD_THRESHOLD
+    diverging = groups[0]
+    assert diverging["diverging"] and diverging["max_ratio"] == pytest.approx(0.5)
+    assert diverging["series"] == [{"family": "load_back_tokens_total", "labels": {"pool": "kv"}, "ratio": 0.5}]
+    agreeing = groups[1]
+    assert not agreeing["diverging"] and agreeing["max_ratio"] == pytest.approx(0.01)
+    page = render_page(view_of(h).document())
+    assert page.count('<tr class="diverging">') == 1
+
+
+def test_bandwidth_history_is_bounded_and_sampled_on_its_interval() -> None:
+    h = Harness()
+    history = BandwidthHistory(["load_back_bytes_total"], interval=5.0, points=3)
+    assert history.due(0.0) and not history.due(4.9) and history.due(5.0)
+    history.sample(h.state, 1.0)  # nothing moved yet: idle
+    _, rank = h.hello()
+    h.push(rank, bytes_(4096), hist("load_back_duration_seconds", one_hot("load_back_duration_seconds", 0), 0.002))
+    for wall in (2.0, 3.0, 4.0, 5.0):
+        history.sample(h.state, wall)
+    assert history.history("load_back_bytes_total") == [[3.0, 2048000.0], [4.0, 2048000.0], [5.0, 2048000.0]]
+    doc = view_of(h, history).document()
+    (load_back, *_) = doc["bandwidth"]["families"]
+    assert load_back["history"] == history.history("load_back_bytes_total")
+    assert doc["bandwidth"]["history_points"] == 3 and doc["bandwidth"]["history_interval_seconds"] == 5.0
+    idle = BandwidthHistory(["load_back_bytes_total"], points=2)
+    idle.sample(Harness().state, 1.0)
+    assert idle.history("load_back_bytes_total") == [[1.0, None]]
+    assert_valid("status", json.loads(view_of(h, history).encode()))
+
+
+def test_an_empty_sidecar_is_valid_too() -> None:
+    doc = json.loads(view_of(Harness()).encode())
+    assert_valid("status", doc)
+    assert doc["ranks"] == [] and doc["groups"] == [] and doc["spread"]["groups"] == []
+    assert all(t["tokens"] == 0 and t["bytes_per_second"] is None for t in doc["transfers"])
+    assert "No rank has connected yet." in render_page(doc)
+
+
+class _Page(HTMLParser):
+    """The tags a page has, and the rank ids its grid cells carry (attribute values unescaped)."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.tags: set[str] = set()
+        self.rank_ids: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.add(tag)
+        found = dict(attrs)
+        if found.get("data-rank") is not None:
+            self.rank_ids.append(found["data-rank"] or "")
+
+
+PAGE_TAGS = {"html", "head", "meta", "title", "link", "script", "noscript", "body", "header", "h1", "h2", "h3", "p",
+             "span", "nav", "a", "main", "section", "div", "table", "caption", "thead", "tbody", "tr", "th", "td",
+             "svg", "path", "meter"}
+LABEL_VALUES = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=128)
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=LABEL_VALUES)
+def test_any_label_value_round_trips_through_json_and_is_text_on_the_page(value: str) -> None:
+    h = Harness(ranks_config=RanksConfig(max_label_value_length=128))
+    _, rank = h.hello(labels={**STATIC, "model": value})
+    h.push(rank, tokens(64))
+    view = view_of(h)
+    doc = json.loads(view.encode())  # valid JSON whatever the value holds
+    (row,) = doc["ranks"]
+    assert rank_labels(doc, row) == {**STATIC, "model": value} and row["own_labels"] == {}
+    identity = Names(doc).rank(row)
+    assert identity.endswith(f'model="{_escaped(value)}"') and row["id"] == "g0/tp=0,pp=0"
+    parsed = _Page()
+    parsed.feed(render_page(view.document()))
+    parsed.close()
+    assert parsed.tags <= PAGE_TAGS  # the value made no element of its own
+    assert parsed.rank_ids == [row["id"]]
+    assert html.escape(identity) in render_page(view.document())  # the value, quoted as in /metrics
+
+
+def test_status_and_page_are_gzipped_when_accepted(sidecar: SidecarThread) -> None:
+    for path in ("/api/v1/status", "/"):
+        plain = http_get(sidecar.url + path)
+        zipped = http_get(sidecar.url + path, {"Accept-Encoding": "gzip"})
+        assert "Content-Encoding" not in plain[2] and zipped[2]["Content-Encoding"] == "gzip", path
+        assert zipped[2]["Vary"] == "Accept-Encoding" and zipped[2]["Content-Type"] == plain[2]["Content-Type"]
+        body = gzip.decompress(zipped[1])
+        assert json.loads(body)["api_version"] == 1 if path != "/" else body.startswith(b"<!doctype html>")
+
+
+# --- the ranks that should be there but are not ---
+
+GAP_LABELS = {"cache_type": "UnifiedRadixCache"}
+
+
+def world_client(socket_path: str, tp: int, pp: int, dp: int, world: dict[str, int],
+                 labels: dict[str, str] = GAP_LABELS) -> RankClient:
+    """A rank that says hello with `world` and pushes one counter."""
+    client = RankClient(socket_path, rank={"tp_rank": tp, "pp_rank": pp, "dp_rank": dp}, labels=labels,
+                        interval=0.1, world=world, preset=False)
+    client.counter("load_back_tokens_total", pool="kv").inc(64)
+    return client.start()
+
+
+def test_a_rank_that_never_started_is_missing_from_its_group(sidecar: SidecarThread) -> None:
+    world = {"tp_size": 2, "pp_size": 2, "dp_size": 2}
+    never_started = (1, 0, 1)  # tp 1, pp 0, dp 1
+    clients = [world_client(sidecar.socket_path, tp, pp, dp, world)
+               for dp in range(2) for pp in range(2) for tp in range(2) if (tp, pp, dp) != never_started]
+    try:
+        wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["ranks"]) == 7)
+        doc = get_json(sidecar.url + "/api/v1/status")
+        assert_valid("status", doc)
+        assert {json.dumps(r["world"], sort_keys=True) for r in doc["ranks"]} == {json.dumps(world, sort_keys=True)}
+        groups = {g["dp_rank"]: g for g in doc["groups"]}
+        assert groups[0]["expected"] == world and groups[1]["expected"] == world
+        assert not groups[0]["world_conflict"] and not groups[1]["world_conflict"]
+        assert groups[0]["missing"] == [] and groups[0]["missing_count"] == 0
+        assert groups[1]["missing"] == [{"pp_rank": 0, "tp_rank": 1}] and groups[1]["missing_count"] == 1
+        assert doc["missing_groups"] == [] and doc["missing_totals"] == {"positions": 1, "groups": 0}
+        page = render_page(doc)
+        assert page.count('class="rank state-missing"') == 1 and ">missing</span>" in page
+        # The rank starts after all: its position is held, nothing is missing any more.
+        late = world_client(sidecar.socket_path, *never_started, world)
+        clients.append(late)
+        wait_until(lambda: get_json(sidecar.url + "/api/v1/status")["missing_totals"]["positions"] == 0)
+        doc = get_json(sidecar.url + "/api/v1/status")
+        assert_valid("status", doc)
+        assert all(g["missing"] == [] for g in doc["groups"]) and 'class="rank state-missing"' not in render_page(doc)
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_a_dp_group_with_no_rank_is_a_missing_group(sidecar: SidecarThread) -> None:
+    world = {"tp_size": 1, "pp_size": 2, "dp_size": 4}
+    clients = [world_client(sidecar.socket_path, 0, pp, dp, world) for dp in (0, 1, 3) for pp in range(2)]
+    other = {"cache_type": "HiRadixCache"}  # another label set with no world: nothing is expected of it
+    clients.append(world_client(sidecar.socket_path, 0, 0, 0, {}, labels=other))
+    try:
+        wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["ranks"]) == 7)
+        doc = get_json(sidecar.url + "/api/v1/status")
+        assert_valid("status", doc)
+        (gap_set,) = (s["id"] for s in doc["label_sets"] if s["labels"] == GAP_LABELS)
+        assert doc["missing_groups"] == [{"label_set": gap_set, "dp_rank": 2, "expected": world}]
+        assert doc["missing_totals"] == {"positions": 2, "groups": 1}  # the missing group's tp 1 x pp 2 positions
+        unknown = next(g for g in doc["groups"] if group_labels(doc, g) == other)
+        assert unknown["expected"] is None and unknown["missing"] == [] and not unknown["world_conflict"]
+        page = render_page(doc)
+        assert 'data-missing-group="dp=2 cache_type=&quot;UnifiedRadixCache&quot;"' in page
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_ranks_that_disagree_on_the_world_expect_nothing(sidecar: SidecarThread) -> None:
+    clients = [world_client(sidecar.socket_path, 0, 0, 0, {"tp_size": 2, "pp_size": 1, "dp_size": 1}),
+               world_client(sidecar.socket_path, 1, 0, 0, {"tp_size": 4, "pp_size": 1, "dp_size": 1})]
+    try:
+        wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["ranks"]) == 2)
+        doc = get_json(sidecar.url + "/api/v1/status")
+        assert_valid("status", doc)
+        (group,) = doc["groups"]
+        assert group["world_conflict"] and group["expected"] is None
+        assert group["missing"] == [] and group["missing_count"] == 0  # tp 2 or tp 4: no position is known missing
+        assert doc["missing_totals"] == {"positions": 0, "groups": 0}
+        page = render_page(doc)
+        assert '<p class="warning world-conflict">' in page
+        assert "tp 2 × pp 1 × dp 1 (1 rank)" in page and "tp 4 × pp 1 × dp 1 (1 rank)" in page
+    finally:
+        for client in clients:
+            client.close()
+
+
+def world_hello(h: Harness, tp: int, world: World, pp: int = 0, dp: int = 0, cp: int | None = None,
+                labels: dict[str, str] = STATIC) -> tuple[object, Any]:
+    """A hello with `world` on a fresh connection token; (connection, rank)."""
+    conn = object()
+    msg = Hello(protocol=1, epoch=f"e-{tp}-{pp}-{dp}-{cp}", pid=1, labels=dict(labels), world=world,
+                rank=RankId(tp_rank=tp, pp_rank=pp, dp_rank=dp, attn_cp_rank=cp))
+    return conn, h.state.hello(conn, msg).rank
+
+
+def test_a_position_is_missing_only_when_no_cp_rank_holds_it() -> None:
+    h = Harness()
+    world = World(tp_size=3, pp_size=1, dp_size=1)
+    for tp, cp in ((0, 0), (0, 1), (1, 0)):  # tp 1 has only cp 0: not missing, the grid shows cp 1 absent
+        world_hello(h, tp, world, cp=cp)
+    doc = json.loads(view_of(h).encode())
+    assert_valid("status", doc)
+    (group,) = doc["groups"]
+    assert group["missing"] == [{"pp_rank": 0, "tp_rank": 2}] and group["missing_count"] == 1
+    assert group["attn_cp_ranks"] == [0, 1]
+    page = render_page(doc)
+    assert '<td class="rank state-missing" rowspan="2" data-missing="0/2"' in page  # one cell over both cp rows
+    assert page.count('class="rank absent"') == 1  # (cp 1, tp 1)
+
+
+def test_a_forgotten_identity_leaves_its_position_missing() -> None:
+    h = Harness(ranks_config=RanksConfig(max_ranks=2, stale_after_seconds=1.0, expire_after_seconds=2.0))
+    world = World(tp_size=2, pp_size=1, dp_size=1)
+    _, kept = world_hello(h, 0, world)
+    conn, gone = world_hello(h, 1, world)
+    h.state.disconnect(conn, gone)
+    h.clock.advance(3.0)
+    h.push(kept, tokens(64))
+    doc = view_of(h).document()
+    (group,) = doc["groups"]
+    assert [r["state"] for r in doc["ranks"]] == ["live", "expired"] and group["missing"] == []  # still known
+    h.hello(tp=0, labels={"cache_type": "HiRadixCache"})  # the registry is full: the expired identity is forgotten
+    doc = view_of(h).document()
+    group = next(g for g in doc["groups"] if group_labels(doc, g) == STATIC)
+    assert [Names(doc).rank(r) for r in doc["ranks"] if r["group"] == group["id"]] == [
+        'tp=0 pp=0 dp=0 cache_type="UnifiedRadixCache"']
+    assert group["missing"] == [{"pp_rank": 0, "tp_rank": 1}] and doc["missing_totals"]["positions"] == 1
+
+
+def test_a_world_at_the_protocol_bounds_is_a_conflict_and_expects_nothing() -> None:
+    """65,536 x 65,536 x 65,536 is within the protocol's bounds and more than any sidecar keeps identities
+    for: its missing count (2**48) would only measure the claim. It used to be counted and listed; it is
+    now a world conflict (world_implausible) and nothing is missing."""
+    h = Harness(ranks_config=RanksConfig(max_ranks=64))
+    most = 1 << 16  # the protocol's largest world size
+    world_hello(h, 5, World(tp_size=most, pp_size=most, dp_size=most), dp=3)
+    doc = json.loads(view_of(h).encode())
+    assert_valid("status", doc)
+    (group,) = doc["groups"]
+    assert group["world_conflict"] and group["world_implausible"] and group["expected"] is None
+    assert group["missing"] == [] and group["missing_count"] == 0
+    assert doc["missing_groups"] == [] and doc["missing_totals"] == {"positions": 0, "groups": 0}
+    assert ("world conflict: the ranks with cache_type=UnifiedRadixCache report tp 65536 × pp 65536 × dp 65536 "
+            "(1 rank), more positions than the 64 rank identities this sidecar keeps (ranks.max_ranks); "
+            "no missing rank can be worked out for them") in html.unescape(render_page(doc))
+
+
+def test_plausible_worlds_count_exactly_and_list_boundedly() -> None:
+    """Three label sets, each a world of 8 x 8 = ranks.max_ranks positions with one rank: 189 missing,
+    counted exactly, at most max_ranks of them listed over all groups."""
+    h = Harness(ranks_config=RanksConfig(max_ranks=64))
+    for n in range(3):
+        world_hello(h, 5, World(tp_size=8, pp_size=8, dp_size=1), labels={"cache_type": f"c{n}"})
+    doc = json.loads(view_of(h).encode())
+    assert_valid("status", doc)
+    assert [g["world_implausible"] or g["world_conflict"] for g in doc["groups"]] == [False] * 3
+    assert [g["missing_count"] for g in doc["groups"]] == [63] * 3
+    assert [len(g["missing"]) for g in doc["groups"]] == [63, 1, 0]
+    assert doc["groups"][0]["missing"][:6] == [{"pp_rank": 0, "tp_rank": tp} for tp in (0, 1, 2, 3, 4, 6)]
+    assert doc["missing_totals"] == {"positions": 189, "groups": 0}
+
+
+# --- bounds, ids, non-finite bandwidth (review findings) ---
+
+ESCAPED = "\x01"  # JSON writes it as \u0001: six bytes for one character, the dearest a label value can be
+
+
+def escape_heavy(prefix: str, length: int = 128) -> str:
+    return prefix + ESCAPED * (length - len(prefix))
+
+
+def test_hostile_labels_filling_the_series_limit_keep_the_document_small() -> None:
+    """3 ranks x 4096 series of a reason family, every label value 128 characters of \\x01, fill the
+    default series limit (24,576 rank and rollup series); the document was 98 MB, now its listings
+    are bounded and it stays under 1 MB (0.14 MB measured) while its counts and sums stay exact."""
+    h = Harness()
+    for tp in range(3):
+        _, rank = h.hello(tp=tp, labels={f"l{i}": escape_heavy(str(tp)) for i in range(8)})
+        for chunk in range(0, 4096, 512):
+            h.push(rank, *(dropped(1.5, reason=escape_heavy(f"{i:06d}"), pool=ESCAPED * 128)
+                           for i in range(chunk, chunk + 512)))
+    budget = h.state.registry.budget
+    assert budget.per_rank + budget.rollup == RanksConfig().max_series_total  # the limit is full
+    body = view_of(h).encode()
+    assert len(body) < 1_000_000, len(body)
+    doc = json.loads(body)
+    assert_valid("status", doc)
+    dropped_family = next(r for r in doc["reasons"] if r["family"] == "hicache_dropped_tokens_total")
+    preset = default_catalog().get("hicache_dropped_tokens_total").preset.get("reason", ())
+    assert len(dropped_family["by_reason"]) == len(preset) + api.REASONS_LISTED
+    assert dropped_family["other_reasons"] == 4096 - api.REASONS_LISTED
+    assert dropped_family["total"] == 3 * 4096 * 1.5
+    assert dropped_family["other_value"] == 3 * (4096 - api.REASONS_LISTED) * 1.5
+    rollup = next(r for r in doc["rollups"] if r["family"] == "hicache_dropped_tokens_total")
+    assert rollup["series_count"] == 3 * 4096 and rollup["total"] == 3 * 4096 * 1.5 and "series" not in rollup
+
+
+STATUS_WORST_CASE_BYTES = 7_500_000  # docs/reliability.md's budget counts the document at this size (6.74 MB measured)
+
+
+def test_the_worst_case_document_fits_the_memory_budget() -> None:
+    """The document's worst case is ranks, not series: ranks.max_ranks = 1,024 ranks, each a group
+    of its own, with 8 static labels of 128 x \\x01 (the defaults' most, six bytes each in JSON).
+    Each label set is written once (`label_sets`), everything else names it by id: 6.74 MB, where
+    quoting the labels in every rank id, rank, group id, group and member list made 37.7 MB."""
+    h = Harness()
+    ranks = h.state.config.max_ranks
+    for n in range(ranks):
+        h.hello(tp=0, labels={f"l{i}": escape_heavy(f"{n:04d}") for i in range(8)})
+    body = view_of(h).encode()
+    assert len(body) < STATUS_WORST_CASE_BYTES, len(body)
+    doc = json.loads(body)
+    assert len(doc["ranks"]) == len(doc["groups"]) == len(doc["label_sets"]) == ranks
+    assert body.count(b"\\u0001" * 124) == 8 * ranks  # every label value once
+
+
+def test_viewers_share_one_encoded_document_until_a_tick_or_a_frame() -> None:
+    h = Harness()
+    stats = SidecarStats()
+    encoded = api.EncodedStatus(StatusView(SidecarConfig(), h.state, stats))
+    first = encoded.body(gzipped=False)
+    assert encoded.body(gzipped=False) is first  # a second viewer within the tick: the same bytes
+    assert gzip.decompress(encoded.body(gzipped=True)) == first
+    assert encoded.body(gzipped=True) is encoded.body(gzipped=True)
+    stats.frames_received += 1  # a hello or a snapshot arrived: rebuilt at once
+    _, rank = h.hello()
+    second = encoded.body(gzipped=False)
+    assert second is not first and len(json.loads(second)["ranks"]) == 1
+    h.clock.advance(api.ENCODED_MAX_AGE_SECONDS)  # a tick later: rebuilt even without a frame
+    assert encoded.body(gzipped=False) is not second
+
+
+def test_spread_lists_the_widest_series_and_counts_them_all() -> None:
+    h = Harness()
+    _, a = h.hello(tp=0)
+    _, b = h.hello(tp=1)
+    pools = [f"p{i}" for i in range(12)]
+    h.push(a, *(tokens(1000, pool=p) for p in pools))
+    h.push(b, *(tokens(1000 - 10 * (i + 1), pool=p) for i, p in enumerate(pools)))
+    (group,) = view_of(h).document()["spread"]["groups"]
+    assert group["series_count"] == 12 and len(group["series"]) == api.SPREAD_SERIES_LISTED
+    assert [s["labels"]["pool"] for s in group["series"]] == ["p11", "p10", "p9", "p8", "p7"]
+
+
+def test_an_overflowing_bandwidth_is_null_in_the_api_and_never_inf_or_nan_on_the_page() -> None:
+    """2**62 bytes over a duration sum of 1e-300 s divide to +Inf: msgspec wrote it as null inside
+    series (which the schema forbids) and the page said "inf GB/s" and drew `M120.0 nan`."""
+    h = Harness()
+    history = BandwidthHistory(["load_back_bytes_total"], points=3)
+    _, rank = h.hello()
+    h.push(rank, bytes_(2.0**62), hist("load_back_duration_seconds", one_hot("load_back_duration_seconds", 0), 1e-300))
+    history.sample(h.state, 1.0)
+    view = view_of(h, history)
+    doc = json.loads(view.encode())
+    assert_valid("status", doc)
+    (load_back, *_) = doc["bandwidth"]["families"]
+    assert load_back["bytes_per_second"] is None and load_back["series"] == [] and load_back["series_count"] == 0
+    assert load_back["bytes_delta"] == 2.0**62 and load_back["seconds_delta"] == 1e-300  # what it saw, still shown
+    assert load_back["history"] == [[1.0, None]]
+    assert next(t for t in doc["transfers"] if t["name"] == "load_back")["bytes_per_second"] is None
+    page = render_page(view.document())
+    assert "inf GB/s" not in page and " nan" not in page
+    assert h.state.window.bandwidths(h.state.exposed_ranks(), window_increases(h.state)[1])  # /metrics keeps +Inf
+    inf, nan = float("inf"), float("nan")
+    assert sparkline_path([[0, 1.0], [1, inf], [2, nan], [3, 2.0]], 4) == "M0.0 12.0 M120.0 1.0"
+
+
+def test_a_rank_without_a_cp_axis_keeps_its_cell_beside_cp_ranks() -> None:
+    h = Harness()
+    world = World(tp_size=2, pp_size=1, dp_size=1)
+    world_hello(h, 0, world)  # no cp axis
+    world_hello(h, 1, world, cp=0)
+    world_hello(h, 1, world, cp=1)
+    doc = json.loads(view_of(h).encode())
+    parsed = _Page()
+    parsed.feed(render_page(doc))
+    assert sorted(parsed.rank_ids) == sorted(r["id"] for r in doc["ranks"])  # all three, tp 0 included
+    assert doc["groups"][0]["missing"] == []
+
+
+def test_distinct_label_sets_that_read_alike_unquoted_get_distinct_ids() -> None:
+    h = Harness()
+    h.hello(labels={"a": "1 b=2"})
+    h.hello(labels={"a": "1", "b": "2"})
+    doc = view_of(h).document()
+    assert len({r["id"] for r in doc["ranks"]}) == 2 and len({g["id"] for g in doc["groups"]}) == 2
+
+
+# Few names and characters that a quoting scheme must get right, so that near misses come up often.
+LABEL_NAMES = st.sampled_from(["a", "b", "cp", "a_b"])
+ID_LABEL_VALUES = st.text(alphabet='ab12 ="\\\n', min_size=1, max_size=6)
+IDENTITIES = st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(0, 2), st.none() | st.integers(0, 2),
+                       st.dictionaries(LABEL_NAMES, ID_LABEL_VALUES, max_size=3))
+
+
+def parse_id(text: str) -> tuple[Any, ...]:
+    """An id read back: its axes and its static labels, undoing the quoting; a reader needs nothing
+    else, which is what makes two identities' ids differ."""
+    axes: dict[str, int] = {}
+    labels: list[tuple[str, str]] = []
+    at = 0
+    while at < len(text):
+        name, _, rest = text[at:].partition("=")
+        at += len(name) + 1
+        if not rest.startswith('"'):
+            value, _, _ = rest.partition(" ")
+            axes[name] = int(value)
+            at += len(value) + 1
+            continue
+        at += 1
+        chars = []
+        while text[at] != '"':
+            if text[at] == "\\":
+                at += 1
+                chars.append({"n": "\n"}.get(text[at], text[at]))
+            else:
+                chars.append(text[at])
+            at += 1
+        labels.append((name, "".join(chars)))
+        at += 2  # the closing quote and the space
+    return axes["tp"], axes["pp"], axes["dp"], axes.get("cp"), tuple(labels)
+
+
+@settings(max_examples=300, deadline=None)
+@given(identity=IDENTITIES)
+def test_an_id_reads_back_as_its_identity(identity: tuple[Any, ...]) -> None:
+    """Ids are injective: each one parses back to the axes and static labels it was made of, so two
+    identities never share one (`a="1 b=2"` against `a="1" b="2"`), and no more do two groups."""
+    tp, pp, dp, cp, labels = identity
+    static = tuple(sorted(labels.items()))
+    assert parse_id(api.identity_text(tp, pp, dp, cp, static)) == (tp, pp, dp, cp, static)

@@ -25,7 +25,7 @@ from exporter.sidecar.http.app import build_app
 from exporter.sidecar.http.security import server_ssl_context
 from exporter.sidecar.ingest.listener import IngestServer
 from exporter.sidecar.upstream.feed import UpstreamFeed
-from exporter.sidecar.upstream.scrape import UpstreamScraper
+from exporter.sidecar.upstream.scrape import UpstreamScraper, running
 
 log = logging.getLogger("hicache_exporter")
 HTTP_SHUTDOWN_SECONDS = 5.0  # open HTTP requests get this long at shutdown (aiohttp's default is 60 s)
@@ -139,7 +139,7 @@ class Sidecar:
         """Start the ingest listener and housekeeping (the app's cleanup context), then HTTP."""
         tls = self.config.http.tls_server_config
         ssl_context = server_ssl_context(tls) if tls is not None else None  # fail before binding anything
-        app = build_app(self.config, self.state, self.stats, self.renderer, self.ingest, self.upstreams)
+        app = build_app(self.config, self.state, self.stats, self.renderer, (self.ingest.running, running(self.upstreams)))
         http = self.config.http
         # aiohttp's keep-alive timer runs from accept until a request is whole, so it is also the
         # header deadline that keeps idle or dribbling connections from holding descriptors.

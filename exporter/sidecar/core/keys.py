@@ -1,11 +1,13 @@
-"""Keys and values of the series the sidecar holds: as pushed, as positions, and rolled up."""
+"""Keys, values and routes of the series the sidecar holds: as pushed, as positions, and rolled up."""
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
+
+from exporter.catalog import FamilySpec, MetricType
 
 LabelValues = tuple[str, ...]
 StaticKey = tuple[tuple[str, str], ...]
@@ -92,3 +94,52 @@ class SeriesBudget:
 def static_key(labels: dict[str, str]) -> StaticKey:
     """A hashable, order-independent form of static labels."""
     return tuple(sorted(labels.items()))
+
+
+# How a rank's sample is looked up in its route index: the family alone when it has no labels,
+# else the family and its label pairs in the order sent.
+SampleIdent = str | tuple[str, tuple[tuple[str, str], ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyPlan:
+    """A catalog family, reduced to the flags and shapes that reading a sample checks."""
+
+    name: str
+    kind: MetricType
+    histogram: bool
+    gauge: bool
+    per_shard: bool
+    labels: tuple[str, ...]
+    default_layout: Layout  # the catalog's buckets: what clients send unless told otherwise
+
+    @classmethod
+    def of(cls, spec: FamilySpec) -> FamilyPlan:
+        return cls(
+            name=spec.name, kind=spec.type, histogram=spec.type is MetricType.HISTOGRAM,
+            gauge=spec.type is MetricType.GAUGE, per_shard=spec.per_shard,
+            labels=spec.labels, default_layout=(*(spec.buckets or ()), "+Inf"),
+        )
+
+
+@dataclass(slots=True, unsafe_hash=True)
+class SeriesRoute:
+    """Where one validated (family, labels) of ranks with the same static labels goes: its plan,
+    series key, rollup key and, once the ledger has seen a value through it, its rollup cell.
+
+    Ranks push the same series every time, so after the first push a sample costs one lookup
+    here instead of a family lookup, label checks and two key tuples; the keys are the same
+    objects every time, which dicts compare by identity. Equal and hashed by the keys alone.
+    """
+
+    plan: FamilyPlan
+    key: SeriesKey
+    rollup_key: RollupKey
+    counter: RollupCounter | None = field(default=None, compare=False)
+    histogram: HistAccumulator | None = field(default=None, compare=False)
+
+
+# One series that moved: (route, increase, None) for a counter; (route, increase of the sum,
+# increases of the cumulative bucket counts) for a histogram. Gauges need no update: their
+# rollups are read from the ranks' current values.
+Update = tuple[SeriesRoute, float, list[int] | tuple[int, ...] | None]

@@ -7,18 +7,25 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from exporter.catalog import Catalog
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode, ProtocolError
 from exporter.labels import DERIVED_LABELS, label_name_problem
 from exporter.protocol.messages import Hello, World
-from exporter.sidecar.core.keys import GroupKey, Layout, SeriesBudget, SeriesKey, StaticKey, Value, static_key
-from exporter.sidecar.core.window import Positions, WindowHistory
-
-if TYPE_CHECKING:
-    from exporter.sidecar.core.samples import SampleIdent, SeriesRoute
+from exporter.sidecar.core.history import Positions, WindowHistory
+from exporter.sidecar.core.keys import (
+    GroupKey,
+    Layout,
+    SampleIdent,
+    SeriesBudget,
+    SeriesKey,
+    SeriesRoute,
+    StaticKey,
+    Value,
+    static_key,
+)
 
 Clock = Callable[[], float]
 RankIdentity = tuple[int, int, int, int, StaticKey]  # (tp_rank, pp_rank, dp_rank, attn_cp_rank, static labels)

@@ -31,7 +31,7 @@ import logging
 import operator
 from collections.abc import Iterable
 
-from exporter.catalog import Catalog, MetricType, Semantics
+from exporter.catalog import Catalog, MetricType
 from exporter.sidecar.core.keys import (
     GroupKey,
     HistAccumulator,
@@ -40,10 +40,11 @@ from exporter.sidecar.core.keys import (
     RollupKey,
     SeriesBudget,
     SeriesKey,
+    SeriesRoute,
+    Update,
     histogram_cost,
 )
 from exporter.sidecar.core.ranks import RankState
-from exporter.sidecar.core.samples import SeriesRoute, Update
 
 log = logging.getLogger("hicache_exporter.ledger")
 Watermarks = dict[SeriesKey, "RollupCounter | HistAccumulator"]
@@ -58,7 +59,7 @@ class RollupLedger:
         self.histograms: dict[RollupKey, HistAccumulator] = {}
         self.watermarks: dict[GroupKey, Watermarks] = {}
         self.layout_conflicts: dict[str, int] = {}  # by family: rank series left out of their rollup
-        self._gauge_per_shard = {f.name: f.semantics is Semantics.PER_SHARD for f in catalog if f.type is MetricType.GAUGE}
+        self._gauge_per_shard = {f.name: f.per_shard for f in catalog if f.type is MetricType.GAUGE}
 
     @property
     def counters(self) -> dict[RollupKey, float]:

@@ -9,83 +9,34 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
-from math import isfinite
 from typing import TypeVar
 
 from msgspec import UNSET
 
-from exporter.catalog import Catalog, FamilySpec, MetricType, Semantics
+from exporter.catalog import Catalog, bucket_layout_problem
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode, SampleRejected
 from exporter.protocol.messages import Sample
 from exporter.sidecar.core.keys import (
     BUCKETS_PER_SERIES,
-    HistAccumulator,
+    FamilyPlan,
     HistValue,
     Layout,
-    RollupCounter,
-    RollupKey,
     SeriesKey,
+    SeriesRoute,
+    Update,
     Value,
     histogram_cost,
 )
 from exporter.sidecar.core.ranks import RankRegistry, RankState
 
 KeyT = TypeVar("KeyT", bound=Hashable)
-# How a rank's sample is looked up in its route index: the family alone when it has no labels,
-# else the family and its label pairs in the order sent.
-SampleIdent = str | tuple[str, tuple[tuple[str, str], ...]]
 MAX_LAYOUTS = 4096  # distinct bucket layouts shared between series; more are used unshared
 # Bounds on what a value may be, so that every sum the sidecar forms (rollups over max_ranks
 # ranks) stays finite and every count converts to a float exactly.
 MAX_COUNT = 2**53
 MAX_VALUE = 2.0**63
 Rejection = tuple[ErrorCode, str]  # kept as plain data: an exception would pin its traceback's frames
-
-
-@dataclass(frozen=True, slots=True)
-class FamilyPlan:
-    """A catalog family, reduced to the flags and shapes that reading a sample checks."""
-
-    name: str
-    kind: MetricType
-    histogram: bool
-    gauge: bool
-    per_shard: bool
-    labels: tuple[str, ...]
-    default_layout: Layout  # the catalog's buckets: what clients send unless told otherwise
-
-    @classmethod
-    def of(cls, spec: FamilySpec) -> FamilyPlan:
-        return cls(
-            name=spec.name, kind=spec.type, histogram=spec.type is MetricType.HISTOGRAM,
-            gauge=spec.type is MetricType.GAUGE, per_shard=spec.semantics is Semantics.PER_SHARD,
-            labels=spec.labels, default_layout=(*(spec.buckets or ()), "+Inf"),
-        )
-
-
-@dataclass(slots=True, unsafe_hash=True)
-class SeriesRoute:
-    """Where one validated (family, labels) of ranks with the same static labels goes: its plan,
-    series key, rollup key and, once the ledger has seen a value through it, its rollup cell.
-
-    Ranks push the same series every time, so after the first push a sample costs one lookup
-    here instead of a family lookup, label checks and two key tuples; the keys are the same
-    objects every time, which dicts compare by identity. Equal and hashed by the keys alone.
-    """
-
-    plan: FamilyPlan
-    key: SeriesKey
-    rollup_key: RollupKey
-    counter: RollupCounter | None = field(default=None, compare=False)
-    histogram: HistAccumulator | None = field(default=None, compare=False)
-
-
-# One series that moved: (route, increase, None) for a counter; (route, increase of the sum,
-# increases of the cumulative bucket counts) for a histogram. Gauges need no update: their
-# rollups are read from the ranks' current values.
-Update = tuple[SeriesRoute, float, list[int] | tuple[int, ...] | None]
 
 
 class SampleReader:
@@ -228,7 +179,7 @@ class SampleReader:
         finite = bounds[:-1]
         if bounds[-1] != "+Inf" or any(isinstance(b, str) for b in finite):
             raise SampleRejected(ErrorCode.BUCKET_MISMATCH, f'{name!r}: the last bucket bound, and only the last, must be "+Inf"')
-        if not all(isfinite(b) for b in finite) or any(a >= b for a, b in zip(finite, finite[1:])):  # type: ignore[arg-type,operator]
+        if bucket_layout_problem(finite) is not None:  # type: ignore[arg-type]
             raise SampleRejected(ErrorCode.BUCKET_MISMATCH, f"{name!r}: bucket bounds must be finite and strictly ascending")
         if len(self._layouts) < MAX_LAYOUTS:
             self._layouts[bounds] = bounds

@@ -12,6 +12,7 @@ from exporter.catalog import Catalog, FamilySpec
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode
 from exporter.protocol.messages import Hello, Snapshot
+from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import GroupKey, HistAccumulator, LabelValues, RollupKey, SeriesBudget
 from exporter.sidecar.core.ranks import (
     PUSH_SOURCE,
@@ -25,7 +26,7 @@ from exporter.sidecar.core.ranks import (
 )
 from exporter.sidecar.core.rollups import RollupLedger
 from exporter.sidecar.core.samples import Rejection, SampleReader, below
-from exporter.sidecar.core.window import Bandwidth, Increases, Window
+from exporter.sidecar.core.window import Bandwidth, Window
 
 
 @dataclass

@@ -1,69 +1,15 @@
-"""The window: each rank's positions over the last `window` seconds, and what is read from them,
-active bandwidth and replica spread."""
+"""The window's reads over the ranks' position histories (history.py): active bandwidth and replica spread."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain, repeat
-from typing import TYPE_CHECKING
 
-from exporter.catalog import Catalog, FamilySpec, MetricType, Semantics
-from exporter.sidecar.core.keys import GroupKey, LabelValues, RollupKey, SeriesKey
-
-if TYPE_CHECKING:
-    from exporter.sidecar.core.ranks import RankState
-
-Positions = dict[SeriesKey, float]
-Increases = dict[SeriesKey, float]
-
-
-class WindowHistory:
-    """Entries (time, positions) at least `resolution` apart, pruned to one entry before the window.
-
-    An increase over the window is the current position minus the last entry at or before the
-    window's start; a rank first seen inside the window counts from zero (its epoch did).
-    """
-
-    __slots__ = ("window", "resolution", "_entries")
-
-    def __init__(self, window: float, resolution: float) -> None:
-        self.window = window
-        self.resolution = resolution
-        self._entries: deque[tuple[float, Positions]] = deque()
-
-    def record(self, now: float, positions: Positions) -> None:
-        """Remember the positions as of `now` (replacing the last entry if it is very recent)."""
-        entry = (now, dict(positions))
-        if len(self._entries) >= 2 and now - self._entries[-2][0] < self.resolution:
-            self._entries[-1] = entry
-        else:
-            self._entries.append(entry)
-        self.prune(now)
-
-    def prune(self, now: float) -> None:
-        start = now - self.window
-        entries = self._entries
-        while len(entries) >= 2 and entries[1][0] <= start:
-            entries.popleft()
-
-    def base(self, now: float) -> Positions | None:
-        """Positions at the window's start, or None when everything seen lies inside the window."""
-        self.prune(now)
-        if self._entries and self._entries[0][0] <= now - self.window:
-            return self._entries[0][1]
-        return None
-
-    def increases(self, now: float, current: Positions) -> Increases:
-        """Increase of every series over the window ending at `now`."""
-        base = self.base(now)
-        if base is None:
-            return dict(current)
-        return {key: value - base.get(key, 0.0) for key, value in current.items()}
-
-    def __len__(self) -> int:
-        return len(self._entries)
+from exporter.catalog import Catalog, FamilySpec, MetricType
+from exporter.sidecar.core.history import Increases
+from exporter.sidecar.core.keys import GroupKey, LabelValues, RollupKey
+from exporter.sidecar.core.ranks import RankState
 
 
 @dataclass(slots=True)
@@ -84,7 +30,7 @@ class Window:
     def __init__(self, catalog: Catalog) -> None:
         self.pairs = catalog.bandwidth_pairs()
         self.replicated = frozenset(
-            f.name for f in catalog if f.type is MetricType.COUNTER and f.semantics is Semantics.REPLICATED
+            f.name for f in catalog if f.type is MetricType.COUNTER and f.replicated
         )
 
     @staticmethod

@@ -19,10 +19,10 @@ from prometheus_client.utils import floatToGoString
 
 from exporter import __version__
 from exporter.sidecar.core.health import DurationHistogram, SidecarStats
+from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import HistAccumulator, HistValue, LabelValues, Layout, RollupKey
 from exporter.sidecar.core.ranks import RankState, RankStatus
 from exporter.sidecar.core.state import SidecarState
-from exporter.sidecar.core.window import Increases
 from exporter.sidecar.expose.families import SELF, SELF_FAMILIES, ExposedFamilies, Family
 
 ENV_REVISION = "HICACHE_EXPORTER_REVISION"

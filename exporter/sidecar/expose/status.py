@@ -24,13 +24,13 @@ from exporter.catalog import Catalog
 from exporter.config import SidecarConfig
 from exporter.protocol.messages import World
 from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import GroupKey, HistAccumulator, LabelValues, RollupKey, StaticKey
-from exporter.sidecar.core.ranks import RankIdentity, RankState
+from exporter.sidecar.core.ranks import RankState
 from exporter.sidecar.core.state import SidecarState
-from exporter.sidecar.core.window import Bandwidth, Increases
+from exporter.sidecar.core.window import Bandwidth
 from exporter.sidecar.expose.collector import build_revision, rollup_cells, window_increases
 from exporter.sidecar.expose.families import ExposedFamilies
-from exporter.sidecar.upstream.scrape import UpstreamScraper
 
 API_VERSION = 1
 SPREAD_THRESHOLD = 0.2  # the HiCacheReplicaSpreadHigh alert's threshold (config/prometheus/alerting_rules.yml)
@@ -293,15 +293,6 @@ def grid_model(held: Iterable[Position], missing: Iterable[tuple[int, int]], roo
     }
 
 
-def upstream_sources(upstreams: Iterable[UpstreamScraper]) -> dict[RankIdentity, str]:
-    """Which upstream feeds each rank identity it proxies (`upstream:<name>`); pushed ranks are not in it."""
-    sources: dict[RankIdentity, str] = {}
-    for scraper in upstreams:
-        for identity in scraper.feed.ranks:
-            sources[identity] = "upstream:" + scraper.health.name
-    return sources
-
-
 def lifecycle(rank: RankState, now: float) -> dict[str, Any]:
     """What both rank listings say of a rank's process, connection and pushes."""
     return {
@@ -353,11 +344,10 @@ class StatusView:
     """Builds GET /api/v1/status from the sidecar's state; what depends only on the catalog is worked out once."""
 
     def __init__(self, config: SidecarConfig, state: SidecarState, stats: SidecarStats,
-                 upstreams: Iterable[UpstreamScraper] = (), history: BandwidthHistory | None = None) -> None:
+                 history: BandwidthHistory | None = None) -> None:
         self.config = config
         self.state = state
         self.stats = stats
-        self.upstreams = list(upstreams)
         catalog: Catalog = state.catalog
         self.catalog = catalog
         self.families = ExposedFamilies(catalog, config.metrics.namespace)
@@ -441,7 +431,6 @@ class StatusView:
     def _ranks(self, known: list[RankState], ids: DocumentIds) -> list[dict[str, Any]]:
         now = self.state.clock()
         wall = self.state.wall_time()
-        sources = upstream_sources(self.upstreams)
         return [
             {
                 "id": short_rank_id(ids.groups[rank.replica_group], rank),
@@ -452,7 +441,7 @@ class StatusView:
                 "attn_cp_rank": rank.attn_cp_rank,
                 "own_labels": dict(own_labels(rank)),
                 "state": rank.status.value,
-                "source": sources.get(rank.identity, "push"),
+                "source": rank.source,
                 "seconds_since_push": None if rank.last_push_wall is None else round(wall - rank.last_push_wall, 3),
                 **lifecycle(rank, now),
             }

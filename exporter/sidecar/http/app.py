@@ -10,7 +10,7 @@ import asyncio
 import gzip
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from importlib import resources
 
 from aiohttp import web
@@ -26,15 +26,12 @@ from exporter.sidecar.expose.render import TextRenderer
 from exporter.sidecar.expose.status import EncodedStatus, StatusView, rank_rows, upstream_rows
 from exporter.sidecar.http.bodies import BodyBudget, bodies_in_flight
 from exporter.sidecar.http.security import BasicAuth, auth_middleware
-from exporter.sidecar.ingest.listener import IngestServer
-from exporter.sidecar.upstream.scrape import UPSTREAMS, UpstreamScraper, run_upstreams
 
 HOUSEKEEPING_SECONDS = 1.0
 CONFIG: web.AppKey[SidecarConfig] = web.AppKey("config", SidecarConfig)
 STATE: web.AppKey[SidecarState] = web.AppKey("state", SidecarState)
 STATS: web.AppKey[SidecarStats] = web.AppKey("stats", SidecarStats)
 RENDERER: web.AppKey[TextRenderer] = web.AppKey("renderer", TextRenderer)
-INGEST: web.AppKey[IngestServer] = web.AppKey("ingest", IngestServer)
 VIEW: web.AppKey[StatusView] = web.AppKey("view", StatusView)
 ENCODED: web.AppKey[EncodedStatus] = web.AppKey("encoded", EncodedStatus)
 BODIES: web.AppKey[BodyBudget] = web.AppKey("bodies", BodyBudget)
@@ -68,10 +65,11 @@ _BAD_REQUESTS = BadRequestLogFilter()
 
 
 def build_app(
-    config: SidecarConfig, state: SidecarState, stats: SidecarStats, renderer: TextRenderer, ingest: IngestServer,
-    upstreams: list[UpstreamScraper] | None = None,
+    config: SidecarConfig, state: SidecarState, stats: SidecarStats, renderer: TextRenderer,
+    sources: Sequence[Callable[[web.Application], AsyncIterator[None]]] = (),
 ) -> web.Application:
-    """The application over in-memory state; its cleanup context runs the ingest listener and housekeeping."""
+    """The application over in-memory state; its cleanup context runs the sources (the ingest listener,
+    the upstreams' scrapers), then housekeeping."""
     bodies = BodyBudget(config.http.max_response_bytes_in_flight, config.http.write_timeout_seconds)
     # Outermost: the headers every other middleware sets are on a large body before it is written.
     middlewares: list[Middleware] = [
@@ -89,15 +87,12 @@ def build_app(
     app[STATE] = state
     app[STATS] = stats
     app[RENDERER] = renderer
-    app[INGEST] = ingest
-    app[VIEW] = StatusView(config, state, stats, upstreams or [])
+    app[VIEW] = StatusView(config, state, stats)
     app[ENCODED] = EncodedStatus(app[VIEW])
     app[STATIC] = _static_files()
     app[BODIES] = bodies
-    app.cleanup_ctx.append(_ingest_listener)
+    app.cleanup_ctx.extend(sources)
     app.cleanup_ctx.append(_housekeeping)
-    app[UPSTREAMS] = upstreams or []
-    app.cleanup_ctx.append(run_upstreams)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/-/healthy", _healthy)
     app.router.add_get("/-/ready", _ready)
@@ -110,12 +105,6 @@ def build_app(
 
 async def _close(auth: BasicAuth) -> None:
     auth.close()
-
-
-async def _ingest_listener(app: web.Application) -> AsyncIterator[None]:
-    await app[INGEST].start()
-    yield
-    await app[INGEST].stop()
 
 
 async def _housekeeping(app: web.Application) -> AsyncIterator[None]:

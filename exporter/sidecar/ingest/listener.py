@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from exporter import __version__
@@ -66,6 +67,12 @@ class IngestServer:
         os.chmod(self.path, self.config.socket_mode)
         self.stats.ingest_listening = True
         log.info("ingest listening on %s", self.path)
+
+    async def running(self, _app: object) -> AsyncIterator[None]:
+        """The listener as a cleanup context of the app: listening while the app serves."""
+        await self.start()
+        yield
+        await self.stop()
 
     async def stop(self, grace: float = 2.0) -> None:
         """Stop accepting, let frames already arriving finish (up to `grace` s), remove the socket.

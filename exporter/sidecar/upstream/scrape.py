@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TypeVar
 
 import aiohttp
-from aiohttp import web
 from aiohttp.helpers import parse_mimetype
 from yarl import URL
 
@@ -371,20 +370,21 @@ class _ReadError(Exception):
         self.line = line
 
 
-UPSTREAMS: web.AppKey[list[UpstreamScraper]] = web.AppKey("upstreams", list)
+def running(scrapers: list[UpstreamScraper]) -> Callable[[object], AsyncIterator[None]]:
+    """The proxy as a cleanup context of the app: every upstream's scraper, started and stopped with it."""
 
-
-async def run_upstreams(app: web.Application) -> AsyncIterator[None]:
-    """The cleanup context of the proxy: every upstream's scraper, started and stopped with the app."""
-    started: list[UpstreamScraper] = []
-    try:
-        for scraper in app[UPSTREAMS]:
-            await scraper.start()
-            started.append(scraper)
-    except BaseException:
+    async def run(_app: object) -> AsyncIterator[None]:
+        started: list[UpstreamScraper] = []
+        try:
+            for scraper in scrapers:
+                await scraper.start()
+                started.append(scraper)
+        except BaseException:
+            for scraper in started:
+                await scraper.stop()
+            raise
+        yield
         for scraper in started:
             await scraper.stop()
-        raise
-    yield
-    for scraper in started:
-        await scraper.stop()
+
+    return run

@@ -7,9 +7,10 @@ import pytest
 from exporter.catalog import Catalog, FamilySpec, MetricType, Semantics
 from exporter.config import RanksConfig
 from exporter.protocol.messages import HistogramSample, Sample, ScalarSample
+from exporter.sidecar.core.history import WindowHistory
 from exporter.sidecar.core.keys import SeriesKey
 from exporter.sidecar.core.ranks import RankState
-from exporter.sidecar.core.window import Bandwidth, WindowHistory
+from exporter.sidecar.core.window import Bandwidth
 from tests.exporter.sidecar.harness import (
     BYTES,
     DROPPED,

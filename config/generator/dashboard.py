@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from exporter.catalog import Catalog, Semantics
+from exporter.catalog import Catalog
 
 from . import rules
 
@@ -174,7 +174,7 @@ def pod_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
             "increase, per rank and rolled up; no line while nothing moved.",
             [(f"{ns}{bytes_fam.bandwidth_name}{{{RANKS}}}", "tp{{tp_rank}} pp{{pp_rank}} dp{{dp_rank}}"),
              (f"{ns}rollup_{bytes_fam.bandwidth_name}{{{POD}}}", "rollup {{cache_type}}")], unit="Bps", width=6))
-    spread = [f for f in catalog if f.semantics is Semantics.REPLICATED and f.type.value == "counter"]
+    spread = [f for f in catalog if f.replicated and f.type.value == "counter"]
     panels.append(_timeseries(
         "Replica spread ratio by dp group",
         "(max - min) / max of the live replicas' increases over the sidecar's window: 0 when the replicas "

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from exporter.catalog import Catalog, FamilySpec, MetricType
+from exporter.catalog import Catalog, FamilySpec, MetricType, bucket_layout_problem
 from exporter.errors import HicacheExporterError
 from exporter.protocol.messages import BucketBound, HistogramSample, Sample, ScalarSample
 
@@ -147,7 +147,7 @@ class MetricSet:
         if spec.type is not MetricType.HISTOGRAM:
             raise LabelError(f"{spec.name!r} is a {spec.type.value}: only a histogram has buckets")
         layout = tuple(float(b) for b in bounds)
-        if not layout or not all(math.isfinite(b) for b in layout) or list(layout) != sorted(set(layout)):
+        if not layout or bucket_layout_problem(layout) is not None:
             raise LabelError(f"{spec.name!r}: buckets must be finite and strictly ascending (+Inf implied), got {list(bounds)}")
         return layout
 

@@ -12,10 +12,9 @@ from typing import Any
 from exporter.catalog import Catalog, MetricType, default_catalog
 from exporter.client.metrics import CounterChild, GaugeChild, HistogramChild, LabelError, MetricSet
 from exporter.client.pusher import Pusher, PushStats
+from exporter.defaults import DEFAULT_PUSH_INTERVAL, DEFAULT_SOCKET_PATH, ENV_SOCKET
 from exporter.labels import OPTIONAL_RANK_KEYS, RANK_AXES, RANK_KEYS, label_name_problem
 from exporter.protocol.messages import MAX_HELP_LENGTH, PROTOCOL_VERSION, Hello, RankId, Snapshot, World
-
-DEFAULT_SOCKET = "/run/hicache/metrics.sock"
 
 __all__ = ["RankClient", "CounterChild", "GaugeChild", "HistogramChild", "LabelError", "PushStats"]
 
@@ -28,7 +27,7 @@ class RankClient:
         socket_path: str | os.PathLike[str] | None = None,
         rank: Mapping[str, int] | None = None,
         labels: Mapping[str, Any] | None = None,
-        interval: float = 1.0,
+        interval: float = DEFAULT_PUSH_INTERVAL,
         *,
         world: Mapping[str, int] | None = None,
         catalog: Catalog | None = None,
@@ -63,7 +62,7 @@ class RankClient:
         self._help_sent = -1  # the HELP version the current connection has been sent
         if preset:
             self.metrics.preset()
-        path = socket_path or os.environ.get("HICACHE_EXPORTER_SOCKET") or DEFAULT_SOCKET
+        path = socket_path or os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET_PATH
         self.socket_path = os.fspath(path)
         self._pusher = Pusher(self.socket_path, self._hello, self._snapshot, interval, max_backoff)
 

@@ -56,6 +56,7 @@ from sglang.srt.observability.metrics_collector import (
 
 from exporter.catalog import Catalog, FamilySpec, MetricType, default_catalog
 from exporter.client import CounterChild, GaugeChild, HistogramChild, LabelError, RankClient
+from exporter.defaults import DEFAULT_PUSH_INTERVAL, ENV_PUSH_INTERVAL, ENV_SOCKET
 from exporter.labels import RANK_AXES
 
 __all__ = [
@@ -64,9 +65,6 @@ __all__ = [
 ]
 
 ENGINE_PREFIX = "sglang:"
-SOCKET_ENV = "HICACHE_EXPORTER_SOCKET"
-INTERVAL_ENV = "HICACHE_EXPORTER_PUSH_INTERVAL"
-DEFAULT_INTERVAL = 1.0
 
 log = logging.getLogger("hicache_exporter.integrations.sglang")
 
@@ -82,11 +80,11 @@ def stat_loggers(socket_path: str | os.PathLike[str] | None = None, *, interval:
     engine's scheduler processes by reference, and the environment travels with them.
     """
     if socket_path is not None:
-        os.environ[SOCKET_ENV] = os.fspath(socket_path)
+        os.environ[ENV_SOCKET] = os.fspath(socket_path)
     if interval is not None:
         if not 0 < interval < math.inf:
             raise ValueError(f"interval must be a positive number of seconds, got {interval}")
-        os.environ[INTERVAL_ENV] = repr(float(interval))
+        os.environ[ENV_PUSH_INTERVAL] = repr(float(interval))
     return {
         STAT_LOGGER_ROLE_RADIX_CACHE: SidecarRadixCacheMetricsCollector,
         STAT_LOGGER_ROLE_STORAGE: SidecarStorageMetricsCollector,
@@ -189,16 +187,17 @@ def _push_at_exit() -> None:
 
 
 def _push_interval() -> float:
-    text = os.environ.get(INTERVAL_ENV)
+    text = os.environ.get(ENV_PUSH_INTERVAL)
     if not text:
-        return DEFAULT_INTERVAL
+        return DEFAULT_PUSH_INTERVAL
     try:
         interval = float(text)
     except ValueError:
         interval = math.nan
     if not 0 < interval < math.inf:
-        log.warning("%s=%r is not a positive number of seconds; pushing every %s s", INTERVAL_ENV, text, DEFAULT_INTERVAL)
-        return DEFAULT_INTERVAL
+        log.warning("%s=%r is not a positive number of seconds; pushing every %s s",
+                    ENV_PUSH_INTERVAL, text, DEFAULT_PUSH_INTERVAL)
+        return DEFAULT_PUSH_INTERVAL
     return interval
 
 

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from exporter import __version__
+from exporter.defaults import DEFAULT_PORT
 from exporter.errors import HicacheExporterError
 
 STATUS_PATH = "/api/v1/status"
-DEFAULT_URL = "http://127.0.0.1:9400"
+DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
 ENV_PASSWORD = "HICACHE_EXPORTER_PASSWORD"
 MAX_DOCUMENT_BYTES = 32 * 1024 * 1024  # a status of thousands of ranks is a few MiB; past this it is not a status
 PASSWORD_IN_URL_WARNING = (f"warning: the password in --url is in the process list for every user of this host to "

@@ -16,10 +16,11 @@ prometheus_client's constructor and `labels()`:
 * every other family (most of the scheduler's) is prometheus_client's own metric, so the
   engine's own /metrics keeps serving it.
 
-Each `labels(**kw)` call's label names split three ways: the rank axes (`tp_rank`, `pp_rank`,
-`dp_rank`, `attn_cp_rank`), the family's own labels as the catalog lists them (`pool`, `reason`,
-`mode`), and static labels (everything else the engine passes: `cache_type`, `storage_backend`,
-`pp_size`, `model_name`, extra labels, ...). Rank axes plus static labels are a rank identity in
+Each `labels(**kw)` call's label names split three ways, by the proxy's rule too
+(exporter.labels.split_rank_labels): the rank axes (`tp_rank`, `pp_rank`, `dp_rank`, `attn_cp_rank`),
+the family's own labels as the catalog lists them (`pool`, `reason`, `mode`), and static labels
+(everything else the engine passes with a value: `cache_type`, `storage_backend`, `pp_size`,
+`model_name`, extra labels, ...). Rank axes plus static labels are a rank identity in
 the sidecar; a process pushes through one `RankClient` per identity it meets, created on first
 use, so a scheduler process with a radix cache, a storage backend and scheduler statistics holds
 three connections. The radix cache's labels carry no context-parallel rank, so in an engine
@@ -57,7 +58,7 @@ from sglang.srt.observability.metrics_collector import (
 from exporter.catalog import Catalog, FamilySpec, MetricType, default_catalog
 from exporter.client import CounterChild, GaugeChild, HistogramChild, LabelError, RankClient
 from exporter.defaults import DEFAULT_PUSH_INTERVAL, ENV_PUSH_INTERVAL, ENV_SOCKET
-from exporter.labels import RANK_AXES
+from exporter.labels import split_rank_labels
 
 __all__ = [
     "stat_loggers", "close", "SidecarCounter", "SidecarGauge", "SidecarHistogram",
@@ -307,18 +308,9 @@ class _SidecarMetric:
     def _bind(self, labels: dict[str, Any]) -> Any:
         """The push child for `labels`, or prometheus_client's when they make no valid rank identity."""
         spec = self._spec
-        rank: dict[str, int] = {}
-        own: dict[str, Any] = {}
-        static: dict[str, str] = {}
         try:
-            for name, value in labels.items():
-                if name in RANK_AXES:
-                    rank[name] = int(value)
-                elif name in spec.labels:
-                    own[name] = value
-                elif str(value):  # an empty value is no label at all to Prometheus (the priority total's "")
-                    static[name] = str(value)
-            rank.setdefault("dp_rank", 0)
+            # An engine without DP attention may leave dp_rank out: its one dp group is 0.
+            rank, static = split_rank_labels({"dp_rank": 0, **labels}, own=spec.labels)
             if "attn_cp_rank" not in rank:
                 cp_rank = _context_parallel_rank()
                 if cp_rank is not None:
@@ -326,7 +318,7 @@ class _SidecarMetric:
             client = _this_process().client(rank, static)
             if self._documentation:
                 client.describe(spec.name, self._documentation)
-            return self._child(client, own)
+            return self._child(client, {name: labels[name] for name in spec.labels})
         except (LabelError, ValueError, TypeError, RuntimeError) as err:
             _warn_once(self._name, f"{self._name}{labels} is not pushed ({err}); the engine's /metrics serves it")
             return self._prometheus().labels(**labels)

@@ -55,7 +55,7 @@ from sglang.srt.observability.metrics_collector import (
     StorageMetricsCollector,
 )
 
-from exporter.catalog import Catalog, FamilySpec, MetricType, default_catalog
+from exporter.catalog import Catalog, FamilySpec, MetricType, bucket_layout_problem, default_catalog
 from exporter.client import CounterChild, GaugeChild, HistogramChild, LabelError, RankClient
 from exporter.defaults import DEFAULT_PUSH_INTERVAL, ENV_PUSH_INTERVAL, ENV_SOCKET
 from exporter.labels import split_rank_labels
@@ -368,20 +368,30 @@ class SidecarHistogram(_SidecarMetric):
     def _routable(cls, name: str, spec: FamilySpec, labelnames: tuple[str, ...], kwargs: Mapping[str, Any]) -> bool:
         if not super()._routable(name, spec, labelnames, kwargs):
             return False
-        if "buckets" in kwargs and cls._bounds(kwargs["buckets"]) is None:
+        if "buckets" not in kwargs:
+            return True
+        bounds = cls._bounds(kwargs["buckets"])
+        if bounds is None:
             return False  # prometheus_client refuses them with its own message, as without this hook
+        problem = bucket_layout_problem(bounds)
+        if problem:
+            # prometheus_client takes a repeated bound; the sidecar's one layout rule does not (a bucket
+            # of width 0). Decided here, not per label set: no push client is started for it.
+            _warn_once(name, f"{name}: {problem}, got {list(kwargs['buckets'])}; the engine's /metrics serves it")
+            return False
         return True
 
     @staticmethod
     def _bounds(buckets: Iterable[float]) -> tuple[float, ...] | None:
-        """prometheus_client's bucket rule (sorted, +Inf implied): the finite upper bounds, or None if invalid."""
+        """The finite upper bounds (+Inf implied), or None where prometheus_client refuses the layout
+        (not numbers, not sorted, or no bucket but +Inf)."""
         try:
             bounds = [float(b) for b in buckets]
         except (TypeError, ValueError):
             return None
         if bounds and bounds[-1] == math.inf:
             bounds.pop()
-        if not bounds or bounds != sorted(bounds) or not all(math.isfinite(b) for b in bounds):
+        if not bounds or bounds != sorted(bounds):
             return None
         return tuple(bounds)
 

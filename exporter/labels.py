@@ -1,4 +1,6 @@
-"""Rank labels: the upstream label rule and the checks shared by the client and the sidecar."""
+"""Rank labels: the upstream label rule, and the one split and checks of the client, the stat-logger
+hook, the proxy's feed and the sidecar's hello (split_rank_labels, rank_axis_problem,
+static_label_problem, own_labels_problem, label_name_problem)."""
 
 from __future__ import annotations
 

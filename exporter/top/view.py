@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from exporter.api.v1 import API_VERSION
 from exporter.top.fetch import FailureKind, Fetched, FetchFailed, FetchResult, Target
-
-API_VERSION = 1
 
 
 @dataclass

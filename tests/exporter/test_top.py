@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import bcrypt
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -125,9 +126,9 @@ def status_document(
             "world_implausible": False,
         })
         group = groups[-1]
-        group["grid"] = grid_model(((p, None, t) for p in range(pp) for t in range(tp) if (d, p, t) not in missing),
-                                   ((m["pp_rank"], m["tp_rank"]) for m in group["missing"]),
-                                   min(GRID_CELLS_PER_GROUP, cells))
+        group["grid"] = msgspec.to_builtins(grid_model(
+            ((p, None, t) for p in range(pp) for t in range(tp) if (d, p, t) not in missing),
+            ((m["pp_rank"], m["tp_rank"]) for m in group["missing"]), min(GRID_CELLS_PER_GROUP, cells)))
         cells -= len(group["grid"]["rows"]) * len(group["grid"]["tp_ranks"])
     if conflict:
         ranks[-1]["world"] = {**(sizes or {}), "tp_size": tp + 1}

@@ -33,7 +33,7 @@ from exporter.top import render
 from exporter.top.fetch import Fetched, Target
 from exporter.top.render import render_frame
 from exporter.top.view import View
-from tests.exporter.sidecar.expose.test_status import assert_valid
+from tests.exporter.sidecar.expose.test_status import assert_valid, typed
 from tests.exporter.sidecar.harness import STATIC, Harness
 from tests.exporter.sidecar.upstream.test_feed import feed, read
 
@@ -85,7 +85,7 @@ def test_hello_only_ranks_on_a_diagonal_draw_a_bounded_grid() -> None:
     h = Harness()
     diagonal(h, 130)
     body, doc = document(h)
-    page = render_page(doc)
+    page = render_page(typed(doc))
     rows, cells = drawn(130)  # 7 rows of 130 columns: 910 cells, where the cube had 130**3
     assert page_cells(page) == cells
     assert len(page.encode()) < 200_000  # 65.5 KB measured (the cube's page: 71 MB)
@@ -104,7 +104,7 @@ def test_a_world_of_65536_by_65536_is_a_conflict_and_only_its_ranks_are_drawn() 
     h = Harness()
     diagonal(h, 40, BIG)
     body, doc = document(h)
-    page = render_page(doc)
+    page = render_page(typed(doc))
     rows, cells = drawn(40)  # 25 rows of 40: no missing position of the claimed world is drawn
     assert page_cells(page) == cells and 'class="rank state-missing"' not in page
     assert len(page.encode()) < 100_000  # 54 KB measured (was 51.5 MB)
@@ -125,7 +125,7 @@ def test_an_upstream_with_ranks_on_a_diagonal_draws_the_same_bounded_grid() -> N
     feed(h).apply(read("# TYPE sglang:load_back_bytes_total counter\n" + lines))
     assert len(h.state.ranks) == 130
     _, doc = document(h)
-    page = render_page(doc)
+    page = render_page(typed(doc))
     assert page_cells(page) == drawn(130)[1]
     assert len(page.encode()) < 200_000  # 66 KB measured (was 71 MB)
 
@@ -139,7 +139,7 @@ def test_groups_share_the_documents_cap_on_cells() -> None:
     # The last group has 96 cells of room left: 2 rows of its 40 columns.
     assert [len(g["rows"]) * len(g["tp_ranks"]) for g in grids] == [1000] * 4 + [80]
     assert [g["hidden_ranks"] for g in grids] == [15] * 4 + [38]
-    assert page_cells(render_page(doc)) == 4080 <= api.GRID_CELLS
+    assert page_cells(render_page(typed(doc))) == 4080 <= api.GRID_CELLS
 
 
 def test_an_ordinary_layout_is_drawn_whole_as_before() -> None:
@@ -155,7 +155,7 @@ def test_an_ordinary_layout_is_drawn_whole_as_before() -> None:
     whole, sparse = (g["grid"] for g in doc["groups"])
     assert whole == {"rows": every_row, "tp_ranks": [0, 1], "row_count": 4, "column_count": 2, "hidden_ranks": 0}
     assert sparse == {"rows": every_row, "tp_ranks": [0], "row_count": 4, "column_count": 1, "hidden_ranks": 0}
-    page = render_page(doc)
+    page = render_page(typed(doc))
     assert page_cells(page) == 8 + 4 and page.count('class="rank absent"') == 2 and "drawn:" not in page
 
 

@@ -36,7 +36,7 @@ ABSENT_STYLE = "dim"  # a grid position no rank of the group has reported from
 MISSING_STYLE = "bold white on magenta"
 MISSING_MARK = "?"
 MISSING_SHOWN = 8  # positions named per line under the grid; the rest are counted
-# The sidecar's caps on what a grid draws (api.GRID_CELLS_PER_GROUP, api.GRID_CELLS): top draws no more
+# The sidecar's caps on what a grid draws (status.GRID_CELLS_PER_GROUP, status.GRID_CELLS): top draws no more
 # than they allow whatever a document lists, and bounds a sidecar's from before the grid was bounded alike.
 GRID_CELLS_PER_GROUP = 1024
 GRID_CELLS = 4096
@@ -482,7 +482,7 @@ class Names:
 
     def rank(self, rank: v1.Rank) -> str:
         """`tp=1 pp=0 dp=0 [cp=0] name="value" ...`: a rank's axes and every static label in name order,
-        quoted as /metrics writes them (the sidecar's `api.identity_text`); shown through `literal`."""
+        quoted as /metrics writes them (the sidecar's `status.identity_text`); shown through `literal`."""
         labels = {**self.labels[self.groups[rank.group].label_set], **rank.own_labels}
         cp = rank.attn_cp_rank
         axes = [f"tp={integer(rank.tp_rank)}", f"pp={integer(rank.pp_rank)}", f"dp={integer(rank.dp_rank)}",

@@ -142,7 +142,7 @@ def label_text(labels: dict[str, str]) -> str:
 
 class Names:
     """What the document writes once and references by id, read back as text: a group's `dp=<n>` and
-    quoted static labels, and a rank's full identity (`api.identity_text`), both as /metrics quotes them."""
+    quoted static labels, and a rank's full identity (`status.identity_text`), both as /metrics quotes them."""
 
     def __init__(self, doc: v1.StatusDocument) -> None:
         self.labels: dict[str, dict[str, str]] = {s.id: s.labels for s in doc.label_sets}
@@ -185,7 +185,7 @@ def world_conflicts(doc: v1.StatusDocument) -> list[str]:
 
 
 def grid_cut(group: v1.Group) -> str:
-    """What the group's grid leaves out (api.grid_model caps it), with exact counts; empty when nothing."""
+    """What the group's grid leaves out (status.grid_model caps it), with exact counts; empty when nothing."""
     grid = group.grid
     rows, columns = len(grid.rows), len(grid.tp_ranks)
     if rows == grid.row_count and columns == grid.column_count:
@@ -198,7 +198,7 @@ def grid_cut(group: v1.Group) -> str:
 def grid(doc: v1.StatusDocument) -> str:
     """The ranks of each replica group as a table: pp stage (× cp rank) rows by tp rank columns.
 
-    What is drawn is the group's `grid` (api.grid_model: bounded, with exact counts of what it leaves
+    What is drawn is the group's `grid` (status.grid_model: bounded, with exact counts of what it leaves
     out). Positions the group's world expects and no rank holds are `missing` cells; one cell spans
     its pp stage's rows (no rank holds that pp and tp at any cp rank). Missing dp groups follow.
     """

@@ -1,6 +1,6 @@
 """The JSON API v1 (docs/api.md): the sidecar's state as the model of exporter.api.v1; no I/O.
 
-The numbers are the ones /metrics shows, read through the same computations (exposition.py's
+The numbers are the ones /metrics shows, read through the same computations (collector.py's
 `rollup_cells`, `window_increases`, the window's bandwidths and spreads): this module only
 reshapes them for people and for `hicache-exporter top`. What it adds is read off the ranks'
 hellos: the layout their worlds expect, and the positions of it no known rank holds.
@@ -62,7 +62,7 @@ class Transfer:
     bytes_family: str
 
 
-# The four movements of DESIGN section 4 (L1 = device, L2 = host, L3 = storage), stated once.
+# The four movements between the cache tiers (L1 = device, L2 = host, L3 = storage), stated once.
 TRANSFERS: tuple[Transfer, ...] = (
     Transfer("load_back", "L2", "L1", "load_back_tokens_total", "load_back_bytes_total"),
     Transfer("backup", "L1", "L2", "hicache_backup_tokens_total", "hicache_backup_bytes_total"),
@@ -621,14 +621,13 @@ class StatusView:
         return v1.Spread(threshold=SPREAD_THRESHOLD, groups=groups)
 
 
-
 class EncodedStatus:
     """The status document as served: encoded once per `max_age` (one housekeeping tick) and shared by
     every request until then, with its gzipped form made on first demand; one copy of each is held.
 
-    Without it each request built its own copy: four viewers of a sidecar whose series were all
-    escape-heavy labels held four documents at once (998 MB at the peak, before the listings were
-    bounded). A frame, a connection or an upstream read since the build makes it stale at once, so a
+    Without it each request built its own copy, and viewers of a sidecar whose series were all
+    escape-heavy labels held one document each at once (measured: docs/reliability.md, section
+    Memory budget). A frame, a connection or an upstream read since the build makes it stale at once, so a
     reader polling for a change sees it on its next request.
     """
 

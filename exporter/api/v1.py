@@ -416,7 +416,7 @@ class RanksResponse(Model):
 
 # The names the schema's definitions had when it was written by hand (docs/api.md and clients cite
 # `#/$defs/status`): a definition is the Struct's name in snake_case, but for these.
-_DEFINITION_NAMES = {"StatusDocument": "status", "RanksResponse": "ranks_response", "ReasonFamily": "reason_family"}
+_DEFINITION_NAMES = {"StatusDocument": "status", "RanksResponse": "ranks_response", "RankRow": "ranks_row"}
 
 
 def _definition(name: str) -> str:

@@ -242,12 +242,11 @@ def grid(doc: v1.StatusDocument) -> str:
                 if held is None:
                     cells.append('<td class="rank absent">–</td>')
                     continue
-                rank = held
-                tip = (f"{names.rank(rank)}\nstate {rank.state}, last push {fmt_seconds(rank.seconds_since_push)} "
-                       f"ago, restarts {rank.restarts}, {rank.source}")
-                cells.append(f'<td class="rank state-{esc(rank.state)}" data-rank="{esc(rank.id)}" '
+                tip = (f"{names.rank(held)}\nstate {held.state}, last push {fmt_seconds(held.seconds_since_push)} "
+                       f"ago, restarts {held.restarts}, {held.source}")
+                cells.append(f'<td class="rank state-{esc(held.state)}" data-rank="{esc(held.id)}" '
                              f'title="{esc(tip)}"><span class="tp">tp {esc(tp)}</span>'
-                             f'<span class="st">{esc(rank.state)}</span></td>')
+                             f'<span class="st">{esc(held.state)}</span></td>')
             body.append(f'<tr><th scope="row">{esc(label)}</th>{"".join(cells)}</tr>')
         caption = f"{group.id} {name}: {group.live} of {group.size} live" + (
             f", {group.missing_count} {MISSING}" if group.missing_count else "")

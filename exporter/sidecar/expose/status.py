@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypedDict
 
 import msgspec
 
@@ -56,8 +57,8 @@ class Transfer:
     """One movement of KV data between two cache tiers, and the families that count it."""
 
     name: str
-    source: str  # tier the data leaves
-    target: str  # tier the data arrives in
+    source: v1.Tier  # tier the data leaves
+    target: v1.Tier  # tier the data arrives in
     tokens_family: str
     bytes_family: str
 
@@ -70,13 +71,13 @@ TRANSFERS: tuple[Transfer, ...] = (
     Transfer("storage_backup", "L2", "L3", "backuped_tokens_total", "storage_backup_bytes_total"),
 )
 # A family's unit, by the ending of its name (catalog names follow the Prometheus naming rules).
-_UNITS = (
+_UNITS: tuple[tuple[str, v1.Unit], ...] = (
     ("_tokens_total", "tokens"), ("_tokens", "tokens"), ("_bytes_total", "bytes"), ("_seconds", "seconds"),
     ("_pgs", "pages"), ("_states", "states"), ("_bandwidth", "gigabytes_per_second"),
 )
 
 
-def unit_of(name: str) -> str | None:
+def unit_of(name: str) -> v1.Unit | None:
     """The unit a family's name says (docs/api.md lists them), or None."""
     return next((unit for suffix, unit in _UNITS if name.endswith(suffix)), None)
 
@@ -288,7 +289,22 @@ def grid_model(held: Iterable[Position], missing: Iterable[tuple[int, int]], roo
                    row_count=row_count, column_count=len(tps), hidden_ranks=hidden)
 
 
-def lifecycle(rank: RankState, now: float) -> dict[str, object]:
+class Lifecycle(TypedDict):
+    """The fields v1.Rank and v1.RankRow share, typed for `**` into either."""
+
+    epoch: str
+    pid: int
+    seq: int
+    restarts: int
+    reconnects: int
+    snapshots: int
+    series: int
+    seconds_since_activity: float
+    last_push_time: float | None
+    world: v1.WorldSizes | None
+
+
+def lifecycle(rank: RankState, now: float) -> Lifecycle:
     """What both rank listings (v1.Rank, v1.RankRow) say of a rank's process, connection and pushes."""
     return {
         "epoch": rank.epoch,
@@ -309,7 +325,7 @@ def rank_rows(state: SidecarState) -> list[v1.RankRow]:
     now = state.clock()
     return [
         v1.RankRow(tp_rank=rank.tp_rank, pp_rank=rank.pp_rank, dp_rank=rank.dp_rank, attn_cp_rank=rank.attn_cp_rank,
-                   labels=dict(rank.static), status=rank.status.value, **lifecycle(rank, now))  # type: ignore[arg-type]
+                   labels=dict(rank.static), status=rank.status.value, **lifecycle(rank, now))
         for rank in state.known_ranks()
     ]
 
@@ -436,7 +452,7 @@ class StatusView:
                 state=rank.status.value,
                 source=rank.source,
                 seconds_since_push=None if rank.last_push_wall is None else round(wall - rank.last_push_wall, 3),
-                **lifecycle(rank, now),  # type: ignore[arg-type]
+                **lifecycle(rank, now),
             )
             for rank in known
         ]
@@ -520,7 +536,7 @@ class StatusView:
                 type=spec.type.value,
                 semantics=spec.semantics.value,
                 attempt_level=spec.attempt_level,
-                unit=unit_of(spec.name),  # type: ignore[arg-type]
+                unit=unit_of(spec.name),
                 total=totals.get(spec.name, 0.0),
                 series_count=len(cells.get(spec.name, ())),
             )
@@ -532,8 +548,8 @@ class StatusView:
         return [
             v1.Transfer(
                 name=transfer.name,
-                source=transfer.source,  # type: ignore[arg-type]
-                target=transfer.target,  # type: ignore[arg-type]
+                source=transfer.source,
+                target=transfer.target,
                 tokens_family=transfer.tokens_family if transfer.tokens_family in catalog else None,
                 tokens=totals.get(transfer.tokens_family, 0.0) if transfer.tokens_family in catalog else None,
                 bytes_family=transfer.bytes_family if transfer.bytes_family in catalog else None,

@@ -23,7 +23,7 @@ from exporter.sidecar.core.health import SidecarStats
 from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.expose.page import render_page
 from exporter.sidecar.expose.render import TextRenderer
-from exporter.sidecar.expose.status import EncodedStatus, StatusView, rank_rows, upstream_rows
+from exporter.sidecar.expose.status import EncodedStatus, StatusView, ranks_body
 from exporter.sidecar.http.bodies import BodyBudget, bodies_in_flight
 from exporter.sidecar.http.security import BasicAuth, auth_middleware
 
@@ -185,7 +185,7 @@ async def _ready(request: web.Request) -> web.Response:
 async def _ranks(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.tick()
-    return web.json_response({"ranks": rank_rows(state), "upstreams": upstream_rows(request.app[STATS])})
+    return web.Response(body=ranks_body(state, request.app[STATS]), headers={"Content-Type": "application/json; charset=utf-8"})
 
 
 async def _status(request: web.Request) -> web.Response:

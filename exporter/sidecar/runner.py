@@ -17,7 +17,7 @@ from prometheus_client.process_collector import ProcessCollector
 from exporter.catalog import Catalog, load_catalog
 from exporter.config import SidecarConfig
 from exporter.errors import StartupError
-from exporter.sidecar.core.health import SidecarStats, UpstreamHealth
+from exporter.sidecar.core.health import SidecarHealth, UpstreamHealth
 from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.expose.collector import SidecarCollector
 from exporter.sidecar.expose.render import TextRenderer
@@ -118,7 +118,7 @@ class Sidecar:
     ) -> None:
         self.config = config
         self.catalog = catalog or load_catalog(config.metrics.catalog)
-        self.stats = SidecarStats()
+        self.stats = SidecarHealth()
         self.state = SidecarState(self.catalog, config.ranks, config.rollup.window_seconds, clock=clock)
         # prometheus_client's own process_* families (memory, CPU, file descriptors) follow the sidecar's.
         process = ProcessCollector(registry=None)

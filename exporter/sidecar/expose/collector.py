@@ -13,12 +13,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from functools import lru_cache
 from typing import TypeVar
 
+from prometheus_client.metrics import Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from exporter import __version__
-from exporter.sidecar.core.health import DurationHistogram, SidecarStats
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import HistAccumulator, HistValue, LabelValues, Layout, RollupKey
 from exporter.sidecar.core.ranks import RankState, RankStatus
@@ -102,7 +103,7 @@ class SidecarCollector(Collector):
     """Yields per-rank series, rollups, bandwidth and spread gauges, and the sidecar's self-metrics."""
 
     def __init__(
-        self, state: SidecarState, stats: SidecarStats, namespace: str, per_rank_series: bool = True,
+        self, state: SidecarState, stats: SidecarHealth, namespace: str, per_rank_series: bool = True,
         extra: Sequence[Collector] = (),
     ) -> None:
         self.state = state
@@ -245,6 +246,14 @@ class SidecarCollector(Collector):
             yield from (m for name, m in metric.items() if not name.startswith("upstream_"))
 
 
-def _durations(metric: Metric, histogram: DurationHistogram) -> None:
-    buckets = [(floatToGoString(b), float(c)) for b, c in zip((*histogram.bounds, float("inf")), histogram.cumulative())]
-    metric.add_metric([], buckets, histogram.sum)  # type: ignore[attr-defined]
+def _durations(metric: Metric, histogram: Histogram) -> None:
+    """prometheus_client's histogram under the family's name: its buckets and sum, not its `_created`
+    (no sidecar family has one)."""
+    buckets, total = [], 0.0
+    (collected,) = histogram.collect()
+    for sample in collected.samples:
+        if sample.name.endswith("_bucket"):
+            buckets.append((sample.labels["le"], sample.value))
+        elif sample.name.endswith("_sum"):
+            total = sample.value
+    metric.add_metric([], buckets, total)  # type: ignore[attr-defined]

@@ -23,7 +23,7 @@ from exporter import __version__
 from exporter.catalog import Catalog
 from exporter.config import SidecarConfig
 from exporter.protocol.messages import World
-from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import GroupKey, HistAccumulator, LabelValues, RollupKey, StaticKey
 from exporter.sidecar.core.ranks import RankState
@@ -326,7 +326,7 @@ def rank_rows(state: SidecarState) -> list[dict[str, Any]]:
     ]
 
 
-def upstream_rows(stats: SidecarStats) -> list[dict[str, Any]]:
+def upstream_rows(stats: SidecarHealth) -> list[dict[str, Any]]:
     """One row per configured upstream, in config order."""
     return [
         {
@@ -343,7 +343,7 @@ def upstream_rows(stats: SidecarStats) -> list[dict[str, Any]]:
 class StatusView:
     """Builds GET /api/v1/status from the sidecar's state; what depends only on the catalog is worked out once."""
 
-    def __init__(self, config: SidecarConfig, state: SidecarState, stats: SidecarStats,
+    def __init__(self, config: SidecarConfig, state: SidecarState, stats: SidecarHealth,
                  history: BandwidthHistory | None = None) -> None:
         self.config = config
         self.state = state

@@ -19,7 +19,7 @@ from aiohttp.typedefs import Handler, Middleware
 from prometheus_client.exposition import choose_encoder
 
 from exporter.config import SidecarConfig
-from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.expose.page import render_page
 from exporter.sidecar.expose.render import TextRenderer
@@ -30,7 +30,7 @@ from exporter.sidecar.http.security import BasicAuth, auth_middleware
 HOUSEKEEPING_SECONDS = 1.0
 CONFIG: web.AppKey[SidecarConfig] = web.AppKey("config", SidecarConfig)
 STATE: web.AppKey[SidecarState] = web.AppKey("state", SidecarState)
-STATS: web.AppKey[SidecarStats] = web.AppKey("stats", SidecarStats)
+STATS: web.AppKey[SidecarHealth] = web.AppKey("stats", SidecarHealth)
 RENDERER: web.AppKey[TextRenderer] = web.AppKey("renderer", TextRenderer)
 VIEW: web.AppKey[StatusView] = web.AppKey("view", StatusView)
 ENCODED: web.AppKey[EncodedStatus] = web.AppKey("encoded", EncodedStatus)
@@ -65,7 +65,7 @@ _BAD_REQUESTS = BadRequestLogFilter()
 
 
 def build_app(
-    config: SidecarConfig, state: SidecarState, stats: SidecarStats, renderer: TextRenderer,
+    config: SidecarConfig, state: SidecarState, stats: SidecarHealth, renderer: TextRenderer,
     sources: Sequence[Callable[[web.Application], AsyncIterator[None]]] = (),
 ) -> web.Application:
     """The application over in-memory state; its cleanup context runs the sources (the ingest listener,

@@ -20,8 +20,7 @@ from exporter.catalog import FamilySpec, MetricType
 from exporter.sidecar.core.keys import HistValue, SeriesKey
 from exporter.sidecar.core.ranks import RankState
 from exporter.sidecar.expose.collector import SidecarCollector, le_values
-
-SUFFIX = {MetricType.COUNTER: "_total", MetricType.GAUGE: "", MetricType.HISTOGRAM: ""}
+from exporter.sidecar.expose.families import value_sample_name
 
 
 def escape_label_value(value: str) -> str:
@@ -38,8 +37,8 @@ def header(name: str, kind: str, help_text: str, openmetrics: bool) -> str:
     help_text = help_text.replace("\\", "\\\\").replace("\n", "\\n")
     if openmetrics:
         help_text = help_text.replace('"', '\\"')
-    elif kind == "counter":
-        name += "_total"
+    else:
+        name = value_sample_name(name, kind)
     return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n"
 
 
@@ -240,10 +239,11 @@ class TextRenderer:
         family, values = key
         spec = self.specs[family]
         labels = self._labels_of(spec, values) + label_text(rank.label_dict())
-        name = self.families[family].name
+        exposed = self.families[family]
         value = rank.values[key]
         if not isinstance(value, HistValue):
-            return (f"{name}{SUFFIX[spec.type]}{{{labels}}} ",)
+            return (f"{exposed.sample_name}{{{labels}}} ",)
+        name = exposed.name
         buckets = tuple(f'{name}_bucket{{{labels},le="{bound}"}} ' for bound in le_values(value.bounds))
         return (*buckets, f"{name}_count{{{labels}}} ", f"{name}_sum{{{labels}}} ")
 

@@ -104,6 +104,8 @@ def test_openmetrics_renderer_gives_exactly_prometheus_clients_samples(populated
     reference = generate_openmetrics(registry).decode()
     assert fast.endswith("# EOF\n")
     _same(_samples(parse_openmetrics(fast)), _samples(parse_openmetrics(reference)))
+    headers = lambda text: sorted(line for line in text.splitlines() if line.startswith("#"))  # noqa: E731
+    assert headers(fast) == headers(reference)  # counters named without `_total` here, HELP escaped as OpenMetrics says
 
 
 def test_cached_rank_lines_follow_new_snapshots_restarts_and_expiry(populated: Populated) -> None:

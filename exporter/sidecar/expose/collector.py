@@ -103,11 +103,11 @@ class SidecarCollector(Collector):
     """Yields per-rank series, rollups, bandwidth and spread gauges, and the sidecar's self-metrics."""
 
     def __init__(
-        self, state: SidecarState, stats: SidecarHealth, namespace: str, per_rank_series: bool = True,
+        self, state: SidecarState, health: SidecarHealth, namespace: str, per_rank_series: bool = True,
         extra: Sequence[Collector] = (),
     ) -> None:
         self.state = state
-        self.stats = stats
+        self.health = health
         self.per_rank_series = per_rank_series
         self.extra = tuple(extra)  # other collectors rendered last, such as prometheus_client's process collector
         self.revision = build_revision()
@@ -191,7 +191,7 @@ class SidecarCollector(Collector):
             yield metric
 
     def _self_metrics(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
-        stats, state = self.stats, self.state
+        health, state = self.health, self.state
         metric = {name[len(SELF):]: new_metric(family) for name, family in SELF_FAMILIES.items()}
         info = metric["build_info"]
         info.add_sample(info.name, {"version": __version__, "revision": self.revision,
@@ -206,34 +206,34 @@ class SidecarCollector(Collector):
                 add_value(last, labels, rank.last_push_wall)
             add_value(restarts, labels, rank.restarts)
         for name, value in (
-            ("connections", stats.connections_open), ("connections_accepted", stats.connections_accepted),
-            ("frames_received", stats.frames_received), ("snapshots_received", stats.snapshots_received),
-            ("snapshots_applied", stats.snapshots_applied), ("samples_applied", stats.samples_applied),
+            ("connections", health.connections_open), ("connections_accepted", health.connections_accepted),
+            ("frames_received", health.frames_received), ("snapshots_received", health.snapshots_received),
+            ("snapshots_applied", health.snapshots_applied), ("samples_applied", health.samples_applied),
         ):
             metric[name].add_metric([], float(value))  # type: ignore[attr-defined]
-        for reason, count in sorted(stats.rejections.items()):
+        for reason, count in sorted(health.rejections.items()):
             add_value(metric["rejections"], {"reason": reason}, count)
         for family, count in state.layout_conflicts().items():
             add_value(metric["rollup_layout_conflicts"], {"family": family}, count)
-        for health in stats.upstreams.values():
-            labels = {"upstream": health.name}
-            add_value(metric["upstream_series_resets"], labels, health.series_resets)
-            add_value(metric["upstream_series_flapping"], labels, health.flapping)
-            add_value(metric["upstream_up"], labels, 1.0 if health.up else 0.0)
-            if health.last_scrape_wall is not None:
-                add_value(metric["upstream_last_scrape_timestamp_seconds"], labels, health.last_scrape_wall)
-            if health.last_duration is not None:
-                add_value(metric["upstream_scrape_duration_seconds"], labels, health.last_duration)
-            add_value(metric["upstream_samples"], labels, health.samples)
-            for kind, count in sorted(health.errors.items()):
+        for upstream in health.upstreams.values():
+            labels = {"upstream": upstream.name}
+            add_value(metric["upstream_series_resets"], labels, upstream.series_resets)
+            add_value(metric["upstream_series_flapping"], labels, upstream.flapping)
+            add_value(metric["upstream_up"], labels, 1.0 if upstream.up else 0.0)
+            if upstream.last_scrape_wall is not None:
+                add_value(metric["upstream_last_scrape_timestamp_seconds"], labels, upstream.last_scrape_wall)
+            if upstream.last_duration is not None:
+                add_value(metric["upstream_scrape_duration_seconds"], labels, upstream.last_duration)
+            add_value(metric["upstream_samples"], labels, upstream.samples)
+            for kind, count in sorted(upstream.errors.items()):
                 add_value(metric["upstream_scrape_errors"], {**labels, "kind": kind}, count)
-            for family in sorted(health.unranked):
+            for family in sorted(upstream.unranked):
                 add_value(metric["upstream_unranked_families"], {**labels, "family": family}, 1.0)
-            for family in sorted(health.cp_colliding):
+            for family in sorted(upstream.cp_colliding):
                 add_value(metric["upstream_cp_colliding_families"], {**labels, "family": family}, 1.0)
-        _durations(metric["scrape_duration_seconds"], stats.scrape_duration)
-        _durations(metric["ingest_duration_seconds"], stats.ingest_duration)
-        if stats.upstreams:
+        _durations(metric["scrape_duration_seconds"], health.scrape_duration)
+        _durations(metric["ingest_duration_seconds"], health.ingest_duration)
+        if health.upstreams:
             yield from metric.values()
         else:  # a sidecar without upstreams shows no empty proxy families
             yield from (m for name, m in metric.items() if not name.startswith("upstream_"))

@@ -30,7 +30,7 @@ from exporter.sidecar.http.security import BasicAuth, auth_middleware
 HOUSEKEEPING_SECONDS = 1.0
 CONFIG: web.AppKey[SidecarConfig] = web.AppKey("config", SidecarConfig)
 STATE: web.AppKey[SidecarState] = web.AppKey("state", SidecarState)
-STATS: web.AppKey[SidecarHealth] = web.AppKey("stats", SidecarHealth)
+HEALTH: web.AppKey[SidecarHealth] = web.AppKey("health", SidecarHealth)
 RENDERER: web.AppKey[TextRenderer] = web.AppKey("renderer", TextRenderer)
 VIEW: web.AppKey[StatusView] = web.AppKey("view", StatusView)
 ENCODED: web.AppKey[EncodedStatus] = web.AppKey("encoded", EncodedStatus)
@@ -65,7 +65,7 @@ _BAD_REQUESTS = BadRequestLogFilter()
 
 
 def build_app(
-    config: SidecarConfig, state: SidecarState, stats: SidecarHealth, renderer: TextRenderer,
+    config: SidecarConfig, state: SidecarState, health: SidecarHealth, renderer: TextRenderer,
     sources: Sequence[Callable[[web.Application], AsyncIterator[None]]] = (),
 ) -> web.Application:
     """The application over in-memory state; its cleanup context runs the sources (the ingest listener,
@@ -85,9 +85,9 @@ def build_app(
         app.on_cleanup.append(lambda _: _close(auth))
     app[CONFIG] = config
     app[STATE] = state
-    app[STATS] = stats
+    app[HEALTH] = health
     app[RENDERER] = renderer
-    app[VIEW] = StatusView(config, state, stats)
+    app[VIEW] = StatusView(config, state, health)
     app[ENCODED] = EncodedStatus(app[VIEW])
     app[STATIC] = _static_files()
     app[BODIES] = bodies
@@ -129,7 +129,7 @@ async def _metrics(request: web.Request) -> web.Response:
     started = time.perf_counter()
     _, content_type = choose_encoder(request.headers.get("Accept", ""))  # prometheus_client's negotiation
     body = request.app[RENDERER].render(openmetrics=content_type.startswith("application/openmetrics-text"))
-    request.app[STATS].scrape_duration.observe(time.perf_counter() - started)
+    request.app[HEALTH].scrape_duration.observe(time.perf_counter() - started)
     return _negotiated(request, body, {"Content-Type": content_type})
 
 
@@ -178,7 +178,7 @@ async def _healthy(request: web.Request) -> web.Response:
 
 
 async def _ready(request: web.Request) -> web.Response:
-    if request.app[STATS].ingest_listening:
+    if request.app[HEALTH].ingest_listening:
         return web.Response(text="ready\n")
     return web.Response(status=503, text="ingest socket is not listening\n")
 
@@ -186,7 +186,7 @@ async def _ready(request: web.Request) -> web.Response:
 async def _ranks(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.tick()
-    return web.json_response({"ranks": rank_rows(state), "upstreams": upstream_rows(request.app[STATS])})
+    return web.json_response({"ranks": rank_rows(state), "upstreams": upstream_rows(request.app[HEALTH])})
 
 
 async def _status(request: web.Request) -> web.Response:

@@ -25,7 +25,7 @@ from rich.console import Console, RenderableType
 
 from exporter.config import SidecarConfig
 from exporter.protocol.messages import Hello, RankId, World
-from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.expose import status as api
 from exporter.sidecar.expose.page import render_page
 from exporter.sidecar.expose.status import StatusView
@@ -51,7 +51,7 @@ def diagonal(h: Harness, n: int, world: World | None = None, labels: dict[str, s
 
 
 def document(h: Harness) -> tuple[bytes, dict[str, Any]]:
-    body = StatusView(SidecarConfig(), h.state, SidecarStats()).encode()
+    body = StatusView(SidecarConfig(), h.state, SidecarHealth()).encode()
     doc = json.loads(body)
     assert_valid("status", doc)
     return body, doc

@@ -25,7 +25,7 @@ from exporter.api.v1 import API_VERSION, BANDWIDTH_SERIES_LISTED, SPREAD_SERIES_
 from exporter.catalog import Catalog
 from exporter.config import SidecarConfig
 from exporter.protocol.messages import World
-from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import GroupKey, HistAccumulator, LabelValues, RollupKey, StaticKey
 from exporter.sidecar.core.ranks import RankState
@@ -330,12 +330,12 @@ def rank_rows(state: SidecarState) -> list[v1.RankRow]:
     ]
 
 
-def ranks_body(state: SidecarState, stats: SidecarStats) -> bytes:
+def ranks_body(state: SidecarState, health: SidecarHealth) -> bytes:
     """GET /api/v1/ranks as JSON."""
-    return msgspec.json.encode(v1.RanksResponse(ranks=rank_rows(state), upstreams=upstream_rows(stats)))
+    return msgspec.json.encode(v1.RanksResponse(ranks=rank_rows(state), upstreams=upstream_rows(health)))
 
 
-def upstream_rows(stats: SidecarStats) -> list[v1.Upstream]:
+def upstream_rows(health: SidecarHealth) -> list[v1.Upstream]:
     """One row per configured upstream, in config order."""
     return [
         v1.Upstream(
@@ -345,14 +345,14 @@ def upstream_rows(stats: SidecarStats) -> list[v1.Upstream]:
             last_error=h.last_error, unranked_families=sorted(h.unranked),
             cp_colliding_families=sorted(h.cp_colliding),
         )
-        for h in stats.upstreams.values()
+        for h in health.upstreams.values()
     ]
 
 
 class StatusView:
     """Builds GET /api/v1/status from the sidecar's state; what depends only on the catalog is worked out once."""
 
-    def __init__(self, config: SidecarConfig, state: SidecarState, stats: SidecarStats,
+    def __init__(self, config: SidecarConfig, state: SidecarState, stats: SidecarHealth,
                  history: BandwidthHistory | None = None) -> None:
         self.config = config
         self.state = state

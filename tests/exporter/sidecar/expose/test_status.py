@@ -27,7 +27,7 @@ from exporter.catalog import MetricType, default_catalog
 from exporter.client import RankClient
 from exporter.config import RanksConfig, SidecarConfig, config_from_data
 from exporter.protocol.messages import Hello, RankId, World
-from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.expose import status as api
 from exporter.sidecar.expose.collector import window_increases
 from exporter.sidecar.expose.page import Names, render_page, sparkline_path
@@ -260,7 +260,7 @@ def test_the_packaged_script_builds_the_dom_without_markup() -> None:
 
 
 def view_of(h: Harness, history: BandwidthHistory | None = None) -> StatusView:
-    return StatusView(SidecarConfig(), h.state, SidecarStats(), history=history)
+    return StatusView(SidecarConfig(), h.state, SidecarHealth(), history=history)
 
 
 def test_spread_marks_a_diverging_group() -> None:
@@ -582,7 +582,7 @@ def test_the_worst_case_document_fits_the_memory_budget() -> None:
 
 def test_viewers_share_one_encoded_document_until_a_tick_or_a_frame() -> None:
     h = Harness()
-    stats = SidecarStats()
+    stats = SidecarHealth()
     encoded = api.EncodedStatus(StatusView(SidecarConfig(), h.state, stats))
     first = encoded.body(gzipped=False)
     assert encoded.body(gzipped=False) is first  # a second viewer within the tick: the same bytes

@@ -139,25 +139,37 @@ def test_rollups_and_rules_agree_with_per_rank_series_across_a_rank_restart(stac
     for proc in ranks.values():
         proc.start()
     try:
+        # Conditions, not sleeps (a loaded machine scrapes late): every rank scraped 8 times ...
         wait_until(lambda: len(prom.query("sglang_load_back_tokens_total")) == 4, timeout=60)
-        time.sleep(8)
+        wait_until(lambda: prom.scalar("min(count_over_time(sglang_load_back_tokens_total[1m]))") >= 8, timeout=60)
         # Kill the leader of dp group 0 mid-frame if it happens to be sending, then start it again (new epoch).
         ranks[(0, 0)].kill()
         ranks[(0, 0)].join(10)
-        time.sleep(3)
+        # ... its departure scraped before it comes back ...
+        wait_until(lambda: prom.scalar('max(hicache_exporter_ranks{state="departed"})') == 1, timeout=30)
         ranks[(0, 0)] = ctx.Process(target=rank_process, args=(sock, 0, 0), daemon=True)
         ranks[(0, 0)].start()
         wait_until(lambda: prom.scalar('sum(hicache_exporter_rank_restarts_total{tp_rank="0",dp_rank="0"})') >= 1, timeout=30)
-        time.sleep(15)
+        # ... its reset scraped, and then the rules evaluated over 15 s of Prometheus' own clock past it.
+        restarted = 'sglang_load_back_tokens_total{tp_rank="0",dp_rank="0"}'
+        wait_until(lambda: prom.scalar(f"resets({restarted}[2m])") >= 1, timeout=30)
+        reset_seen = time.time()
+        wait_until(lambda: prom.evaluated_at("cluster:sglang_load_back_tokens:rate5m") >= reset_seen + 15, timeout=60)
+        # Every query below is read at one instant, the rules' evaluation: what the ranks count
+        # meanwhile cannot move one side of a comparison and not the other.
+        at = prom.evaluated_at("cluster:sglang_load_back_tokens:rate5m")
 
         # The restart is visible as a reset of the per-rank series, never of a rollup.
-        assert prom.scalar('resets(sglang_load_back_tokens_total{tp_rank="0",dp_rank="0"}[2m])') >= 1
+        assert prom.scalar(f"resets({restarted}[2m])", at) >= 1
         for family in ("load_back_tokens_total", "load_back_bytes_total", "load_back_duration_seconds_count"):
-            for series in prom.query(f"resets(sglang_rollup_{family}[2m])"):
+            rollups = prom.query(f"resets(sglang_rollup_{family}[2m])", at)
+            assert rollups, f"sglang_rollup_{family} is missing"
+            for series in rollups:
                 assert float(series["value"][1]) == 0, f"sglang_rollup_{family} went backwards"
 
-        # Bytes: the sidecar's rollup increase equals the sum of per-rank increases (both at one instant).
-        at = prom.evaluated_at("cluster:sglang_load_back_tokens:rate5m")
+        # Bytes: the sidecar's rollup increase equals the sum of per-rank increases. Not exactly:
+        # increase() extrapolates each series from its own first sample in the window, and the
+        # ranks' series began at different scrapes from the rollup's.
         per_rank_bytes = prom.scalar(f"sum(increase(sglang_load_back_bytes_total[{WINDOW}]))", at)
         rollup_bytes = prom.scalar(f"sum(increase(sglang_rollup_load_back_bytes_total[{WINDOW}]))", at)
         assert per_rank_bytes > 0
@@ -170,17 +182,19 @@ def test_rollups_and_rules_agree_with_per_rank_series_across_a_rank_restart(stac
         assert rollup_tokens == pytest.approx(one_per_group, rel=0.1)
         assert rollup_tokens == pytest.approx(all_replicas / 2, rel=0.1)
 
-        # The shipped recording rules agree with the sidecar's own rollups, read at the rules' instant.
-        at = prom.evaluated_at("cluster:sglang_load_back_bytes:rate5m")
-        assert prom.scalar("sum(cluster:sglang_load_back_bytes:rate5m)", at) == pytest.approx(
-            prom.scalar("sum(rate(sglang_rollup_load_back_bytes_total[5m]))", at), rel=0.1)
-        at = prom.evaluated_at("cluster:sglang_load_back_tokens:rate5m")
+        # The shipped recording rules agree with the sidecar's own rollups, read at each rule's
+        # instant (a scrape stamped before that instant may land after the rule ran: not exact).
+        bytes_at = prom.evaluated_at("cluster:sglang_load_back_bytes:rate5m")
+        assert prom.scalar("sum(cluster:sglang_load_back_bytes:rate5m)", bytes_at) == pytest.approx(
+            prom.scalar("sum(rate(sglang_rollup_load_back_bytes_total[5m]))", bytes_at), rel=0.1)
         assert prom.scalar("sum(cluster:sglang_load_back_tokens:rate5m)", at) == pytest.approx(
             prom.scalar("sum(rate(sglang_rollup_load_back_tokens_total[5m]))", at), rel=0.1)
-        rule_bw = prom.scalar("sum(cluster:sglang_load_back_active_bandwidth_bytes_per_second:ratio_rate5m)")
+        # Bandwidth: a snapshot can fall between a tick's bytes and its duration, hence the 5 %.
+        bandwidth = "cluster:sglang_load_back_active_bandwidth_bytes_per_second:ratio_rate5m"
+        rule_bw = prom.scalar(f"sum({bandwidth})", prom.evaluated_at(bandwidth))
         expected_bw = sum(BYTES_PER_TOKEN.values()) * TOKENS_PER_TICK / (2 * 0.002)  # bytes per observed second
         assert rule_bw == pytest.approx(expected_bw, rel=0.05)
-        sidecar_bw = prom.scalar("sglang_rollup_load_back_active_bandwidth_bytes_per_second")
+        sidecar_bw = prom.scalar("sglang_rollup_load_back_active_bandwidth_bytes_per_second", at)
         assert sidecar_bw == pytest.approx(expected_bw, rel=0.05)
     finally:
         for proc in ranks.values():

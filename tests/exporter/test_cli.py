@@ -94,6 +94,14 @@ def test_serve_flags_beat_environment_and_sigterm_cleans_up(socket_dir: Path) ->
             proc.kill()
 
 
+def _scrapes_rendered(port: int) -> int:
+    """/metrics bodies the sidecar rendered before this one (its scrape-duration count)."""
+    for line in http_get(f"http://127.0.0.1:{port}/metrics")[1].decode().splitlines():
+        if line.startswith("hicache_exporter_scrape_duration_seconds_count "):
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError("no scrape-duration count on /metrics")
+
+
 def test_sigterm_is_prompt_while_http_clients_never_read(socket_dir: Path) -> None:
     """Clients that ask for /metrics and never read held shutdown for aiohttp's default 60 s."""
     from exporter.client import RankClient
@@ -111,13 +119,20 @@ def test_sigterm_is_prompt_while_http_clients_never_read(socket_dir: Path) -> No
         wait_until(lambda: len(http_get(f"http://127.0.0.1:{port}/metrics")[1]) > 1_500_000, timeout=30)
         for client in clients:
             client.close()
+        ours = [_scrapes_rendered(port)]  # each GET of ours is rendered too: count them
         for _ in range(4):
             peer = socket.socket()
             peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             peer.connect(("127.0.0.1", port))
             peer.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
             stuck.append(peer)  # and never read
-        time.sleep(1.0)
+
+        def four_stuck_rendered() -> bool:
+            ours.append(_scrapes_rendered(port))  # the k-th of ours sees ours[0] + k + the stuck ones
+            return ours[-1] - ours[0] - (len(ours) - 1) >= 4
+
+        # Not a sleep: wait until the server has rendered the four bodies it now cannot finish writing.
+        wait_until(four_stuck_rendered, timeout=30)
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0

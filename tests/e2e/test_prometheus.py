@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from config.generator import outputs
-from tests.helpers import free_port, http_get, wait_until
+from tests.helpers import free_port, http_get, wait_ready, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "config" / "prometheus" / "recording_rules.yml"
@@ -121,7 +121,7 @@ def stack(socket_dir: Path, tmp_path: Path) -> Iterator[tuple[Prometheus, str, i
                                 "--port", str(port), "--socket", sock], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     prometheus = None
     try:
-        wait_until(lambda: _up(f"http://127.0.0.1:{port}/-/ready"))
+        wait_ready(sidecar, lambda: _up(f"http://127.0.0.1:{port}/-/ready"))
         prometheus = Prometheus(tmp_path, f"127.0.0.1:{port}", [RULES])
         yield prometheus, sock, port
     finally:
@@ -260,7 +260,7 @@ def test_engine_namespace_rules_and_dashboard_read_the_same_numbers(socket_dir: 
     ranks = [ctx.Process(target=rank_process, args=(sock, tp, 0), daemon=True) for tp in range(2)]
     prom = None
     try:
-        wait_until(lambda: _up(f"http://127.0.0.1:{port}/-/ready"))
+        wait_ready(sidecar, lambda: _up(f"http://127.0.0.1:{port}/-/ready"))
         target = f"127.0.0.1:{port}"
         prom = Prometheus(tmp_path, target, generated_rules(namespace, tmp_path))
         for proc in ranks:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from exporter import __version__
-from tests.helpers import free_port, http_get, wait_until
+from tests.helpers import free_port, http_get, wait_ready, wait_until
 
 CLI = [sys.executable, "-m", "exporter.cli"]
 
@@ -80,7 +80,7 @@ def test_serve_flags_beat_environment_and_sigterm_cleans_up(socket_dir: Path) ->
     proc = _start_serve("--host", "127.0.0.1", "--port", str(flag_port),
                         env={"HICACHE_EXPORTER_PORT": str(env_port), "HICACHE_EXPORTER_SOCKET": str(sock)})
     try:
-        wait_until(lambda: _ready(flag_port))
+        wait_ready(proc, lambda: _ready(flag_port))
         assert not _ready(env_port)
         assert sock.is_socket()
         assert oct(sock.stat().st_mode & 0o777) == oct(0o660)
@@ -110,7 +110,7 @@ def test_sigterm_is_prompt_while_http_clients_never_read(socket_dir: Path) -> No
     proc = _start_serve("--host", "127.0.0.1", "--port", str(port), "--socket", str(sock))
     stuck: list[socket.socket] = []
     try:
-        wait_until(lambda: _ready(port))
+        wait_ready(proc, lambda: _ready(port))
         clients = [RankClient(str(sock), rank={"tp_rank": tp, "pp_rank": 0, "dp_rank": 0}) for tp in range(4)]
         for client in clients:  # a body of several MB: far more than the socket buffers between us hold
             for i in range(3500):
@@ -150,7 +150,7 @@ def test_live_socket_is_refused_and_a_stale_one_replaced(socket_dir: Path) -> No
     port = free_port()
     first = _start_serve("--host", "127.0.0.1", "--port", str(port), "--socket", str(sock))
     try:
-        wait_until(lambda: _ready(port))
+        wait_ready(first, lambda: _ready(port))
         second = _start_serve("--host", "127.0.0.1", "--port", str(free_port()), "--socket", str(sock))
         output, _ = second.communicate(timeout=20)
         assert second.returncode == 2
@@ -162,7 +162,7 @@ def test_live_socket_is_refused_and_a_stale_one_replaced(socket_dir: Path) -> No
     port = free_port()
     third = _start_serve("--host", "127.0.0.1", "--port", str(port), "--socket", str(sock))
     try:
-        wait_until(lambda: _ready(port))
+        wait_ready(third, lambda: _ready(port))
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.connect(str(sock))
         probe.close()

@@ -186,13 +186,14 @@ class Sidecar:
     def pid(self) -> int:
         return self.proc.pid
 
-    def get(self, path: str = "/metrics") -> bytes:
-        """GET over one kept-alive HTTP connection (reconnects once if the server closed it)."""
+    def get(self, path: str = "/metrics", headers: dict[str, str] | None = None) -> bytes:
+        """GET over one kept-alive HTTP connection (reconnects once if the server closed it); the body
+        as sent (a gzipped one stays gzipped)."""
         for attempt in (0, 1):
             if self._conn is None:
                 self._conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
             try:
-                self._conn.request("GET", path)
+                self._conn.request("GET", path, headers=headers or {})
                 response = self._conn.getresponse()
                 body = response.read()
                 if response.status != 200:

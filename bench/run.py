@@ -6,7 +6,8 @@ run, and write them as JSON (plus a PNG of scrape latency against rank count).
 
 Benchmarks, in order (each module also runs alone: `python -m bench.<name> --help`):
   hotpath    ns per increment through the client library vs prometheus_client (plain, multiprocess)
-  scrape     /metrics latency of the sidecar vs MultiProcessCollector, 16..256 ranks
+  scrape     /metrics latency of the sidecar vs MultiProcessCollector, 16..256 ranks, plain and
+             with Accept-Encoding: gzip (vs the anchor's body gzipped at the sidecar's level)
   ingest     full-catalog snapshots per second the sidecar state applies, on one core
   proxy      CPU per upstream read against prometheus_client's parser
   status_api /api/v1/status and the status page at 256 ranks, against the /metrics render (<= 50 ms)
@@ -67,7 +68,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     },
     "smoke": {
         "hotpath": {"number": 2_000, "repeat": 1, "rounds": 1},
-        "scrape": {"ranks": (2, 4), "repeats": 3, "budget_s": 0.1, "goal_ranks": (4,)},
+        "scrape": {"ranks": (2, 4), "repeats": 3, "budget_s": 0.1, "goal_ranks": (4,), "gzip_goal_ranks": (4,)},
         "ingest": {"ranks": (4,), "snapshots": 16},
         "proxy": {"ranks": (2, 4), "repeats": 2, "goal_ranks": 4},
         "status_api": {"ranks": 16, "repeats": 2, "http_repeats": 2},

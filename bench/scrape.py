@@ -20,14 +20,20 @@ N processes' files is timed in a long-lived worker interpreter (in-process, no H
 the anchor). For each rank count the two contenders' scrapes alternate, one each in turn, so that
 the machine's noise at any moment hits both alike.
 
+The scrape as Prometheus asks for it: Prometheus sends `Accept-Encoding: gzip`, and the sidecar then
+gzips its body at GZIP_LEVEL. The "gzip" rows time that GET (the gzipped body to its last byte, not
+inflated) against `generate_latest` plus `gzip.compress` at the same level in the anchor's worker.
+The four scrapes (plain and gzip, each contender) take turns in the same loop.
+
 Each rank count gets `repeats` timed scrapes per contender, fewer when scrapes are slow, so that
-both take about 2 x `budget` seconds together (never fewer than 7 each). p99 is nearest-rank: with fewer than
+the four take about 4 x `budget` seconds together (never fewer than 7 each). p99 is nearest-rank: with fewer than
 100 samples it is the slowest scrape.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import random
@@ -60,7 +66,17 @@ from bench.report import print_table, row
 
 GOAL_SPEEDUP = 20.0
 GOAL_RANKS = (64, 256)
+GZIP_GOAL_RANKS = (64,)
 MIN_REPEATS = 7
+# The sidecar's level for gzipped responses (`_negotiated` in exporter/sidecar/http/app.py);
+# tests/bench/test_bench_smoke.py recompresses a sidecar body at this level and compares.
+GZIP_LEVEL = 1
+GZIP_HEADERS = {"Accept-Encoding": "gzip"}  # what a Prometheus server sends on every scrape
+
+
+def gzip_body(body: bytes) -> bytes:
+    """`body` gzipped as the sidecar gzips a /metrics body."""
+    return gzip.compress(body, compresslevel=GZIP_LEVEL)
 
 
 def _reps(first_s: float, repeats: int, budget_s: float) -> int:
@@ -136,17 +152,24 @@ def _mp_prepare(root: str, counts: list[int], progress: bool) -> None:
 
 def _mp_serve() -> None:
     """Runs in a subprocess whose PROMETHEUS_MULTIPROC_DIR is one ranks_N directory: one timed scrape
-    per "scrape" line on stdin, its seconds on stdout; "info" prints the body's size as JSON."""
+    per "scrape" line on stdin (render, then gzip at the sidecar's level for "scrape-gzip"), its seconds
+    on stdout; "info" prints the body's size, plain and gzipped, as JSON."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry)  # reads PROMETHEUS_MULTIPROC_DIR, as an engine's /metrics handler does
     for line in sys.stdin:
-        if line.strip() == "info":
-            text = generate_latest(registry).decode()
-            print(json.dumps({"series": series_count(text), "bytes": len(text),
+        command = line.strip()
+        if command == "info":
+            body = generate_latest(registry)
+            print(json.dumps({"series": series_count(body.decode()), "bytes": len(body),
+                              "gzip_bytes": len(gzip_body(body)),
                               "files": len(os.listdir(os.environ["PROMETHEUS_MULTIPROC_DIR"]))}), flush=True)
+        elif command == "scrape-gzip":
+            started = time.perf_counter()
+            gzip_body(generate_latest(registry))
+            print(time.perf_counter() - started, flush=True)
         else:
             started = time.perf_counter()
             generate_latest(registry)
@@ -170,8 +193,8 @@ class AnchorWorker:
             raise RuntimeError(f"the multiprocess anchor exited (code {self.proc.wait()})")
         return answer
 
-    def scrape(self) -> float:
-        return float(self._ask("scrape"))
+    def scrape(self, gzipped: bool = False) -> float:
+        return float(self._ask("scrape-gzip" if gzipped else "scrape"))
 
     def info(self) -> dict[str, Any]:
         return json.loads(self._ask("info"))
@@ -199,7 +222,8 @@ def _mp_subprocess(args: list[str], multiproc_dir: Path, progress: bool) -> str:
 
 class SidecarStages:
     """One sidecar, fed rank by rank: `connect(count)` brings it to `count` ranks, `scrape_changed()`
-    times a scrape after every rank has pushed, `scrape_unchanged()` one with nothing pushed since."""
+    times a scrape after every rank has pushed (asking for gzip if told), `scrape_unchanged()` one
+    with nothing pushed since."""
 
     def __init__(self, sidecar: Sidecar, say: Any) -> None:
         self.sidecar = sidecar
@@ -213,23 +237,28 @@ class SidecarStages:
         self.pushed += len(self.ranks)
 
     def connect(self, count: int) -> dict[str, Any]:
-        """Connect ranks up to `count`, push once, scrape; the body's size, and how long a round takes."""
+        """Connect ranks up to `count`, push once, scrape; the body's size (plain and gzipped), and how
+        long a round takes."""
         self.say(f"sidecar: connecting ranks {len(self.ranks)}..{count - 1} and pushing full snapshots ...")
         while len(self.ranks) < count:
             self.ranks.append(RawRank(self.sidecar.socket_path, len(self.ranks)))
         started = time.perf_counter()
         latency = self.scrape_changed()
         text = self.sidecar.get().decode()
-        return {"series": series_count(text), "bytes": len(text), "round_s": time.perf_counter() - started - latency}
+        return {"series": series_count(text), "bytes": len(text), "round_s": time.perf_counter() - started - latency,
+                "gzip_bytes": len(self.sidecar.get(headers=GZIP_HEADERS))}
 
-    def scrape_changed(self) -> float:
+    def scrape_changed(self, gzipped: bool = False) -> float:
         # Between two scrapes every rank has pushed (a scrape interval >= the push interval), and the
         # sidecar has applied it all (untimed): the timed scrape renders every rank's changed values.
         self._push_all()
         self.sidecar.wait_applied(self.pushed)
         started = time.perf_counter()
-        self.sidecar.get()
-        return time.perf_counter() - started
+        body = self.sidecar.get(headers=GZIP_HEADERS if gzipped else None)
+        elapsed = time.perf_counter() - started
+        if gzipped and body[:2] != b"\x1f\x8b":  # a plain body here would time the wrong thing
+            raise RuntimeError("the sidecar answered a scrape that accepts gzip with a body that is not gzip")
+        return elapsed
 
     def scrape_unchanged(self) -> float:
         started = time.perf_counter()
@@ -261,22 +290,28 @@ def measure(counts: list[int], repeats: int, budget_s: float, progress: bool
                     try:
                         shape = stages.connect(count)
                         info = anchor.info()
-                        first = anchor.scrape() + stages.scrape_changed() + shape["round_s"]
-                        reps = _reps(first, repeats, 2 * budget_s)
-                        say(f"{count} ranks: timing {reps} scrapes each, alternating the multiprocess anchor "
-                            f"({info['files']} files) and the sidecar (every rank pushing before each) ...")
-                        anchor_latencies, latencies = [], []
+                        first = (anchor.scrape() + stages.scrape_changed() + anchor.scrape(gzipped=True)
+                                 + stages.scrape_changed(gzipped=True) + 2 * shape["round_s"])
+                        reps = _reps(first, repeats, 4 * budget_s)
+                        say(f"{count} ranks: timing {reps} scrapes each, plain and gzip, alternating the "
+                            f"multiprocess anchor ({info['files']} files) and the sidecar (every rank pushing "
+                            f"before each) ...")
+                        anchor_latencies, latencies, anchor_gzip, side_gzip = [], [], [], []
                         for _ in range(reps):
                             anchor_latencies.append(anchor.scrape())
                             latencies.append(stages.scrape_changed())
+                            anchor_gzip.append(anchor.scrape(gzipped=True))
+                            side_gzip.append(stages.scrape_changed(gzipped=True))
                         unchanged = [stages.scrape_unchanged() for _ in range(min(10, reps))]
                     finally:
                         anchor.close()
-                    mp[count] = {"latencies": anchor_latencies, **info}
-                    side[count] = {"latencies": latencies, "unchanged": unchanged,
-                                   "series": shape["series"], "bytes": shape["bytes"]}
+                    mp[count] = {"latencies": anchor_latencies, "gzip_latencies": anchor_gzip, **info}
+                    side[count] = {"latencies": latencies, "gzip_latencies": side_gzip, "unchanged": unchanged,
+                                   "series": shape["series"], "bytes": shape["bytes"],
+                                   "gzip_bytes": shape["gzip_bytes"]}
                     say(f"{count} ranks: median multiprocess {statistics.median(anchor_latencies) * 1000:.1f} ms, "
-                        f"sidecar {statistics.median(latencies) * 1000:.1f} ms")
+                        f"sidecar {statistics.median(latencies) * 1000:.1f} ms; with gzip "
+                        f"{statistics.median(anchor_gzip) * 1000:.1f} ms and {statistics.median(side_gzip) * 1000:.1f} ms")
             finally:
                 stages.close()
     finally:
@@ -285,8 +320,10 @@ def measure(counts: list[int], repeats: int, budget_s: float, progress: bool
 
 
 def run(ranks: tuple[int, ...] = (16, 64, 128, 256), repeats: int = 100, budget_s: float = 6.0,
-        goal_ranks: tuple[int, ...] = GOAL_RANKS, progress: bool = True) -> list[dict[str, Any]]:
-    """Rows for every rank count; the goal is judged at `goal_ranks` (64 and 256), the rest are info."""
+        goal_ranks: tuple[int, ...] = GOAL_RANKS, gzip_goal_ranks: tuple[int, ...] = GZIP_GOAL_RANKS,
+        progress: bool = True) -> list[dict[str, Any]]:
+    """Rows for every rank count; the goal is judged at `goal_ranks` (64 and 256), for the gzipped
+    scrape at `gzip_goal_ranks` (64); the rest are info."""
     counts = sorted(set(ranks))
     side, mp = measure(counts, repeats, budget_s, progress)
     rows = []
@@ -307,6 +344,22 @@ def run(ranks: tuple[int, ...] = (16, 64, 128, 256), repeats: int = 100, budget_
                 mean_ms=statistics.fmean(side[count]["latencies"]) * 1000,
                 unchanged_p50_ms=statistics.median(side[count]["unchanged"]) * 1000,
                 anchor_mean_ms=statistics.fmean(mp[count]["latencies"]) * 1000,
+            ))
+        for label, q in (("p50", 50.0), ("p99", 99.0)):
+            value = percentile(side[count]["gzip_latencies"], q) * 1000
+            anchor = percentile(mp[count]["gzip_latencies"], q) * 1000
+            speedup = anchor / value
+            has_goal = count in gzip_goal_ranks
+            rows.append(row(
+                f"scrape {label}, gzip: sidecar, {count} ranks", value, "ms",
+                f"MultiProcessCollector + gzip level {GZIP_LEVEL}, {count} processes", anchor, speedup,
+                f"ratio >= {GOAL_SPEEDUP:g}" if has_goal else None, (speedup >= GOAL_SPEEDUP) if has_goal else None,
+                ratio_means="anchor / value (speed-up)", ranks=count, percentile=f"{label}-gzip",
+                gzip_level=GZIP_LEVEL, samples=len(side[count]["gzip_latencies"]),
+                anchor_samples=len(mp[count]["gzip_latencies"]),
+                body_bytes=side[count]["gzip_bytes"], anchor_body_bytes=mp[count]["gzip_bytes"],
+                mean_ms=statistics.fmean(side[count]["gzip_latencies"]) * 1000,
+                anchor_mean_ms=statistics.fmean(mp[count]["gzip_latencies"]) * 1000,
             ))
         if count in goal_ranks:  # the best case, for comparison: nothing pushed since the last scrape
             value = statistics.median(side[count]["unchanged"]) * 1000

@@ -203,6 +203,19 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: f
     raise AssertionError(f"condition not met within {timeout} s")
 
 
+def wait_ready(process: subprocess.Popen[Any], ready: Callable[[], bool], timeout: float = LOOP_WAIT_SECONDS) -> None:
+    """Wait until a server `process` just started answers `ready`: as long as a loaded machine
+    takes to import and bind (10 s was too short), and no longer once it has exited (a port taken
+    meanwhile), which fails at once with its exit status."""
+
+    def answered() -> bool:
+        if process.poll() is not None:
+            raise AssertionError(f"the process exited with status {process.returncode} before it was ready")
+        return ready()
+
+    wait_until(answered, timeout)
+
+
 def self_signed_cert(directory: Path) -> tuple[Path, Path]:
     """A certificate for 127.0.0.1 and its key, `cert.pem` and `key.pem` in `directory`, made by openssl."""
     openssl = shutil.which("openssl")

@@ -5,6 +5,7 @@ machine is shared and noisy (the real run is `make bench`, its figures are in BE
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from pathlib import Path
@@ -16,7 +17,8 @@ from exporter.catalog import MetricType, default_catalog
 
 from bench import report as bench_report
 from bench import run as bench_run
-from bench.common import label_sets
+from bench import scrape as bench_scrape
+from bench.common import RawRank, Sidecar, label_sets
 
 ROW_KEYS = {"name", "value", "unit", "anchor", "anchor_value", "ratio", "goal", "met"}
 
@@ -66,6 +68,38 @@ def test_scrape_anchor_holds_the_same_series(smoke: Any) -> None:
         # The full catalog per rank in both: the sidecar adds rollups and its own metrics.
         assert r["anchor_series"] == per_rank * r["ranks"], r
         assert r["series"] > r["anchor_series"], r
+
+
+def test_scrape_times_gzip_as_prometheus_asks_for_it(smoke: Any) -> None:
+    rows = {(r["ranks"], r["percentile"]): r for r in smoke[0]["scrape"]}
+    for count in (2, 4):
+        for label in ("p50", "p99"):
+            zipped, plain = rows[(count, f"{label}-gzip")], rows[(count, label)]
+            assert zipped["gzip_level"] == bench_scrape.GZIP_LEVEL, zipped
+            assert zipped["anchor"] == f"MultiProcessCollector + gzip level {bench_scrape.GZIP_LEVEL}, {count} processes"
+            # Both bodies were gzipped: a fraction of the plain ones, as many samples as those.
+            assert 0 < zipped["body_bytes"] < plain["body_bytes"] / 3, (zipped, plain)
+            assert 0 < zipped["anchor_body_bytes"] < plain["anchor_body_bytes"] / 3, (zipped, plain)
+            assert zipped["samples"] == zipped["anchor_samples"] == plain["samples"]
+            assert (zipped["goal"] is not None) == (count == 4), zipped  # the smoke profile's gzip_goal_ranks
+
+
+def test_the_anchor_gzips_at_the_sidecars_level() -> None:
+    """A gzipped /metrics body from a real sidecar is byte for byte what the anchor's gzip makes of its
+    content (past the timestamp in the header), so the two gzip the same way."""
+    with Sidecar() as sidecar:
+        rank = RawRank(sidecar.socket_path, 0)
+        try:
+            rank.push()
+            sidecar.wait_applied(1)
+            body = sidecar.get(headers=bench_scrape.GZIP_HEADERS)
+        finally:
+            rank.close()
+    assert body[:2] == b"\x1f\x8b"
+    content = gzip.decompress(body)
+    assert b"tp_rank=" in content
+    again = bench_scrape.gzip_body(content)
+    assert again[:4] + again[8:] == body[:4] + body[8:]  # bytes 4..7: the time it was made
 
 
 def test_table_json_and_plot(smoke: Any, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_prometheus import Prometheus, _up
-from tests.helpers import free_port, wait_until
+from tests.helpers import free_port, wait_ready, wait_until
 from tests.integrations.support import run_processes
 from tests.integrations.test_proxy import EngineServer
 from tests.upstream_sglang import WheelUnavailable
@@ -39,7 +39,7 @@ def test_prometheus_scrapes_the_proxy_of_an_unmodified_engine(socket_dir: Path, 
     )
     prometheus = None
     try:
-        wait_until(lambda: _up(f"http://127.0.0.1:{port}/-/ready"), timeout=20)
+        wait_ready(sidecar, lambda: _up(f"http://127.0.0.1:{port}/-/ready"))
         prometheus = Prometheus(tmp_path, f"127.0.0.1:{port}", [])
         wait_until(lambda: bool(prometheus.query("sglang_rollup_load_back_bytes_total")), timeout=30)
         assert prometheus.scalar(f'hicache_exporter_upstream_up{{upstream="{engine.url}"}}') == 1

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from exporter import __version__
-from tests.helpers import free_port, http_get, wait_until
+from tests.helpers import free_port, http_get, wait_ready, wait_until
 
 CLI = [sys.executable, "-m", "exporter.cli"]
 
@@ -80,7 +80,7 @@ def test_serve_flags_beat_environment_and_sigterm_cleans_up(socket_dir: Path) ->
     proc = _start_serve("--host", "127.0.0.1", "--port", str(flag_port),
                         env={"HICACHE_EXPORTER_PORT": str(env_port), "HICACHE_EXPORTER_SOCKET": str(sock)})
     try:
-        wait_until(lambda: _ready(flag_port))
+        wait_ready(proc, lambda: _ready(flag_port))
         assert not _ready(env_port)
         assert sock.is_socket()
         assert oct(sock.stat().st_mode & 0o777) == oct(0o660)
@@ -94,6 +94,14 @@ def test_serve_flags_beat_environment_and_sigterm_cleans_up(socket_dir: Path) ->
             proc.kill()
 
 
+def _scrapes_rendered(port: int) -> int:
+    """/metrics bodies the sidecar rendered before this one (its scrape-duration count)."""
+    for line in http_get(f"http://127.0.0.1:{port}/metrics")[1].decode().splitlines():
+        if line.startswith("hicache_exporter_scrape_duration_seconds_count "):
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError("no scrape-duration count on /metrics")
+
+
 def test_sigterm_is_prompt_while_http_clients_never_read(socket_dir: Path) -> None:
     """Clients that ask for /metrics and never read held shutdown for aiohttp's default 60 s."""
     from exporter.client import RankClient
@@ -102,7 +110,7 @@ def test_sigterm_is_prompt_while_http_clients_never_read(socket_dir: Path) -> No
     proc = _start_serve("--host", "127.0.0.1", "--port", str(port), "--socket", str(sock))
     stuck: list[socket.socket] = []
     try:
-        wait_until(lambda: _ready(port))
+        wait_ready(proc, lambda: _ready(port))
         clients = [RankClient(str(sock), rank={"tp_rank": tp, "pp_rank": 0, "dp_rank": 0}) for tp in range(4)]
         for client in clients:  # a body of several MB: far more than the socket buffers between us hold
             for i in range(3500):
@@ -111,13 +119,20 @@ def test_sigterm_is_prompt_while_http_clients_never_read(socket_dir: Path) -> No
         wait_until(lambda: len(http_get(f"http://127.0.0.1:{port}/metrics")[1]) > 1_500_000, timeout=30)
         for client in clients:
             client.close()
+        ours = [_scrapes_rendered(port)]  # each GET of ours is rendered too: count them
         for _ in range(4):
             peer = socket.socket()
             peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             peer.connect(("127.0.0.1", port))
             peer.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
             stuck.append(peer)  # and never read
-        time.sleep(1.0)
+
+        def four_stuck_rendered() -> bool:
+            ours.append(_scrapes_rendered(port))  # the k-th of ours sees ours[0] + k + the stuck ones
+            return ours[-1] - ours[0] - (len(ours) - 1) >= 4
+
+        # Not a sleep: wait until the server has rendered the four bodies it now cannot finish writing.
+        wait_until(four_stuck_rendered, timeout=30)
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
@@ -135,7 +150,7 @@ def test_live_socket_is_refused_and_a_stale_one_replaced(socket_dir: Path) -> No
     port = free_port()
     first = _start_serve("--host", "127.0.0.1", "--port", str(port), "--socket", str(sock))
     try:
-        wait_until(lambda: _ready(port))
+        wait_ready(first, lambda: _ready(port))
         second = _start_serve("--host", "127.0.0.1", "--port", str(free_port()), "--socket", str(sock))
         output, _ = second.communicate(timeout=20)
         assert second.returncode == 2
@@ -147,7 +162,7 @@ def test_live_socket_is_refused_and_a_stale_one_replaced(socket_dir: Path) -> No
     port = free_port()
     third = _start_serve("--host", "127.0.0.1", "--port", str(port), "--socket", str(sock))
     try:
-        wait_until(lambda: _ready(port))
+        wait_ready(third, lambda: _ready(port))
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.connect(str(sock))
         probe.close()

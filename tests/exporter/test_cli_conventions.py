@@ -21,7 +21,7 @@ import pytest
 
 from exporter import __version__
 from exporter.sidecar.expose.collector import build_revision
-from tests.helpers import Scrape, free_port, http_get, self_signed_cert, wait_until
+from tests.helpers import LOOP_WAIT_SECONDS, Scrape, free_port, http_get, self_signed_cert, wait_until
 
 CLI = [sys.executable, "-m", "exporter.cli"]
 
@@ -70,7 +70,7 @@ def test_web_listen_address_and_the_process_and_build_info_metrics(socket_dir: P
     port = free_port()
     serving.append(serve := Serve("--web.listen-address", f"127.0.0.1:{port}", "--socket", str(socket_dir / "m.sock")))
     url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: _ready(url), timeout=20)
+    wait_until(lambda: _ready(url), timeout=LOOP_WAIT_SECONDS)
     scrape = Scrape(http_get(url + "/metrics")[1].decode())
     assert scrape.value("process_resident_memory_bytes") > 1_000_000
     assert scrape.value("process_open_fds") > 0 and scrape.find("process_cpu_seconds_total")
@@ -92,7 +92,7 @@ def test_web_listen_address_takes_ipv6_in_brackets(socket_dir: Path, serving: li
     port = probe.getsockname()[1]
     probe.close()
     serving.append(serve := Serve("--web.listen-address", f"[::1]:{port}", "--socket", str(socket_dir / "m.sock")))
-    wait_until(lambda: _ready(f"http://[::1]:{port}"), timeout=20)
+    wait_until(lambda: _ready(f"http://[::1]:{port}"), timeout=LOOP_WAIT_SECONDS)
     serve.stop()
 
 
@@ -123,7 +123,7 @@ def test_web_config_file_with_tls_and_basic_auth(tmp_path: Path, socket_dir: Pat
                                   "--socket", str(socket_dir / "m.sock")))
     context = ssl.create_default_context(cafile=str(tmp_path / "cert.pem"))
     url = f"https://127.0.0.1:{port}"
-    wait_until(lambda: _ready(url, context), timeout=20)
+    wait_until(lambda: _ready(url, context), timeout=LOOP_WAIT_SECONDS)
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(url + "/metrics", timeout=5, context=context)
     assert refused.value.code == 401
@@ -153,7 +153,7 @@ def test_log_format(fmt: str, socket_dir: Path, serving: list[Serve]) -> None:
     port = free_port()
     serving.append(serve := Serve("--web.listen-address", f"127.0.0.1:{port}", "--socket", str(socket_dir / "m.sock"),
                                   "--log.format", fmt, "--log.level", "info"))
-    wait_until(lambda: _ready(f"http://127.0.0.1:{port}"), timeout=20)
+    wait_until(lambda: _ready(f"http://127.0.0.1:{port}"), timeout=LOOP_WAIT_SECONDS)
     _, err = serve.stop()
     lines = err.strip().splitlines()
     assert any("serving /metrics" in line for line in lines), err

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from exporter.client import RankClient
-from tests.helpers import Scrape, SidecarThread, free_port, http_get, wait_until
+from tests.helpers import Scrape, SidecarThread, free_port, http_get, wait_ready, wait_until
 
 RANK = {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0}
 
@@ -91,7 +91,7 @@ def test_sidecar_killed_and_restarted_while_ranks_push(socket_dir: Path) -> None
     sidecar = _serve(port, sock)
     ranks: list[subprocess.Popen[str]] = []
     try:
-        wait_until(lambda: _scrape(port) is not None)
+        wait_ready(sidecar, lambda: _scrape(port) is not None)
         ranks = [subprocess.Popen([sys.executable, "-c", RANK_PROCESS, sock, str(tp), "400"], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True) for tp in range(4)]
         wait_until(lambda: (s := _scrape(port)) is not None and len(s.find("sglang_load_back_bytes_total")) == 4)
@@ -109,7 +109,7 @@ def test_sidecar_killed_and_restarted_while_ranks_push(socket_dir: Path) -> None
                 scrape.find("sglang_load_back_bytes_total", dp_rank=tp) != []
                 and scrape.value("sglang_load_back_bytes_total", dp_rank=tp) == value for tp, value in expected.items())
 
-        wait_until(complete, timeout=20)
+        wait_ready(sidecar, complete)  # the restarted serve imports, binds, and the ranks reconnect
         scrape = _scrape(port)
         assert scrape is not None
         # The new sidecar saw every rank's whole epoch: the rollups are complete too.

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import Scrape, free_port, http_get, wait_until
+from tests.helpers import Scrape, free_port, http_get, wait_ready
 
 LAYOUT = list(itertools.product(range(2), range(2), range(2)))  # (dp, pp, tp)
 STATIC = {"cache_type": "UnifiedRadixCache", "model": "demo-7b"}
@@ -66,7 +66,7 @@ def served(socket_dir: Path) -> Iterator[tuple[str, str]]:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _ready(url))
+        wait_ready(proc, lambda: _ready(url))
         yield url, sock
     finally:
         proc.send_signal(signal.SIGTERM)

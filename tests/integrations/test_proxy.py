@@ -88,13 +88,18 @@ def run_engine(ranks: ModuleType, directory: Path, monkeypatch: pytest.MonkeyPat
 # Reading a directory of many processes' files takes longer than an HTTP answer: on a loaded CI
 # machine the first read of the late sidecar ran past a 0.2 s timeout and it had no rollups yet.
 DIRECTORY_PACE = {"interval_seconds": 1.0, "timeout_seconds": 1.0}
+# The tests read `up` and the ranks' status at arbitrary instants: a loaded machine's slow HTTP
+# answer (0.2 s timed out) must not read as an engine that is down, nor a late read as a stale
+# rank. Only a refused connection, at once, should; stale_after is four read intervals.
+HTTP_PACE = {"interval_seconds": 0.5, "timeout_seconds": 0.5}
+STALE_AFTER_SECONDS = 2.0
 
 
 def proxy(socket_dir: Path, **upstream: Any) -> SidecarThread:
     config = config_from_data({
         "http": {"host": "127.0.0.1", "port": 0}, "ingest": {"socket_path": str(socket_dir / "run" / "metrics.sock")},
-        "ranks": {"stale_after_seconds": 1.0, "expire_after_seconds": 120.0},
-        "upstreams": [{"name": "engine", "interval_seconds": 0.2, "timeout_seconds": 0.2, **upstream}],
+        "ranks": {"stale_after_seconds": STALE_AFTER_SECONDS, "expire_after_seconds": 120.0},
+        "upstreams": [{"name": "engine", **HTTP_PACE, **upstream}],
     }, "test")
     return SidecarThread(config).start()
 

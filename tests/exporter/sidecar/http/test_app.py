@@ -7,7 +7,6 @@ import json
 import logging
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 
 from exporter.catalog import MetricType, default_catalog
 from exporter.client import RankClient
-from tests.helpers import Scrape, SidecarThread, http_get, sidecar_config, wait_until
+from tests.helpers import LOOP_WAIT_SECONDS, Scrape, SidecarThread, http_get, sidecar_config, wait_until
 
 
 def _full_catalog_ranks(sidecar: SidecarThread) -> list[RankClient]:
@@ -106,13 +105,15 @@ def test_promtool_finds_nothing_to_lint_in_a_full_exposition(sidecar: SidecarThr
     promtool = shutil.which("promtool")
     assert promtool, "promtool is required (Debian package `prometheus`; `make test` installs it)"
     clients = _full_catalog_ranks(sidecar)
-    time.sleep(0.3)  # a spread window with both replicas pushing
+    full = ("sglang_prefetch_pgs_bucket", "sglang_rollup_hicache_host_pool_used_tokens",
+            "sglang_storage_backup_active_bandwidth_bytes_per_second",
+            "sglang_load_back_tokens_replica_spread_ratio", "hicache_exporter_scrape_duration_seconds_count")
+    # The body really is full: per-rank, rollup, bandwidth, spread (once both replicas pushed twice
+    # in the window) and self series are all there.
+    wait_until(lambda: all(Scrape(sidecar.metrics_text()).find(name) for name in full), timeout=LOOP_WAIT_SECONDS)
     text = sidecar.metrics_text()
     scrape = Scrape(text)
-    # The body really is full: per-rank, rollup, bandwidth, spread and self series are all there.
-    for name in ("sglang_prefetch_pgs_bucket", "sglang_rollup_hicache_host_pool_used_tokens",
-                 "sglang_storage_backup_active_bandwidth_bytes_per_second",
-                 "sglang_load_back_tokens_replica_spread_ratio", "hicache_exporter_scrape_duration_seconds_count"):
+    for name in full:
         assert scrape.find(name), name
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -172,7 +173,8 @@ def test_http_connections_are_capped_and_idle_ones_closed(socket_dir: Path) -> N
         for _ in range(4):
             peers.append(socket.create_connection(("127.0.0.1", port), timeout=5))
         peers[0].sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # a request that never completes
-        time.sleep(0.1)
+        server = running.sidecar._runner.server  # type: ignore[union-attr]
+        wait_until(lambda: running.call(lambda: len(server.connections)) == 4)  # all four accepted first
         extra = socket.create_connection(("127.0.0.1", port), timeout=5)
         assert extra.recv(64).startswith(b"HTTP/1.1 503")  # refused at once, nothing read
         extra.close()

@@ -49,6 +49,18 @@ class RankStatus(str, Enum):
     EXPIRED = "expired"  # silent for expire_after: per-rank series are gone, rollups keep it
 
 
+@dataclass(frozen=True, slots=True)
+class Silence:
+    """When a silent rank turns stale and expires: its status is derived from the clock when read,
+    so reading never changes state and no housekeeping has to mark it."""
+
+    clock: Clock
+    config: RanksConfig
+
+    def silent_for(self, since: float) -> float:
+        return self.clock() - since
+
+
 @dataclass(eq=False)
 class RankState:
     """One rank identity across its epochs and connections: liveness, values as pushed, positions."""
@@ -60,6 +72,7 @@ class RankState:
     epoch: str
     pid: int
     history: WindowHistory
+    silence: Silence
     attn_cp_rank: int | None = None  # None: the rank has no context-parallel axis (0 in its identity)
     source: str = PUSH_SOURCE  # who reports this identity: pushed ranks, or one upstream
     world: World | None = None
@@ -81,8 +94,6 @@ class RankState:
     # another source took the identity over): its per_shard rollups already hold what it pushed
     # before, so its first values this epoch are baselines.
     resumed: bool = False
-    stale: bool = False
-    expired: bool = False
     restarts: int = 0
     reconnects: int = 0
     last_activity: float = 0.0  # monotonic time of the last hello or snapshot
@@ -121,6 +132,16 @@ class RankState:
         return (self.pp_rank, self.attn_cp_rank or 0, self.tp_rank)
 
     @property
+    def stale(self) -> bool:
+        """Silent for stale_after since its last hello or snapshot."""
+        return self.silence.silent_for(self.last_activity) >= self.silence.config.stale_after_seconds
+
+    @property
+    def expired(self) -> bool:
+        """Silent for expire_after: its per-rank series are gone, its rollup contribution stays."""
+        return self.silence.silent_for(self.last_activity) >= self.silence.config.expire_after_seconds
+
+    @property
     def connected(self) -> bool:
         return self.connection is not None
 
@@ -135,11 +156,12 @@ class RankState:
 
     @property
     def status(self) -> RankStatus:
-        if self.expired:
+        silent = self.silence.silent_for(self.last_activity)
+        if silent >= self.silence.config.expire_after_seconds:
             return RankStatus.EXPIRED
         if not self.connected:
             return RankStatus.DEPARTED
-        return RankStatus.STALE if self.stale else RankStatus.LIVE
+        return RankStatus.STALE if silent >= self.silence.config.stale_after_seconds else RankStatus.LIVE
 
     def label_dict(self) -> dict[str, str]:
         """Rank keys and static labels, as exposed on every per-rank series."""
@@ -222,6 +244,7 @@ class RankRegistry:
         # at most max_ranks of its own, so no source's churn can flush another's memory.
         self.forgotten: dict[str, dict[RankIdentity, str]] = {}
         self.budget = SeriesBudget(config.max_series_total)
+        self.silence = Silence(clock, config)
 
     @property
     def series_count(self) -> int:
@@ -247,7 +270,7 @@ class RankRegistry:
             rank = RankState(
                 tp_rank=msg.rank.tp_rank, pp_rank=msg.rank.pp_rank, dp_rank=msg.rank.dp_rank,
                 static=static, epoch=msg.epoch, pid=msg.pid, attn_cp_rank=msg.rank.attn_cp_rank, source=source,
-                history=WindowHistory(self.window, self.window / HISTORY_POINTS),
+                history=WindowHistory(self.window, self.window / HISTORY_POINTS), silence=self.silence,
                 resumed=self._remembered(identity, source) == msg.epoch,
             )
             self.ranks[identity] = rank
@@ -276,9 +299,7 @@ class RankRegistry:
         rank.world = msg.world
         rank.connection = connection
         rank.pushed = False
-        rank.stale = False
-        rank.expired = False
-        rank.last_activity = self.clock()
+        rank.last_activity = self.clock()  # live again: not stale, not expired
         return result
 
     def _check_owner(self, rank: RankState, source: str) -> None:
@@ -437,24 +458,10 @@ class RankRegistry:
         rank.connection_seq = seq
         rank.rejoined = False
         rank.pushed = True
-        rank.stale = False
-        rank.expired = False
-        rank.last_activity = self.clock()
+        rank.last_activity = self.clock()  # live again: not stale, not expired
         rank.last_push_wall = self.wall_clock()
         rank.last_push = rank.last_activity
         rank.snapshots += 1
-
-    def tick(self) -> None:
-        """Mark silent ranks stale, then expired."""
-        now = self.clock()
-        stale_after = self.config.stale_after_seconds
-        expire_after = self.config.expire_after_seconds
-        for rank in self.ranks.values():
-            silent = now - rank.last_activity
-            if not rank.stale and silent >= stale_after:
-                rank.stale = True
-            if not rank.expired and silent >= expire_after:
-                rank.expired = True
 
     def exposed_ranks(self) -> list[RankState]:
         """Ranks whose per-rank series are on /metrics (all but expired), in exposition order."""

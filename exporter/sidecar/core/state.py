@@ -121,10 +121,6 @@ class SidecarState:
             "here on (the epoch restarts in place); keep other processes off the socket (ingest.allowed_uids)"
         )
 
-    def tick(self) -> None:
-        """Mark silent ranks stale, then expired."""
-        self.registry.tick()
-
     def exposed_ranks(self) -> list[RankState]:
         """Ranks whose per-rank series are on /metrics (all but expired), in exposition order."""
         return self.registry.exposed_ranks()

@@ -612,7 +612,7 @@ class UpstreamFeed:
         rank = entry.rank
         if rank is None or rank.connection is entry.token:
             return
-        if self.state.ranks.get(identity) is not rank or rank.connected:  # forgotten, or held by another
+        if self.state.rank(identity) is not rank or rank.connected:  # forgotten, or held by another
             entry.rank = None  # `_feed` says hello anew
             return
         hello = Hello(protocol=PROTOCOL_VERSION, epoch=entry.epoch, pid=_int(entry.pid or "0"), rank=plan.rank_id,
@@ -634,7 +634,7 @@ class UpstreamFeed:
             if rank is not None and rank.connection is entry.token and (rank.expired or not only_expired):
                 self.state.disconnect(entry.token, rank)
                 departed += 1
-            if rank is None or self.state.ranks.get(identity) is not rank:
+            if rank is None or self.state.rank(identity) is not rank:
                 del self.ranks[identity]
                 self._forget(entry, list(entry.series))
                 if entry.generation:

@@ -5,6 +5,9 @@ The rules themselves are tested per module: test_registry, test_reader, test_led
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from exporter.config import RanksConfig, SidecarConfig
@@ -342,3 +345,14 @@ def test_reading_never_changes_state_and_status_follows_the_clock() -> None:
         assert (a.status, b.status) == (status_a, status_b)
     assert h.state.exposed_ranks() == []
     assert h.state.ranks_by_status()[RankStatus.EXPIRED] == 2
+
+
+def test_nothing_outside_the_core_reaches_past_the_facade() -> None:
+    """The facade is the only door: the sources, views and tools ask SidecarState, never its parts."""
+    root = Path(__file__).resolve().parents[4]
+    parts = re.compile(r"(?:state|STATE\])\.(?:registry|ledger|window|reader|ranks)\b")
+    core = root / "exporter" / "sidecar" / "core"
+    found = [f"{path.relative_to(root)}:{number}: {line.strip()}"
+             for top in ("exporter", "bench") for path in sorted((root / top).rglob("*.py")) if core not in path.parents
+             for number, line in enumerate(path.read_text().splitlines(), 1) if parts.search(line)]
+    assert found == []

@@ -77,5 +77,5 @@ class SidecarStats:
         self.ingest_listening = False
         self.upstreams: dict[str, UpstreamHealth] = {}  # by name, in config order
 
-    def reject(self, code: ErrorCode, count: int = 1) -> None:
-        self.rejections[code.value] = self.rejections.get(code.value, 0) + count
+    def reject(self, code: ErrorCode) -> None:
+        self.rejections[code.value] = self.rejections.get(code.value, 0) + 1

@@ -63,8 +63,8 @@ Value = float | HistValue
 
 
 # A histogram's buckets cost memory like series do: each is a count in the rank's value, its
-# position, its rollup and watermark, and a line on /metrics (about 0.64 kB a bucket, where a
-# series costs about 5.5 kB: docs/reliability.md). So a histogram counts as one series plus one
+# position, its rollup and watermark, and a line on /metrics (a fraction of what a series costs:
+# the measured figures are in docs/reliability.md). So a histogram counts as one series plus one
 # per BUCKETS_PER_SERIES buckets: the catalog's layouts (6 to 19 buckets) count 1 to 3, and a
 # 1,024-bucket layout 129, so the series limits bound what buckets hold too.
 BUCKETS_PER_SERIES = 8

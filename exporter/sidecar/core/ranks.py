@@ -31,7 +31,9 @@ Clock = Callable[[], float]
 RankIdentity = tuple[int, int, int, int, StaticKey]  # (tp_rank, pp_rank, dp_rank, attn_cp_rank, static labels)
 REPLACED_EPOCHS_KEPT = 64
 PUSH_SOURCE = "push"  # the source of identities that ranks push over the socket; an upstream's is "upstream:<name>"
-HISTORY_POINTS = 12  # entries kept per rank per window (5 s apart at 60 s): bounds memory whatever the push rate
+# Position-history entries kept per rank per window (5 s apart at 60 s): bounds memory whatever the
+# push rate. Not the status page's history of points (expose/status.py HISTORY_POINTS).
+WINDOW_HISTORY_ENTRIES = 12
 # How far a reconnect's first seq may pass the last one its epoch pushed: SEQ_JUMP_PER_SECOND for
 # every second since that push, plus SEQ_JUMP_SLACK. Generous enough for a client that uses a
 # nanosecond clock as its seq (about 2**30 a second); a forged 2**64-1 after a seq of 50 would
@@ -246,11 +248,6 @@ class RankRegistry:
         self.budget = SeriesBudget(config.max_series_total)
         self.silence = Silence(clock, config)
 
-    @property
-    def series_count(self) -> int:
-        """Per-rank series held now (the rollups' are in `budget` too)."""
-        return self.budget.per_rank
-
     def hello(self, connection: object, msg: Hello, source: str = PUSH_SOURCE) -> HelloResult:
         """Bind `connection` to the rank identity in `msg`, reported by `source`; raise ProtocolError to refuse it."""
         self._check_static_labels(msg.labels)
@@ -270,7 +267,7 @@ class RankRegistry:
             rank = RankState(
                 tp_rank=msg.rank.tp_rank, pp_rank=msg.rank.pp_rank, dp_rank=msg.rank.dp_rank,
                 static=static, epoch=msg.epoch, pid=msg.pid, attn_cp_rank=msg.rank.attn_cp_rank, source=source,
-                history=WindowHistory(self.window, self.window / HISTORY_POINTS), silence=self.silence,
+                history=WindowHistory(self.window, self.window / WINDOW_HISTORY_ENTRIES), silence=self.silence,
                 resumed=self._remembered(identity, source) == msg.epoch,
             )
             self.ranks[identity] = rank

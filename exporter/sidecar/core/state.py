@@ -26,7 +26,7 @@ from exporter.sidecar.core.ranks import (
 )
 from exporter.sidecar.core.rollups import RollupLedger
 from exporter.sidecar.core.samples import Rejection, SampleReader, below
-from exporter.sidecar.core.window import Bandwidth, Window
+from exporter.sidecar.core.window import Bandwidth, SeriesWindow
 
 
 @dataclass
@@ -57,7 +57,7 @@ class SidecarState:
         self.registry = RankRegistry(catalog, self.config, window_seconds, clock, wall_clock)
         self.reader = SampleReader(catalog, self.config, self.registry)
         self.ledger = RollupLedger(catalog, self.registry.budget)
-        self.window = Window(catalog)
+        self.window = SeriesWindow(catalog)
         self.help: dict[str, str] = {}  # HELP texts ranks gave for catalog families, the latest per family
 
     @property

@@ -24,7 +24,7 @@ class Bandwidth:
         return self.bytes_delta / self.seconds_delta
 
 
-class Window:
+class SeriesWindow:
     """Reads the ranks' window histories: active bandwidth per bytes counter, spread per replicated counter."""
 
     def __init__(self, catalog: Catalog) -> None:

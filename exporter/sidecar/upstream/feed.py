@@ -135,10 +135,9 @@ def parse_exposition(text: str, openmetrics: bool) -> list[Metric]:
 # flagged): the ranks' protocol samples, as recipes over the read's samples by number (process
 # after process, family after family, sample after sample). Applying the plan to the values makes
 # the snapshots. A text upstream whose read has the last read's shape (upstream_text.TextLayout)
-# keeps its plan, so such a read costs the values alone, not prometheus_client's parser.
-# measured: 270 ms -> 12.5 ms per read at 64 ranks (8,256 samples; 1.13x -> 0.05x the parser's
-# 240 ms), 1,120 ms -> 49 ms at 256 (python -m bench.proxy, every value moved between reads).
-# A read of a new shape costs about 10 % more than before (the layout is made: 290 ms at 64).
+# keeps its plan, so such a read costs the values alone, not prometheus_client's parser; a read of
+# a new shape costs a little more than a parse (the layout is made).
+# measured payoff: BENCHMARKS.md, The proxy rows.
 
 MonotoneKey = tuple[str, tuple[tuple[str, str], ...], str]  # (family, own labels, bucket bound, "count", "sum" or "")
 Stamp = float | Timestamp | None  # a sample's timestamp, as prometheus_client's parsers give it
@@ -284,25 +283,25 @@ class FeedResult:
 # A text layout holds a few strings per sample line: at most this many sample lines per series
 # the sidecar may hold (max_series_total), far above an engine's (about 4 at 64 ranks).
 LAYOUT_LINES_PER_SERIES = 16
-# ... and is kept between reads, at about 2.4 times the text's size (its lines, and each series'
-# part of them): only for texts up to this size, twice a 256-rank engine's 4.3 MB, so that the
-# largest answer the caps let through (16 MiB) keeps no 40 MB between reads. Larger texts are parsed
-# every time.
+# ... and is kept between reads, at a few times the text's size (its lines, and each series'
+# part of them): only for texts up to this size, about twice a 256-rank engine's answer, so that
+# the largest answer the caps let through (16 MiB) keeps no layout between reads. Larger texts
+# are parsed every time. Measured sizes: BENCHMARKS.md, The proxy under hostile upstreams.
 MAX_LAYOUT_TEXT_BYTES = 8 << 20
 # A read is refused before prometheus_client parses it when it has more sample lines than this
 # many per series the sidecar may hold, plus the samples it may pass through (by default 98,304 +
-# 16,384 = 114,688 lines, 3.5 times a 256-rank engine's 33,000). The parser holds about 400 bytes
-# (short lines) to 1.1 kB (five labels) per sample line at its peak; a 31 MiB body of short lines
-# (3 million lines) held 2.7 GB and blocked the loop for 50 s before.
+# 16,384 = 114,688 lines, 3.5 times a 256-rank engine's 33,000). The parser's peak memory grows
+# with the sample lines, and a body of millions of short lines blocked the loop for tens of seconds
+# before. Measured: BENCHMARKS.md, The proxy under hostile upstreams.
 READ_LINES_PER_SERIES = 4
 # The families one upstream passes through are outside max_series_total: they are kept parsed
-# (about 800 bytes a sample with five labels) and their text once per format, so these caps hold
-# them to about 13 MB + 2 x 2 MiB. A family past them is left out whole (a part of a family would
+# and their text once per format, so these caps bound them (measured: BENCHMARKS.md, The proxy
+# under hostile upstreams). A family past them is left out whole (a part of a family would
 # read as series that vanished). 16,384 is half of a 256-rank engine's whole answer (33,000 lines).
 MAX_PASS_THROUGH_SAMPLES = 16_384
 MAX_PASS_THROUGH_BYTES = 2 << 20  # of exposition text, estimated from the samples' names and labels
-# `apply_async` gives the event loop back after this many series of ranks: at most about 20 ms on
-# this machine (the first read of 1,024 new ranks took 70 ms in one piece; a steady read 1.5 µs a series).
+# `apply_async` gives the event loop back after this many series of ranks, so that a read of many
+# new ranks never holds the loop long (measured payoff: BENCHMARKS.md, The proxy rows).
 APPLY_SLICE_SERIES = 256
 # The names a family's samples and TYPE lines take in the text format and OpenMetrics: a family
 # passed through that writes any of them for a family the sidecar makes is refused.
@@ -467,7 +466,7 @@ class UpstreamFeed:
                 if family.documentation and family.documentation != MULTIPROCESS_HELP:
                     help_texts[spec.name] = family.documentation
                 for labels, series in _series(spec, family, first, plan.refused, duplicated):
-                    if "attn_cp_size" in labels and _int(labels["attn_cp_size"]) > 1:
+                    if "attn_cp_size" in labels and _int_or_zero(labels["attn_cp_size"]) > 1:
                         cp_size_above_one = True
                     if not all(key in labels for key in RANK_KEYS):
                         plan.unranked.add(spec.name)
@@ -615,7 +614,7 @@ class UpstreamFeed:
         if self.state.rank(identity) is not rank or rank.connected:  # forgotten, or held by another
             entry.rank = None  # `_feed` says hello anew
             return
-        hello = Hello(protocol=PROTOCOL_VERSION, epoch=entry.epoch, pid=_int(entry.pid or "0"), rank=plan.rank_id,
+        hello = Hello(protocol=PROTOCOL_VERSION, epoch=entry.epoch, pid=_int_or_zero(entry.pid or "0"), rank=plan.rank_id,
                       labels=plan.static)
         try:
             self.state.hello(entry.token, hello, self.source)
@@ -802,7 +801,7 @@ class UpstreamFeed:
                 name += f"-{entry.generation}"  # a process's second epoch (a new layout): an epoch never comes back
             entry.pid = pid
             entry.epoch = f"{self.tag}-{name}"[:64]
-            hello = Hello(protocol=PROTOCOL_VERSION, epoch=entry.epoch, pid=_int(pid or "0"), rank=plan.rank_id,
+            hello = Hello(protocol=PROTOCOL_VERSION, epoch=entry.epoch, pid=_int_or_zero(pid or "0"), rank=plan.rank_id,
                           labels=plan.static)
             try:
                 entry.rank = self.state.hello(entry.token, hello, self.source).rank
@@ -1029,7 +1028,9 @@ LOG_AGAIN_SECONDS = 3600.0
 MAX_LOG_LINES_PER_READ = 20
 
 
-def _int(value: str) -> int:
+def _int_or_zero(value: str) -> int:
+    """A label's or pid's decimal value, 0 where it is no integer: an attn_cp_size that is none reads
+    as no context parallelism, a pid that is none as pid 0 (unknown)."""
     try:
         return int(value)
     except ValueError:

@@ -284,10 +284,10 @@ def test_max_ranks_forgets_expired_ranks_but_not_their_rollup_contribution() -> 
     h.clock.advance(31.0)
     h.push(kept, bytes_(2.0))
     assert gone.expired and not kept.expired
-    series_before = h.state.registry.series_count
+    series_before = h.state.series_budget().per_rank
     _, new = h.hello(tp=2)
     assert set(h.state.ranks.values()) == {kept, new}
-    assert h.state.registry.series_count == series_before - 2  # the forgotten rank's series are freed
+    assert h.state.series_budget().per_rank == series_before - 2  # the forgotten rank's series are freed
     assert h.counter(BYTES) == 102.0 and h.counter(TOKENS, "kv") == 70.0
 
 
@@ -431,7 +431,7 @@ def test_an_expired_identity_is_free_for_another_source() -> None:
     assert rank.status is RankStatus.EXPIRED
     _, pushed = h.hello(epoch="pushed")
     assert pushed is not rank and pushed.source == "push" and h.state.ranks[pushed.identity] is pushed
-    assert h.state.registry.series_count == 0  # the upstream's series were freed with it
+    assert h.state.series_budget().per_rank == 0  # the upstream's series were freed with it
     h.push(pushed, bytes_(7.0))
     assert h.counter(BYTES) == 107.0  # the upstream's contribution stays in the rollup
     with pytest.raises(ProtocolError) as err:  # and now the upstream is the outsider

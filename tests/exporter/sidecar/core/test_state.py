@@ -269,13 +269,13 @@ def test_the_other_writers_values_count_in_the_series_budget_until_the_epoch_end
     h.state.disconnect(conn, rank)
     conn, _ = _turn(h, "E", bytes_(5.0))
     assert rank.other_writer is not None and rank.other_writer.cost == 2
-    assert h.state.registry.series_count == 3  # the set-aside writer's two and the new writer's one
+    assert h.state.series_budget().per_rank == 3  # the set-aside writer's two and the new writer's one
     h.state.disconnect(conn, rank)
     conn, _ = _turn(h, "E", bytes_(1.0))  # a third writer: the one set aside before is dropped
-    assert h.state.registry.series_count == 2 and rank.other_writer.cost == 1  # type: ignore[union-attr]
+    assert h.state.series_budget().per_rank == 2 and rank.other_writer.cost == 1  # type: ignore[union-attr]
     h.state.disconnect(conn, rank)
     h.hello(epoch="F")  # a restart: the other writer wrote the replaced epoch
-    assert rank.other_writer is None and h.state.registry.series_count == 0
+    assert rank.other_writer is None and h.state.series_budget().per_rank == 0
 
 
 def test_a_writer_that_resumes_its_values_shows_its_own_series_on_metrics(h: Harness) -> None:

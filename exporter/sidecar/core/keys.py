@@ -91,6 +91,12 @@ class SeriesBudget:
         return self.per_rank + self.rollup + pending_rollups + 2 * cost <= self.limit
 
 
+def make_rollup_key(family: str, shared: StaticKey, label_values: LabelValues) -> RollupKey:
+    """The one rollup key of a series: its family, the static labels its replica group shares
+    (RankState.shared: derived labels left out) and the values of the family's own labels."""
+    return (family, shared, label_values)
+
+
 def static_key(labels: dict[str, str]) -> StaticKey:
     """A hashable, order-independent form of static labels."""
     return tuple(sorted(labels.items()))

@@ -129,11 +129,6 @@ class RankState:
         return (self.dp_rank, self.shared)
 
     @property
-    def order(self) -> tuple[int, int, int]:
-        """Order inside a replica group: the lowest (pp_rank, attn_cp_rank, tp_rank) speaks for its gauges."""
-        return (self.pp_rank, self.attn_cp_rank or 0, self.tp_rank)
-
-    @property
     def stale(self) -> bool:
         """Silent for stale_after since its last hello or snapshot."""
         return self.silence.silent_for(self.last_activity) >= self.silence.config.stale_after_seconds
@@ -213,6 +208,11 @@ def _carried(positions: dict[SeriesKey, CarriedT], reported: dict[SeriesKey, Val
             kept[key] = value
             room -= 1
     return kept
+
+
+def replica_order(rank: RankState) -> tuple[int, int, int]:
+    """How ranks sort inside a replica group: the lowest (pp_rank, attn_cp_rank, tp_rank) speaks for its gauges."""
+    return (rank.pp_rank, rank.attn_cp_rank or 0, rank.tp_rank)
 
 
 def exposition_order(rank: RankState) -> tuple[StaticKey, int, int, int, int]:
@@ -467,6 +467,6 @@ class RankRegistry:
     def groups(self) -> dict[GroupKey, list[RankState]]:
         """Known ranks by replica group, each group in replica order."""
         groups: dict[GroupKey, list[RankState]] = {}
-        for rank in sorted(self.ranks.values(), key=lambda r: r.order):
+        for rank in sorted(self.ranks.values(), key=replica_order):
             groups.setdefault(rank.replica_group, []).append(rank)
         return groups

@@ -27,6 +27,7 @@ from exporter.sidecar.core.keys import (
     Update,
     Value,
     histogram_cost,
+    make_rollup_key,
 )
 from exporter.sidecar.core.ranks import RankRegistry, RankState
 
@@ -210,7 +211,7 @@ class SampleReader:
         if (name, label_values) not in rank.values:
             self._check_series_room(rank)  # before anything is interned or indexed for it
         intern = self._intern
-        route = intern(SeriesRoute(plan, intern((name, label_values)), intern((name, rank.shared, label_values))))
+        route = intern(SeriesRoute(plan, intern((name, label_values)), intern(make_rollup_key(name, rank.shared, label_values))))
         # Labels in the catalog's order (as the client library sends them) map one-to-one to
         # series, so the index is bounded like the rank's series; other orders are not kept.
         if tuple(labels) == plan.labels and len(rank.routes) < self.config.max_series_per_rank:

@@ -91,7 +91,7 @@ from prometheus_client.samples import Timestamp
 from exporter.catalog import Catalog, FamilySpec, MetricType
 from exporter.config import UpstreamConfig
 from exporter.errors import ErrorCode, ProtocolError
-from exporter.labels import MAX_RANK_AXIS, RANK_AXES, RANK_KEYS, rank_axis
+from exporter.labels import MAX_RANK_AXIS, RANK_AXES, RANK_KEYS, rank_axis, split_rank_labels
 from exporter.protocol.messages import PROTOCOL_VERSION, Hello, RankId, Sample, Snapshot
 from exporter.sidecar.core.health import UpstreamHealth
 from exporter.sidecar.core.keys import static_key
@@ -717,18 +717,11 @@ class UpstreamFeed:
     def _rank_of(self, labels: dict[str, str], own: tuple[str, ...]) -> tuple[RankId | None, dict[str, str]]:
         """The rank axes (None where one is no rank number: see labels.rank_axis), and the static labels:
         neither a rank axis nor one of the family's own labels."""
-        axes: dict[str, int] = {}
-        for key in RANK_AXES:
-            if key in labels:
-                number = rank_axis(labels[key])
-                if number is None:
-                    return None, {}
-                axes[key] = number
         try:
-            rank_id = RankId(**axes)
-        except TypeError:  # a rank key missing
+            axes, static = split_rank_labels({k: v for k, v in labels.items() if k not in own})
+        except (KeyError, ValueError):  # a rank key missing, or an axis that is no rank number
             return None, {}
-        static = {k: v for k, v in labels.items() if k not in RANK_AXES and k not in own}
+        rank_id = RankId(**axes)
         static.update(self.config.labels)
         return rank_id, static
 

@@ -258,12 +258,13 @@ class EngineHTTP:
         self.server.server_close()
 
 
-def proxy_config(socket_dir, url: str, **metrics: object):  # type: ignore[no-untyped-def]
+def proxy_config(socket_dir, url: str, read_timeout: float = 0.2, **metrics: object):  # type: ignore[no-untyped-def]
     from exporter.config import config_from_data
 
+    upstream = {"url": url, "interval_seconds": max(0.2, read_timeout), "timeout_seconds": read_timeout}
     return config_from_data({
         "http": {"host": "127.0.0.1", "port": 0}, "ingest": {"socket_path": str(socket_dir / "run" / "m.sock")},
-        "metrics": metrics, "upstreams": [{"url": url, "interval_seconds": 0.2, "timeout_seconds": 0.2}],
+        "metrics": metrics, "upstreams": [upstream],
     }, "test")
 
 
@@ -277,7 +278,8 @@ def test_a_pass_through_family_that_clashes_stops_start_up_with_a_message(socket
     engine.rank(0, tokens=1)
     Counter(name, "a clash", registry=engine.registry).inc()  # the sidecar's rollup, or its own process metrics
     http = EngineHTTP(engine)
-    thread = SidecarThread(proxy_config(socket_dir, http.url))
+    # The start-up read must answer for the clash to show: a loaded machine may take longer than 0.2 s.
+    thread = SidecarThread(proxy_config(socket_dir, http.url, read_timeout=10.0))
     try:
         with pytest.raises(ConfigError, match=rf"{said}'\] are passed through and are also "
                                               "families the sidecar makes"):

@@ -13,7 +13,7 @@ from exporter.catalog import Catalog
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode, ProtocolError
 from exporter.labels import DERIVED_LABELS, label_name_problem
-from exporter.protocol.messages import Hello, World
+from exporter.protocol.messages import Hello, RankId, World
 from exporter.sidecar.core.history import Positions, WindowHistory
 from exporter.sidecar.core.keys import (
     GroupKey,
@@ -49,6 +49,24 @@ class RankStatus(str, Enum):
     STALE = "stale"  # connected but silent for stale_after
     DEPARTED = "departed"  # disconnected; series stay until expiry
     EXPIRED = "expired"  # silent for expire_after: per-rank series are gone, rollups keep it
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """A source's hello, typed: the rank identity it reports (rank keys and static labels) and its
+    process start (epoch). The socket's listener makes one of each wire hello, the upstream feed one
+    per rank it reads; the registry checks identities (static labels, ownership, limits) once, for both."""
+
+    rank: RankId
+    labels: dict[str, str]
+    epoch: str
+    pid: int
+    world: World | None = None
+
+    @classmethod
+    def of(cls, hello: Hello) -> Join:
+        """A wire hello (its shape already checked by the protocol's decoder) as the registry's record."""
+        return cls(rank=hello.rank, labels=hello.labels, epoch=hello.epoch, pid=hello.pid, world=hello.world)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +266,7 @@ class RankRegistry:
         self.budget = SeriesBudget(config.max_series_total)
         self.silence = Silence(clock, config)
 
-    def hello(self, connection: object, msg: Hello, source: str = PUSH_SOURCE) -> HelloResult:
+    def join(self, connection: object, msg: Join, source: str = PUSH_SOURCE) -> HelloResult:
         """Bind `connection` to the rank identity in `msg`, reported by `source`; raise ProtocolError to refuse it."""
         self._check_static_labels(msg.labels)
         static = static_key(msg.labels)

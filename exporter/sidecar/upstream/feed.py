@@ -3,9 +3,9 @@
 An upstream is an engine's `/metrics` URL (text or OpenMetrics, parsed with prometheus_client's
 parsers) or its `PROMETHEUS_MULTIPROC_DIR` (read with prometheus_client's multiprocess reader,
 each process's files apart). Each series of a catalog family belongs to the rank its rank axes
-name (static labels: the rest); the feed turns each rank's series into the protocol's hello and
-snapshots and hands them to the same `SidecarState` that pushed ranks go through, so rollups,
-restarts, staleness and expiry follow one set of rules:
+name (static labels: the rest); the feed turns each rank's series into the core's typed hello
+(`Join`) and snapshots (`Push`), no wire messages, and hands them to the same `SidecarState` doors
+that pushed ranks go through, so rollups, restarts, staleness and expiry follow one set of rules:
 
 * a rank is hello'd once, with an epoch the feed makes; every read is a snapshot with a rising seq;
 * resets are per series, as Prometheus' `increase()` has them: a counter, or a histogram (one
@@ -71,7 +71,6 @@ import hashlib
 import logging
 import math
 import re
-import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -92,11 +91,11 @@ from exporter.catalog import Catalog, FamilySpec, MetricType
 from exporter.config import UpstreamConfig
 from exporter.errors import ErrorCode, ProtocolError
 from exporter.labels import MAX_RANK_AXIS, RANK_AXES, RANK_KEYS, rank_axis, split_rank_labels
-from exporter.protocol.messages import PROTOCOL_VERSION, Hello, RankId, Sample, Snapshot
+from exporter.protocol.messages import RankId, Sample
 from exporter.sidecar.core.health import UpstreamHealth
 from exporter.sidecar.core.keys import static_key
-from exporter.sidecar.core.ranks import RankIdentity, RankState
-from exporter.sidecar.core.state import SidecarState
+from exporter.sidecar.core.ranks import Join, RankIdentity, RankState
+from exporter.sidecar.core.state import Push, SidecarState
 from exporter.sidecar.upstream.files import MERGED, Reading, TooLarge
 from exporter.sidecar.upstream.text import Number, TextLayout
 
@@ -398,21 +397,21 @@ class UpstreamFeed:
         values = [s.value for _, _, families in reading for family in families for s in family.samples]
         return TextReading(self.plan(reading), values, (), parsed=True)
 
-    def apply(self, reading: Reading | TextReading, wall: float | None = None) -> FeedResult:
+    def apply(self, reading: Reading | TextReading) -> FeedResult:
         """Apply one read of the upstream: each process's catalog series to its ranks, the rest passed through."""
         if isinstance(reading, TextReading):
-            return self.apply_plan(reading.plan, reading.values, reading.timestamps, reading.parsed, wall)
+            return self.apply_plan(reading.plan, reading.values, reading.timestamps, reading.parsed)
         values = [s.value for _, _, families in reading for family in families for s in family.samples]
-        return self.apply_plan(self.plan(reading), values, None, True, wall)
+        return self.apply_plan(self.plan(reading), values, None, True)
 
-    async def apply_async(self, reading: Reading | TextReading, wall: float | None = None) -> FeedResult:
+    async def apply_async(self, reading: Reading | TextReading) -> FeedResult:
         """`apply`, giving the event loop back after every APPLY_SLICE_SERIES series; the same result
         where nothing else changes the state meanwhile. Give it `read_text`'s or `plan_reading`'s
         result (made off the loop): a directory `Reading` is planned here, on the loop."""
         if not isinstance(reading, TextReading):
             reading = self.plan_reading(reading)
         result = FeedResult()
-        for _ in self._apply_steps(reading.plan, reading.values, reading.timestamps, reading.parsed, wall, result):
+        for _ in self._apply_steps(reading.plan, reading.values, reading.timestamps, reading.parsed, result):
             await asyncio.sleep(0)
         return result
 
@@ -539,21 +538,19 @@ class UpstreamFeed:
 
     def apply_plan(
         self, plan: ReadPlan, values: list[Number], timestamps: Sequence[Stamp] | None, parsed: bool,
-        wall: float | None = None,
     ) -> FeedResult:
         """Apply a read by its plan and its samples' values (and, for families passed through that
         the parser did not make, their timestamps)."""
         result = FeedResult()
-        for _ in self._apply_steps(plan, values, timestamps, parsed, wall, result):
+        for _ in self._apply_steps(plan, values, timestamps, parsed, result):
             pass
         return result
 
     def _apply_steps(
         self, plan: ReadPlan, values: list[Number], timestamps: Sequence[Stamp] | None, parsed: bool,
-        wall: float | None, result: FeedResult,
+        result: FeedResult,
     ) -> Iterator[None]:
         """Apply a read into `result`, pausing (yielding) after every APPLY_SLICE_SERIES series of ranks."""
-        wall = time.time() if wall is None else wall
         self._lines_this_read = self._unlogged_this_read = 0
         result.samples = plan.samples
         result.unranked, result.cp_colliding = set(plan.unranked), set(plan.cp_colliding)
@@ -583,7 +580,7 @@ class UpstreamFeed:
             self._reattach(rank)
             reads = self._samples(rank, values, result)
             if reads:
-                for _ in self._feed(rank, reads, wall, result):  # a rank of many series, a slice at a time
+                for _ in self._feed(rank, reads, result):  # a rank of many series, a slice at a time
                     done = 0
                     yield
             done += len(rank.series)
@@ -614,10 +611,9 @@ class UpstreamFeed:
         if self.state.rank(identity) is not rank or rank.connected:  # forgotten, or held by another
             entry.rank = None  # `_feed` says hello anew
             return
-        hello = Hello(protocol=PROTOCOL_VERSION, epoch=entry.epoch, pid=_int_or_zero(entry.pid or "0"), rank=plan.rank_id,
-                      labels=plan.static)
+        join = Join(rank=plan.rank_id, labels=plan.static, epoch=entry.epoch, pid=_int_or_zero(entry.pid or "0"))
         try:
-            self.state.hello(entry.token, hello, self.source)
+            self.state.join(entry.token, join, self.source)
         except ProtocolError:
             entry.rank = None  # `_feed` says hello anew, and counts and logs what is wrong with it
 
@@ -765,7 +761,7 @@ class UpstreamFeed:
                         "hicache_exporter_upstream_scrape_errors_total", self.health.name, self._unlogged_this_read)
         self._lines_this_read = self._unlogged_this_read = 0
 
-    def _feed(self, plan: _RankPlan, reads: list[_Read], wall: float, result: FeedResult) -> Iterator[None]:
+    def _feed(self, plan: _RankPlan, reads: list[_Read], result: FeedResult) -> Iterator[None]:
         """Feed one rank's reads to the state, in snapshots of at most APPLY_SLICE_SERIES series (a
         snapshot updates only the series it names), pausing (yielding) between them."""
         identity, pid = plan.identity, plan.pid
@@ -794,10 +790,9 @@ class UpstreamFeed:
                 name += f"-{entry.generation}"  # a process's second epoch (a new layout): an epoch never comes back
             entry.pid = pid
             entry.epoch = f"{self.tag}-{name}"[:64]
-            hello = Hello(protocol=PROTOCOL_VERSION, epoch=entry.epoch, pid=_int_or_zero(pid or "0"), rank=plan.rank_id,
-                          labels=plan.static)
+            join = Join(rank=plan.rank_id, labels=plan.static, epoch=entry.epoch, pid=_int_or_zero(pid or "0"))
             try:
-                entry.rank = self.state.hello(entry.token, hello, self.source).rank
+                entry.rank = self.state.join(entry.token, join, self.source).rank
             except ProtocolError as err:
                 self.health.error(err.code.value, err.message)
                 self._log_once("hello", str(identity), logging.ERROR, "upstream %s: rank refused: %s",
@@ -824,7 +819,7 @@ class UpstreamFeed:
                 wire: list[tuple[float | str, int]] = [*zip(series.bounds, map(int, finite)), ("+Inf", int(count))]
                 samples.append(Sample(series.family, series.labels, buckets=wire, sum=total, count=int(count)))
             entry.seq += 1
-            applied = self.state.snapshot(entry.rank, Snapshot(seq=entry.seq, time=wall, samples=samples, help=plan.helps))
+            applied = self.state.push(entry.rank, Push(seq=entry.seq, samples=samples, help=plan.helps))
             result.rejected += len(applied.rejections)
             for code, message in applied.rejections[:1]:
                 # Keyed by rank and code, not the message: a message quoting a value that moves every

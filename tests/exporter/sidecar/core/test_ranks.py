@@ -8,7 +8,7 @@ import pytest
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode, ProtocolError
 from exporter.protocol.messages import Hello, RankId
-from exporter.sidecar.core.ranks import RankState, RankStatus, exposition_order
+from exporter.sidecar.core.ranks import Join, RankState, RankStatus, exposition_order
 from tests.exporter.sidecar.harness import (
     BYTES,
     STATIC,
@@ -382,8 +382,8 @@ UPSTREAM = "upstream:engine"
 def _hello_from(h: Harness, source: str, epoch: str, tp: int = 0) -> tuple[object, RankState]:
     """A hello for rank tp/0/0 with the harness' static labels, reported by `source`."""
     conn = object()
-    msg = Hello(protocol=1, epoch=epoch, pid=7, rank=RankId(tp_rank=tp, pp_rank=0, dp_rank=0), labels=STATIC)
-    return conn, h.state.hello(conn, msg, source).rank
+    msg = Join(rank=RankId(tp_rank=tp, pp_rank=0, dp_rank=0), labels=STATIC, epoch=epoch, pid=7)
+    return conn, h.state.join(conn, msg, source).rank
 
 
 def test_an_upstream_cannot_take_a_pushed_rank_over_while_it_restarts(h: Harness) -> None:

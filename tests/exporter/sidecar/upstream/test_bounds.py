@@ -251,7 +251,7 @@ async def applied_in_slices(up: UpstreamFeed, text: str) -> tuple[FeedResult, in
     task = asyncio.create_task(ticker())
     await asyncio.sleep(0)
     try:
-        return await up.apply_async(up.read_text(text, False), wall=1.0), turns
+        return await up.apply_async(up.read_text(text, False)), turns
     finally:
         task.cancel()
 
@@ -275,7 +275,7 @@ def test_apply_async_gives_the_loop_back_and_leaves_what_apply_leaves(monkeypatc
                 result, read_turns = asyncio.run(applied_in_slices(up, text))
                 turns += read_turns
             else:
-                result = up.apply(up.read_text(text, False), wall=1.0)
+                result = up.apply(up.read_text(text, False))
         results.append(result)
         states.append(({k: (r.status, dict(r.values)) for k, r in h.state.ranks.items()},
                        dict(h.state.ledger.counters), up.pass_through_text(False)))

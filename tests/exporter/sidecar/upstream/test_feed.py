@@ -359,8 +359,8 @@ def test_reads_by_their_values_alone_leave_the_state_the_parser_and_the_slow_pat
         except ValueError:
             families = None
         assert (reading is None) == (families is None), "the two ways of reading disagree on whether the text parses"
-        fast_result = None if reading is None else fast.apply(reading, wall=1.0)
-        slow_result = None if families is None else slow.apply([(None, 0.0, families)], wall=1.0)
+        fast_result = None if reading is None else fast.apply(reading)
+        slow_result = None if families is None else slow.apply([(None, 0.0, families)])
         assert _state(fast_h, fast, fast_result) == _state(slow_h, slow, slow_result)
         fast_h.clock.advance(1)
         slow_h.clock.advance(1)
@@ -409,8 +409,8 @@ def test_a_directory_read_without_pass_through_skips_the_merged_reading_and_feed
     assert [pid for pid, _, _ in read_multiprocess_dir(tmp_path)] == ["101", "102", MERGED]
     assert [pid for pid, _, _ in read_multiprocess_dir(tmp_path, merged=False)] == ["101", "102"]
     both, apart = Harness(), Harness()
-    feed(both, pass_through=False).apply(read_multiprocess_dir(tmp_path), wall=1.0)
-    feed(apart, pass_through=False).apply(read_multiprocess_dir(tmp_path, merged=False), wall=1.0)
+    feed(both, pass_through=False).apply(read_multiprocess_dir(tmp_path))
+    feed(apart, pass_through=False).apply(read_multiprocess_dir(tmp_path, merged=False))
     assert rollup(apart, "load_back_bytes_total") == 300 == rollup(both, "load_back_bytes_total")
     assert [r.values for r in apart.state.ranks.values()] == [r.values for r in both.state.ranks.values()]
 
@@ -497,3 +497,11 @@ def test_the_pids_a_rank_replaced_are_remembered_boundedly() -> None:
     assert len(entry.replaced_pids) == upstream_module.REPLACED_PIDS_KEPT
     assert list(entry.replaced_pids)[-1] == "198"
     assert rollup(h, "load_back_bytes_total") == 200 * 10  # each new process counted from zero, as before
+
+
+def test_the_feed_makes_no_wire_messages() -> None:
+    """The feed hands the core typed records (Join, Push): it builds no protocol Hello or Snapshot to reuse the push path."""
+    import exporter.sidecar.upstream.feed as feed_module
+
+    assert not hasattr(feed_module, "Hello") and not hasattr(feed_module, "Snapshot")
+    assert not hasattr(feed_module, "PROTOCOL_VERSION")

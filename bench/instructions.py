@@ -20,7 +20,7 @@ import sys
 
 from exporter.catalog import default_catalog
 from exporter.protocol.messages import parse_client_message
-from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.expose.collector import SidecarCollector
 from exporter.sidecar.expose.render import TextRenderer
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         for rank, message in work[: args.count]:
             state.snapshot(rank, message)
         return 0
-    renderer = TextRenderer(SidecarCollector(state, SidecarStats(), NAMESPACE))
+    renderer = TextRenderer(SidecarCollector(state, SidecarHealth(), NAMESPACE))
     renderer.render()
     if args.workload == "render":
         for round_ in range(rounds - 1):  # every run applies all rounds; only N of them render

@@ -47,7 +47,7 @@ from exporter.protocol.messages import (
     World,
     parse_client_message,
 )
-from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.ranks import RankState
 from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.expose.collector import SidecarCollector
@@ -114,7 +114,7 @@ def measure_in_process(ranks: int, repeats: int, progress: bool) -> dict[str, An
     say = progress_printer(progress, "status_api/in-process")
     catalog = default_catalog()
     state = SidecarState(catalog)
-    stats = SidecarStats()
+    stats = SidecarHealth()
     feed = FeedRanks(ranks)
     rank_states: list[RankState] = [state.hello(object(), parse_client_message(hello_payload(i, ranks))).rank
                                     for i in range(ranks)]

@@ -14,15 +14,8 @@ from pathlib import Path
 
 from exporter import __version__
 from exporter.catalog import load_catalog
-from exporter.config import (
-    ENV_CONFIG,
-    ENV_PORT,
-    ENV_SOCKET,
-    SidecarConfig,
-    apply_web_config,
-    load_config,
-    setting_origin,
-)
+from exporter.config import SidecarConfig, apply_web_config, load_config, setting_origin
+from exporter.defaults import DEFAULT_PORT, DEFAULT_SOCKET_PATH, ENV_CONFIG, ENV_PORT, ENV_SOCKET, LOG_LEVELS
 from exporter.errors import HicacheExporterError, StartupError
 
 EXIT_USAGE = 2
@@ -34,13 +27,11 @@ rollups (summed bytes, one-replica tokens, active bandwidth) on /metrics."""
 
 
 def _add_listen_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, help=f"HTTP port for /metrics (default 9400; env {ENV_PORT})")
+    parser.add_argument("--port", type=int, help=f"HTTP port for /metrics (default {DEFAULT_PORT}; env {ENV_PORT})")
     parser.add_argument("--host", help="HTTP listen address (default 0.0.0.0)")
     parser.add_argument("--socket", type=Path,
-                        help=f"ingest Unix socket path (default /run/hicache/metrics.sock; env {ENV_SOCKET})")
+                        help=f"ingest Unix socket path (default {DEFAULT_SOCKET_PATH}; env {ENV_SOCKET})")
 
-
-LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
 def _add_exporter_flags(parser: argparse.ArgumentParser) -> None:
@@ -96,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="proxy a prometheus_client multiprocess directory (the engine's PROMETHEUS_MULTIPROC_DIR, "
                             "shared as a volume; repeatable), each process's files read apart")
 
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="override log_level")
+    serve.add_argument("--log-level", choices=LOG_LEVELS, help="override log_level")
 
     demo = sub.add_parser("demo", help="run the sidecar plus simulated ranks on a synthetic workload",
                           description="Start the sidecar and one cache_core process per rank (needs torch). "

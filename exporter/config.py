@@ -15,11 +15,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from exporter.catalog import load_yaml
+from exporter.defaults import DEFAULT_LOG_LEVEL, DEFAULT_PORT, DEFAULT_SOCKET_PATH, ENV_CONFIG, ENV_PORT, ENV_SOCKET, LogLevel
 from exporter.errors import ConfigError
 
-ENV_CONFIG = "HICACHE_EXPORTER_CONFIG"
-ENV_PORT = "HICACHE_EXPORTER_PORT"
-ENV_SOCKET = "HICACHE_EXPORTER_SOCKET"
 NAMESPACE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)?$")
 
 
@@ -83,7 +81,7 @@ class HttpConfig(_Strict):
     """Where /metrics and the health routes listen, and who may read them."""
 
     host: str = "0.0.0.0"
-    port: int = Field(9400, ge=0, le=65535)
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
     tls_server_config: TLSServerConfig | None = None
     # user name -> bcrypt hash (as exporter-toolkit's basic_auth_users); empty: no authentication
     basic_auth_users: dict[str, str] = Field(default_factory=dict)
@@ -108,7 +106,7 @@ class HttpConfig(_Strict):
 class IngestConfig(_Strict):
     """The Unix socket ranks push to, and its limits."""
 
-    socket_path: Path = Path("/run/hicache/metrics.sock")
+    socket_path: Path = Path(DEFAULT_SOCKET_PATH)
     socket_mode: int = 0o660
     dir_mode: int = 0o750
     max_frame_bytes: int = Field(1 << 20, ge=64, le=64 << 20)
@@ -244,7 +242,7 @@ class SidecarConfig(_Strict):
     metrics: MetricsConfig = MetricsConfig()
     rollup: RollupConfig = RollupConfig()
     upstreams: tuple[UpstreamConfig, ...] = ()
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: LogLevel = DEFAULT_LOG_LEVEL
 
     @field_validator("upstreams")
     @classmethod

@@ -78,6 +78,10 @@ class SampleRejected(HicacheExporterError):
         self.message = message
 
 
+class LabelError(HicacheExporterError, ValueError):
+    """Labels given to a family or a rank break a label rule (exporter.labels); the message names the label."""
+
+
 class UnknownFamilyError(HicacheExporterError, KeyError):
     """Client code asked for a family that the metric catalog does not define."""
 

@@ -1,11 +1,14 @@
-"""Rank labels: the upstream label rule and the checks shared by the client and the sidecar."""
+"""Rank labels: the upstream label rule, and the one split and checks of the client, the stat-logger
+hook, the proxy's feed and the sidecar's hello (split_rank_labels, rank_axis_problem,
+static_label_problem, own_labels_problem, label_name_problem)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
+from exporter.errors import LabelError
 from exporter.protocol.messages import MAX_RANK
 
 RANK_KEYS: tuple[str, str, str] = ("tp_rank", "pp_rank", "dp_rank")
@@ -68,19 +71,27 @@ def _rank_number(value: Any) -> int | None:
     return None
 
 
-def split_rank_labels(labels: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, str]]:
-    """Split a label dict into (rank axes as ints, static labels as strings); optional axes only when present.
+def split_rank_labels(
+    labels: Mapping[str, Any], own: Collection[str] = ()
+) -> tuple[dict[str, int], dict[str, str]]:
+    """A series' labels as (rank axes as numbers, static labels as strings): the one split of the client,
+    the stat-logger hook and the proxy. A static label is neither a rank axis nor one of the family's
+    `own` labels, and an empty one is none (Prometheus drops a label whose value is empty, so the
+    sidecar refuses it as a static label); the optional axes only when present.
 
-    Raises KeyError for a missing tp_rank, pp_rank or dp_rank, ValueError for an axis that is no rank number."""
+    Raises LabelError (a ValueError) for a missing tp_rank, pp_rank or dp_rank, or an axis that is no
+    rank number (rank_axis_problem)."""
+    missing = [key for key in RANK_KEYS if key not in labels]
+    if missing:
+        raise LabelError(f"rank labels {missing} are missing; a rank has {list(RANK_KEYS)}")
     rank: dict[str, int] = {}
     for key in RANK_AXES:
-        if key in labels or key in RANK_KEYS:
+        if key in labels:
             number = _rank_number(labels[key])
             if number is None:
-                raise ValueError(f"rank label {key}={labels[key]!r} must be a whole number from 0 to {MAX_RANK_AXIS}, "
-                                 "in ASCII digits without a sign, spaces, underscores or a leading zero")
+                raise LabelError(_rank_axis_message(key, labels[key]))
             rank[key] = number
-    static = {str(k): str(v) for k, v in labels.items() if k not in RANK_AXES}
+    static = {str(k): str(v) for k, v in labels.items() if k not in RANK_AXES and k not in own and str(v)}
     return rank, static
 
 
@@ -92,4 +103,40 @@ def label_name_problem(name: str) -> str | None:
         return f"label name {name!r} is reserved"
     if name.startswith("__"):
         return f"label name {name!r} starts with '__', which Prometheus reserves"
+    return None
+
+
+def _rank_axis_message(key: str, value: Any) -> str:
+    shown = repr(value) if len(repr(value)) <= 42 else repr(str(value)[:40]) + f"... ({len(str(value))} characters)"
+    return (f"rank label {key}={shown} must be a whole number from 0 to {MAX_RANK_AXIS}, "
+            "in ASCII digits without a sign, spaces, underscores or a leading zero")
+
+
+def rank_axis_problem(key: str, value: Any) -> str | None:
+    """Why `value` (a label string or an int) cannot be the rank axis `key`, or None when it can; a long
+    value is cut in the message, which goes to logs."""
+    return None if _rank_number(value) is not None else _rank_axis_message(key, value)
+
+
+def static_label_problem(
+    name: str, value: str, *, family_labels: Collection[str] = (), max_value_length: int | None = None
+) -> str | None:
+    """Why `name`=`value` cannot be a rank's static label, or None when it can: the one rule of the
+    client and the sidecar's hello. `family_labels` are the catalog families' own label names; the
+    sidecar's configured value length limit applies where it is known."""
+    problem = label_name_problem(name)
+    if problem is None and name in family_labels:
+        problem = f"label name {name!r} is a family label in the catalog"
+    if problem is None and not value:
+        # Prometheus drops a label whose value is empty: two identities would expose as one.
+        problem = f"label {name!r} has an empty value; leave the label out instead"
+    if problem is None and max_value_length is not None and len(value) > max_value_length:
+        problem = f"value of label {name!r} is longer than {max_value_length} characters"
+    return problem
+
+
+def own_labels_problem(family: str, names: Collection[str], given: Collection[str]) -> str | None:
+    """Why a sample of `family`, whose own labels are `names`, cannot carry the labels `given`, or None."""
+    if set(given) != set(names):
+        return f"{family!r} takes labels {list(names)}, got {sorted(given)}"
     return None

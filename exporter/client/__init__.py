@@ -12,10 +12,9 @@ from typing import Any
 from exporter.catalog import Catalog, MetricType, default_catalog
 from exporter.client.metrics import CounterChild, GaugeChild, HistogramChild, LabelError, MetricSet
 from exporter.client.pusher import Pusher, PushStats
-from exporter.labels import OPTIONAL_RANK_KEYS, RANK_AXES, RANK_KEYS, label_name_problem
+from exporter.defaults import DEFAULT_PUSH_INTERVAL, DEFAULT_SOCKET_PATH, ENV_SOCKET
+from exporter.labels import OPTIONAL_RANK_KEYS, RANK_AXES, RANK_KEYS, split_rank_labels, static_label_problem
 from exporter.protocol.messages import MAX_HELP_LENGTH, PROTOCOL_VERSION, Hello, RankId, Snapshot, World
-
-DEFAULT_SOCKET = "/run/hicache/metrics.sock"
 
 __all__ = ["RankClient", "CounterChild", "GaugeChild", "HistogramChild", "LabelError", "PushStats"]
 
@@ -28,7 +27,7 @@ class RankClient:
         socket_path: str | os.PathLike[str] | None = None,
         rank: Mapping[str, int] | None = None,
         labels: Mapping[str, Any] | None = None,
-        interval: float = 1.0,
+        interval: float = DEFAULT_PUSH_INTERVAL,
         *,
         world: Mapping[str, int] | None = None,
         catalog: Catalog | None = None,
@@ -38,15 +37,17 @@ class RankClient:
         """`preset=False` starts with no series at all: only what is bound is pushed, as an engine's
         own collectors do (exporter.integrations.sglang), instead of every catalog preset at 0."""
         rank = dict(rank or {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0})
-        if not set(RANK_KEYS) <= set(rank) <= set(RANK_AXES):
+        if not set(RANK_KEYS) <= set(rank) <= set(RANK_AXES):  # a rank is its axes: no static label goes here
             raise LabelError(
                 f"rank must have the keys {list(RANK_KEYS)} and may have {list(OPTIONAL_RANK_KEYS)}, got {sorted(rank)}"
             )
-        self.rank = {key: int(rank[key]) for key in RANK_AXES if key in rank}
+        self.rank, _ = split_rank_labels(rank)
         self._rank_id = RankId(**self.rank)
+        self.metrics = MetricSet(catalog or default_catalog())
         self.labels = {str(k): str(v) for k, v in (labels or {}).items()}
-        for name in self.labels:
-            problem = label_name_problem(name)
+        family_labels = self.metrics.catalog.static_label_conflicts(set(self.labels))
+        for name, value in self.labels.items():
+            problem = static_label_problem(name, value, family_labels=family_labels)
             if problem:
                 raise LabelError(f"static label: {problem}")
         if interval <= 0:
@@ -56,14 +57,13 @@ class RankClient:
             raise LabelError(f"world must have exactly the keys {list(World.__struct_fields__)}, got {sorted(self.world)}")
         self._world = World(**self.world) if self.world else None
         self.epoch = uuid.uuid4().hex
-        self.metrics = MetricSet(catalog or default_catalog())
         self._help: dict[str, str] = {}
         self._help_lock = threading.Lock()
         self._help_version = 0
         self._help_sent = -1  # the HELP version the current connection has been sent
         if preset:
             self.metrics.preset()
-        path = socket_path or os.environ.get("HICACHE_EXPORTER_SOCKET") or DEFAULT_SOCKET
+        path = socket_path or os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET_PATH
         self.socket_path = os.fspath(path)
         self._pusher = Pusher(self.socket_path, self._hello, self._snapshot, interval, max_backoff)
 

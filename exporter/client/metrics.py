@@ -17,12 +17,15 @@ from typing import Any
 import msgspec
 
 from exporter.catalog import Catalog, FamilySpec, MetricType, bucket_layout_problem
-from exporter.errors import HicacheExporterError
+from exporter.errors import LabelError
+from exporter.labels import own_labels_problem
 from exporter.protocol.messages import BucketBound, HistogramSample, Sample, ScalarSample
 
 _INF = math.inf  # a module global is one lookup cheaper than math.inf on the hot path
 LabelValues = tuple[str, ...]
 SeriesKey = tuple[str, LabelValues]
+
+__all__ = ["CounterChild", "GaugeChild", "HistogramChild", "LabelError", "MetricSet"]
 
 
 class CounterChild:
@@ -103,10 +106,6 @@ class HistogramChild:
 Child = CounterChild | GaugeChild | HistogramChild
 
 
-class LabelError(HicacheExporterError, ValueError):
-    """Labels given to a family do not match its catalog definition."""
-
-
 class MetricSet:
     """The rank's metric children, keyed by catalog family and label values."""
 
@@ -153,10 +152,9 @@ class MetricSet:
 
     @staticmethod
     def _label_values(spec: FamilySpec, labels: dict[str, Any]) -> LabelValues:
-        if set(labels) != set(spec.labels):
-            raise LabelError(
-                f"{spec.name!r} takes labels {list(spec.labels)}, got {sorted(labels)}"
-            )
+        problem = own_labels_problem(spec.name, spec.labels, labels)
+        if problem:
+            raise LabelError(problem)
         return tuple(str(labels[name]) for name in spec.labels)
 
     @staticmethod

@@ -16,10 +16,11 @@ prometheus_client's constructor and `labels()`:
 * every other family (most of the scheduler's) is prometheus_client's own metric, so the
   engine's own /metrics keeps serving it.
 
-Each `labels(**kw)` call's label names split three ways: the rank axes (`tp_rank`, `pp_rank`,
-`dp_rank`, `attn_cp_rank`), the family's own labels as the catalog lists them (`pool`, `reason`,
-`mode`), and static labels (everything else the engine passes: `cache_type`, `storage_backend`,
-`pp_size`, `model_name`, extra labels, ...). Rank axes plus static labels are a rank identity in
+Each `labels(**kw)` call's label names split three ways, by the proxy's rule too
+(exporter.labels.split_rank_labels): the rank axes (`tp_rank`, `pp_rank`, `dp_rank`, `attn_cp_rank`),
+the family's own labels as the catalog lists them (`pool`, `reason`, `mode`), and static labels
+(everything else the engine passes with a value: `cache_type`, `storage_backend`, `pp_size`,
+`model_name`, extra labels, ...). Rank axes plus static labels are a rank identity in
 the sidecar; a process pushes through one `RankClient` per identity it meets, created on first
 use, so a scheduler process with a radix cache, a storage backend and scheduler statistics holds
 three connections. The radix cache's labels carry no context-parallel rank, so in an engine
@@ -54,9 +55,10 @@ from sglang.srt.observability.metrics_collector import (
     StorageMetricsCollector,
 )
 
-from exporter.catalog import Catalog, FamilySpec, MetricType, default_catalog
+from exporter.catalog import Catalog, FamilySpec, MetricType, bucket_layout_problem, default_catalog
 from exporter.client import CounterChild, GaugeChild, HistogramChild, LabelError, RankClient
-from exporter.labels import RANK_AXES
+from exporter.defaults import DEFAULT_PUSH_INTERVAL, ENV_PUSH_INTERVAL, ENV_SOCKET
+from exporter.labels import split_rank_labels
 
 __all__ = [
     "stat_loggers", "close", "SidecarCounter", "SidecarGauge", "SidecarHistogram",
@@ -64,9 +66,6 @@ __all__ = [
 ]
 
 ENGINE_PREFIX = "sglang:"
-SOCKET_ENV = "HICACHE_EXPORTER_SOCKET"
-INTERVAL_ENV = "HICACHE_EXPORTER_PUSH_INTERVAL"
-DEFAULT_INTERVAL = 1.0
 
 log = logging.getLogger("hicache_exporter.integrations.sglang")
 
@@ -82,11 +81,11 @@ def stat_loggers(socket_path: str | os.PathLike[str] | None = None, *, interval:
     engine's scheduler processes by reference, and the environment travels with them.
     """
     if socket_path is not None:
-        os.environ[SOCKET_ENV] = os.fspath(socket_path)
+        os.environ[ENV_SOCKET] = os.fspath(socket_path)
     if interval is not None:
         if not 0 < interval < math.inf:
             raise ValueError(f"interval must be a positive number of seconds, got {interval}")
-        os.environ[INTERVAL_ENV] = repr(float(interval))
+        os.environ[ENV_PUSH_INTERVAL] = repr(float(interval))
     return {
         STAT_LOGGER_ROLE_RADIX_CACHE: SidecarRadixCacheMetricsCollector,
         STAT_LOGGER_ROLE_STORAGE: SidecarStorageMetricsCollector,
@@ -189,16 +188,17 @@ def _push_at_exit() -> None:
 
 
 def _push_interval() -> float:
-    text = os.environ.get(INTERVAL_ENV)
+    text = os.environ.get(ENV_PUSH_INTERVAL)
     if not text:
-        return DEFAULT_INTERVAL
+        return DEFAULT_PUSH_INTERVAL
     try:
         interval = float(text)
     except ValueError:
         interval = math.nan
     if not 0 < interval < math.inf:
-        log.warning("%s=%r is not a positive number of seconds; pushing every %s s", INTERVAL_ENV, text, DEFAULT_INTERVAL)
-        return DEFAULT_INTERVAL
+        log.warning("%s=%r is not a positive number of seconds; pushing every %s s",
+                    ENV_PUSH_INTERVAL, text, DEFAULT_PUSH_INTERVAL)
+        return DEFAULT_PUSH_INTERVAL
     return interval
 
 
@@ -308,18 +308,9 @@ class _SidecarMetric:
     def _bind(self, labels: dict[str, Any]) -> Any:
         """The push child for `labels`, or prometheus_client's when they make no valid rank identity."""
         spec = self._spec
-        rank: dict[str, int] = {}
-        own: dict[str, Any] = {}
-        static: dict[str, str] = {}
         try:
-            for name, value in labels.items():
-                if name in RANK_AXES:
-                    rank[name] = int(value)
-                elif name in spec.labels:
-                    own[name] = value
-                elif str(value):  # an empty value is no label at all to Prometheus (the priority total's "")
-                    static[name] = str(value)
-            rank.setdefault("dp_rank", 0)
+            # An engine without DP attention may leave dp_rank out: its one dp group is 0.
+            rank, static = split_rank_labels({"dp_rank": 0, **labels}, own=spec.labels)
             if "attn_cp_rank" not in rank:
                 cp_rank = _context_parallel_rank()
                 if cp_rank is not None:
@@ -327,7 +318,7 @@ class _SidecarMetric:
             client = _this_process().client(rank, static)
             if self._documentation:
                 client.describe(spec.name, self._documentation)
-            return self._child(client, own)
+            return self._child(client, {name: labels[name] for name in spec.labels})
         except (LabelError, ValueError, TypeError, RuntimeError) as err:
             _warn_once(self._name, f"{self._name}{labels} is not pushed ({err}); the engine's /metrics serves it")
             return self._prometheus().labels(**labels)
@@ -377,20 +368,30 @@ class SidecarHistogram(_SidecarMetric):
     def _routable(cls, name: str, spec: FamilySpec, labelnames: tuple[str, ...], kwargs: Mapping[str, Any]) -> bool:
         if not super()._routable(name, spec, labelnames, kwargs):
             return False
-        if "buckets" in kwargs and cls._bounds(kwargs["buckets"]) is None:
+        if "buckets" not in kwargs:
+            return True
+        bounds = cls._bounds(kwargs["buckets"])
+        if bounds is None:
             return False  # prometheus_client refuses them with its own message, as without this hook
+        problem = bucket_layout_problem(bounds)
+        if problem:
+            # prometheus_client takes a repeated bound; the sidecar's one layout rule does not (a bucket
+            # of width 0). Decided here, not per label set: no push client is started for it.
+            _warn_once(name, f"{name}: {problem}, got {list(kwargs['buckets'])}; the engine's /metrics serves it")
+            return False
         return True
 
     @staticmethod
     def _bounds(buckets: Iterable[float]) -> tuple[float, ...] | None:
-        """prometheus_client's bucket rule (sorted, +Inf implied): the finite upper bounds, or None if invalid."""
+        """The finite upper bounds (+Inf implied), or None where prometheus_client refuses the layout
+        (not numbers, not sorted, or no bucket but +Inf)."""
         try:
             bounds = [float(b) for b in buckets]
         except (TypeError, ValueError):
             return None
         if bounds and bounds[-1] == math.inf:
             bounds.pop()
-        if not bounds or bounds != sorted(bounds) or not all(math.isfinite(b) for b in bounds):
+        if not bounds or bounds != sorted(bounds):
             return None
         return tuple(bounds)
 

@@ -30,12 +30,10 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt() parameters (m
 
 def tune_malloc() -> bool:
     """Have glibc serve blocks under 64 MiB from its heap and keep up to 128 MiB of freed heap
-    instead of giving each large block back to the kernel: a /metrics body (1.3 MB at 64 ranks)
-    and its copies were fresh mmaps on every scrape, each page a fault to fill. `serve` at 64
-    full-catalog ranks, every rank pushed before each GET, three A/B pairs of 15 scrapes: about
-    730 minor faults a scrape without, about 1 with; median GET 8.4-9.1 ms without, 6.9-7.2 with.
-    RSS at 256 ranks (`python -m bench.memory`): 114.5 MB. Whether it applied (False off glibc,
-    or with $HICACHE_EXPORTER_MALLOC_DEFAULT set)."""
+    instead of giving each large block back to the kernel: a /metrics body and its copies were
+    fresh mmaps on every scrape, each page a fault to fill (measured: BENCHMARKS.md, section
+    "Fast paths", "glibc keeps freed heap"). Whether it applied (False off glibc, or with
+    $HICACHE_EXPORTER_MALLOC_DEFAULT set)."""
     if os.environ.get("HICACHE_EXPORTER_MALLOC_DEFAULT"):
         return False
     try:

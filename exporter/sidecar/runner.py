@@ -17,7 +17,7 @@ from prometheus_client.process_collector import ProcessCollector
 from exporter.catalog import Catalog, load_catalog
 from exporter.config import SidecarConfig
 from exporter.errors import StartupError
-from exporter.sidecar.core.health import SidecarStats, UpstreamHealth
+from exporter.sidecar.core.health import SidecarHealth, UpstreamHealth
 from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.expose.collector import SidecarCollector
 from exporter.sidecar.expose.render import TextRenderer
@@ -118,20 +118,20 @@ class Sidecar:
     ) -> None:
         self.config = config
         self.catalog = catalog or load_catalog(config.metrics.catalog)
-        self.stats = SidecarStats()
+        self.health = SidecarHealth()
         self.state = SidecarState(self.catalog, config.ranks, config.rollup.window_seconds, clock=clock)
         # prometheus_client's own process_* families (memory, CPU, file descriptors) follow the sidecar's.
         process = ProcessCollector(registry=None)
-        collector = SidecarCollector(self.state, self.stats, config.metrics.namespace, config.metrics.per_rank_series,
+        collector = SidecarCollector(self.state, self.health, config.metrics.namespace, config.metrics.per_rank_series,
                                      extra=(process,))
         self.upstreams: list[UpstreamScraper] = []
         for upstream in config.upstreams:
-            health = self.stats.upstreams[upstream.label] = UpstreamHealth(
+            upstream_health = self.health.upstreams[upstream.label] = UpstreamHealth(
                 upstream.label, upstream.url or str(upstream.multiprocess_dir))
-            feed = UpstreamFeed(upstream, self.state, health, collector.exposed_names())
+            feed = UpstreamFeed(upstream, self.state, upstream_health, collector.exposed_names())
             self.upstreams.append(UpstreamScraper(upstream, feed))
         self.renderer = TextRenderer(collector, pass_through=[u.feed.pass_through_text for u in self.upstreams])
-        self.ingest = IngestServer(config.ingest, self.state, self.stats)
+        self.ingest = IngestServer(config.ingest, self.state, self.health)
         self._runner: web.AppRunner | None = None
         self.http_port: int | None = None
 
@@ -139,7 +139,7 @@ class Sidecar:
         """Start the ingest listener and housekeeping (the app's cleanup context), then HTTP."""
         tls = self.config.http.tls_server_config
         ssl_context = server_ssl_context(tls) if tls is not None else None  # fail before binding anything
-        app = build_app(self.config, self.state, self.stats, self.renderer, (self.ingest.running, running(self.upstreams)))
+        app = build_app(self.config, self.state, self.health, self.renderer, (self.ingest.running, running(self.upstreams)))
         http = self.config.http
         # aiohttp's keep-alive timer runs from accept until a request is whole, so it is also the
         # header deadline that keeps idle or dribbling connections from holding descriptors.

@@ -1,15 +1,15 @@
 """Reading a sidecar's status document over HTTP: where, with which credentials and TLS, and why not.
 
-Standard library only (urllib), so that the fetch path needs nothing beyond the sidecar's own
-dependencies. Every failure becomes a `FetchFailed` with one line for the screen; nothing here raises
-past `fetch_status` except a `HicacheExporterError` from `build_target` for bad flags.
+The standard library (urllib) and msgspec, which decodes the body into the model of
+exporter.api.v1: the fetch path needs nothing beyond the sidecar's own dependencies. Every failure
+becomes a `FetchFailed` with one line for the screen; nothing here raises past `fetch_status` except
+a `HicacheExporterError` from `build_target` for bad flags.
 """
 
 from __future__ import annotations
 
 import base64
 import http.client
-import json
 import os
 import socket
 import ssl
@@ -24,11 +24,15 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from exporter import __version__
+from exporter.api.v1 import API_VERSION, StatusDocument
+from exporter.defaults import DEFAULT_PORT
 from exporter.errors import HicacheExporterError
 
 STATUS_PATH = "/api/v1/status"
-DEFAULT_URL = "http://127.0.0.1:9400"
+DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
 ENV_PASSWORD = "HICACHE_EXPORTER_PASSWORD"
 MAX_DOCUMENT_BYTES = 32 * 1024 * 1024  # a status of thousands of ranks is a few MiB; past this it is not a status
 PASSWORD_IN_URL_WARNING = (f"warning: the password in --url is in the process list for every user of this host to "
@@ -62,7 +66,7 @@ class FailureKind(str, Enum):
 class Fetched:
     """A status document and when it was read (wall clock) and how long the request took."""
 
-    document: dict[str, Any]
+    document: StatusDocument
     at: float
     seconds: float
 
@@ -168,7 +172,7 @@ def fetch_status(target: Target, timeout: float, clock: Callable[[], float] = ti
     if target.ssl_context is not None:
         handlers.append(urllib.request.HTTPSHandler(context=target.ssl_context))
     opener = urllib.request.build_opener(*handlers)
-    # gzip: about 190 KB of status at 256 ranks is a tenth of that compressed, every poll over the network.
+    # gzip: the document compresses about tenfold, and top polls it over the network (BENCHMARKS.md, status API).
     opener.addheaders = [("User-Agent", f"hicache-exporter-top/{__version__}"), ("Accept", "application/json"),
                          ("Accept-Encoding", "gzip")]
     request = urllib.request.Request(target.status_url)
@@ -194,16 +198,46 @@ def fetch_status(target: Target, timeout: float, clock: Callable[[], float] = ti
     if len(body) > MAX_DOCUMENT_BYTES:
         return FetchFailed(FailureKind.INVALID, f"{target.status_url} sent more than {MAX_DOCUMENT_BYTES} bytes",
                            at=clock())
+    return received(body, target.status_url, clock(), seconds)
+
+
+class _Versioned(msgspec.Struct):
+    """Just the api_version of a body, whatever else it holds: to say so when a sidecar speaks another."""
+
+    api_version: object = None
+
+
+def received(body: bytes, status_url: str, at: float, seconds: float = 0.0) -> FetchResult:
+    """A body as the status document (exporter.api.v1.StatusDocument), or the one line saying why it is not one."""
     try:
-        document = json.loads(body)
+        document = msgspec.json.decode(body, type=StatusDocument)
     except RecursionError:  # [[[[... past the decoder's depth: not a status, whatever else it is
-        return FetchFailed(FailureKind.INVALID, f"{target.status_url} sent JSON nested too deeply to read", at=clock())
-    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's 4,300 digits
-        return FetchFailed(FailureKind.INVALID, f"{target.status_url} did not send JSON ({str(err)[:200]})",
-                           at=clock())
-    if not isinstance(document, dict):
-        return FetchFailed(FailureKind.INVALID, f"{target.status_url} sent JSON that is not an object", at=clock())
-    return Fetched(document, at=clock(), seconds=seconds)
+        return FetchFailed(FailureKind.INVALID, f"{status_url} sent JSON nested too deeply to read", at=at)
+    except msgspec.ValidationError as err:  # JSON, but not this version's status document (a DecodeError too)
+        return FetchFailed(FailureKind.INVALID, _mismatch(body, status_url, err), at=at)
+    except msgspec.DecodeError as err:  # not JSON, NaN or Infinity, a control character in a string
+        return FetchFailed(FailureKind.INVALID, f"{status_url} did not send JSON ({str(err)[:200]})", at=at)
+    if document.api_version != API_VERSION:
+        return FetchFailed(FailureKind.INVALID, _other_version(status_url, document.api_version), at=at)
+    return Fetched(document, at=at, seconds=seconds)
+
+
+def _mismatch(body: bytes, status_url: str, err: msgspec.ValidationError) -> str:
+    try:
+        version = msgspec.json.decode(body, type=_Versioned).api_version
+    except msgspec.ValidationError:
+        return f"{status_url} sent JSON that is not an object"
+    except RecursionError:
+        return f"{status_url} sent JSON nested too deeply to read"
+    except msgspec.DecodeError as malformed:  # the first decode stopped at a wrong type before the break
+        return f"{status_url} did not send JSON ({str(malformed)[:200]})"
+    if version != API_VERSION:
+        return _other_version(status_url, version)
+    return f"{status_url} sent a status document this top cannot read: {str(err)[:200]}"
+
+
+def _other_version(status_url: str, version: object) -> str:
+    return f"{status_url} speaks api_version {str(version)[:20]}; this top reads {API_VERSION}"
 
 
 def _gunzip(data: bytes, limit: int) -> bytes:

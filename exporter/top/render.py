@@ -5,17 +5,17 @@ as `[bold]x[/bold]` shows as written. No value of the document reaches a `Text` 
 the accessors at the end: `literal` for what is shown as written (control characters escaped, so a
 label cannot move the cursor, retitle the window or recolour the terminal), and `count`,
 `integer`, `duration`, `size` for numbers, which refuse anything that is not a finite number in
-range (a hostile sidecar's `"\x1b]0;..."` where a count belongs, 1e999, a 400-digit integer).
-A section that meets such a value is one red line saying so; the others are still shown.
+range. The document's types are the model's (exporter.api.v1): fetch.received refuses a body of
+the wrong shape (`"\x1b]0;..."` where a count belongs, 1e999) in one line before anything is drawn;
+what the model's types still let through (a 400-digit integer) makes its section one red line,
+and the others are still shown.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 from rich.columns import Columns
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
@@ -24,6 +24,7 @@ from rich.styled import Styled
 from rich.table import Table
 from rich.text import Text
 
+from exporter.api import v1
 from exporter.top.view import View
 
 STATES = ("live", "stale", "departed", "expired")
@@ -35,7 +36,7 @@ ABSENT_STYLE = "dim"  # a grid position no rank of the group has reported from
 MISSING_STYLE = "bold white on magenta"
 MISSING_MARK = "?"
 MISSING_SHOWN = 8  # positions named per line under the grid; the rest are counted
-# The sidecar's caps on what a grid draws (api.GRID_CELLS_PER_GROUP, api.GRID_CELLS): top draws no more
+# The sidecar's caps on what a grid draws (status.GRID_CELLS_PER_GROUP, status.GRID_CELLS): top draws no more
 # than they allow whatever a document lists, and bounds a sidecar's from before the grid was bounded alike.
 GRID_CELLS_PER_GROUP = 1024
 GRID_CELLS = 4096
@@ -56,16 +57,14 @@ def render_header(view: View, now: float) -> RenderableType:
     """The title line and, when the last poll failed, the line saying why."""
     doc = view.document
     title = Text.assemble(("hicache-exporter top", "bold"), "  ", literal(view.target.url))
-    sidecar = doc.get("sidecar") if doc is not None else None
-    if isinstance(sidecar, dict):  # read with .get: the header stays up even over a document it cannot show
+    if doc is not None:
+        sidecar = doc.sidecar
         title.append("  sidecar ")
-        title.append_text(literal(f"{sidecar.get('version', '?')} ({str(sidecar.get('revision', '?'))[:12]})"[:80]))
-        uptime = sidecar.get("uptime_seconds")
-        if shows_as_number(uptime):  # else left out: the header is never the line that breaks
-            title.append(f"  up {duration(uptime)}")
-        if sidecar.get("ready") is not None:
-            title.append("  ")
-            title.append(*(("ready", "green") if sidecar["ready"] else ("NOT READY", "bold red")))
+        title.append_text(literal(f"{sidecar.version} ({sidecar.revision[:12]})"[:80]))
+        if shows_as_number(sidecar.uptime_seconds):  # else left out: the header is never the line that breaks
+            title.append(f"  up {duration(sidecar.uptime_seconds)}")
+        title.append("  ")
+        title.append(*(("ready", "green") if sidecar.ready else ("NOT READY", "bold red")))
     if view.document_at is not None:
         title.append(f"  read {duration(max(0.0, now - view.document_at))} ago")
     title.append("   q quits", "dim")
@@ -84,8 +83,8 @@ def render_header(view: View, now: float) -> RenderableType:
     return Group(*lines)
 
 
-# What a document that does not follow the schema raises while a section reads it: a field absent
-# (KeyError), of the wrong type (TypeError, AttributeError, Unshowable), out of range (ArithmeticError).
+# What a decoded document can still raise while a section reads it: a value out of range (Unshowable,
+# ArithmeticError), an id naming no group or label set (LookupError); the rest is a bug, still one line.
 UNSHOWABLE = (LookupError, TypeError, ValueError, AttributeError, ArithmeticError, RecursionError)
 
 
@@ -104,8 +103,8 @@ def render_body(view: View) -> list[RenderableType]:
     return body if view.failure is None else [Styled(Group(*body), "dim")]
 
 
-def section_or_problem(name: str, section: Callable[[Mapping[str, Any]], list[RenderableType]],
-                       doc: Mapping[str, Any]) -> list[RenderableType]:
+def section_or_problem(name: str, section: Callable[[v1.StatusDocument], list[RenderableType]],
+                       doc: v1.StatusDocument) -> list[RenderableType]:
     """`section(doc)`, or one red line naming the section and what it could not read (never a traceback)."""
     try:
         return section(doc)
@@ -130,30 +129,29 @@ def body_or_problem(view: View) -> list[RenderableType]:
 # --- ranks ---------------------------------------------------------------------------------
 
 
-def ranks_section(doc: Mapping[str, Any]) -> list[RenderableType]:
+def ranks_section(doc: v1.StatusDocument) -> list[RenderableType]:
     """Counts by state (also the legend), a grid per replica group, and the ranks that are not live or missing."""
-    sidecar = doc["sidecar"]
-    by_state = sidecar["ranks_by_state"]
-    # Read with .get: a sidecar from before missing ranks were worked out sends none of these.
-    missing_groups = doc.get("missing_groups", [])
-    totals = doc.get("missing_totals", {"positions": 0, "groups": 0})
+    sidecar = doc.sidecar
+    by_state = sidecar.ranks_by_state
+    missing_groups = doc.missing_groups
+    totals = doc.missing_totals
     head = Text("Ranks", style=SECTION)
     for state in STATES:
         head.append("  ")
-        head.append(f" {count(by_state.get(state, 0))} {state} ", style=STATE_STYLE[state])
-    if missing_groups or any(group.get("expected") for group in doc["groups"]):  # some layout is known
+        head.append(f" {count(getattr(by_state, state))} {state} ", style=STATE_STYLE[state])
+    if missing_groups or any(group.expected for group in doc.groups):  # some layout is known
         head.append("  ")
-        head.append(f" {count(totals['positions'])} missing ", style=MISSING_STYLE)
-    limits = sidecar["limits"]
-    head.append(f"   {count(limits['ranks_known'])} known, at most {count(limits['ranks_allowed'])}", style="dim")
+        head.append(f" {count(totals.positions)} missing ", style=MISSING_STYLE)
+    limits = sidecar.limits
+    head.append(f"   {count(limits.ranks_known)} known, at most {count(limits.ranks_allowed)}", style="dim")
     names = Names(doc)
-    members: dict[str, list[Mapping[str, Any]]] = {}
-    for rank in doc["ranks"]:
-        members.setdefault(rank["group"], []).append(rank)
+    members: dict[str, list[v1.Rank]] = {}
+    for rank in doc.ranks:
+        members.setdefault(rank.group, []).append(rank)
     blocks: list[RenderableType] = []
     room = GRID_CELLS
-    for group in doc["groups"]:
-        block = group_block(group, members.get(group["id"], []), names, min(GRID_CELLS_PER_GROUP, room))
+    for group in doc.groups:
+        block = group_block(group, members.get(group.id, []), names, min(GRID_CELLS_PER_GROUP, room))
         blocks.append(block)
         room -= block.cells
     blocks += [missing_group_block(absent, names) for absent in missing_groups]
@@ -162,16 +160,16 @@ def ranks_section(doc: Mapping[str, Any]) -> list[RenderableType]:
         out.append(Columns(blocks, padding=(0, 3)))
     else:
         out.append(Text("no ranks have connected yet", style="yellow"))
-    not_live = [rank for rank in doc["ranks"] if rank["state"] != "live"]
+    not_live = [rank for rank in doc.ranks if rank.state != "live"]
     for rank in not_live[:NOT_LIVE_SHOWN]:
-        line = chip(rank["state"], STATE_STYLE.get(rank["state"], "reverse"))
+        line = chip(rank.state, STATE_STYLE.get(rank.state, "reverse"))
         line.append_text(literal(names.rank(rank)))
-        since = rank["seconds_since_push"]
+        since = rank.seconds_since_push
         line.append(f"  {duration(since)} since a push" if since is not None else "  never pushed", style="dim")
         out.append(line)
     if len(not_live) > NOT_LIVE_SHOWN:
         out.append(Text(f"   and {len(not_live) - NOT_LIVE_SHOWN} more ranks not live", style="bold"))
-    out.extend(missing_lines(doc["groups"], missing_groups, integer(totals["groups"]), names))
+    out.extend(missing_lines(doc.groups, missing_groups, integer(totals.groups), names))
     return out
 
 
@@ -185,26 +183,26 @@ def chip(word: str, style: str) -> Text:
     return line
 
 
-def missing_lines(groups: Sequence[Mapping[str, Any]], missing_groups: Sequence[Mapping[str, Any]],
+def missing_lines(groups: Sequence[v1.Group], missing_groups: Sequence[v1.MissingGroup],
                   groups_missing: int, names: Names) -> list[Text]:
     """One line per group with missing positions, then per missing dp group; at most NOT_LIVE_SHOWN lines."""
     lines = []
     for group in groups:
-        missing = integer(group.get("missing_count", 0))
+        missing = integer(group.missing_count)
         if not missing:
             continue
         line = chip("missing", MISSING_STYLE)
         line.append_text(names.group(group))
-        shown = group["missing"][:MISSING_SHOWN]
-        line.append(": " + ", ".join(f"pp{integer(m['pp_rank'])} tp{integer(m['tp_rank'])}" for m in shown))
+        shown = group.missing[:MISSING_SHOWN]
+        line.append(": " + ", ".join(f"pp{integer(m.pp_rank)} tp{integer(m.tp_rank)}" for m in shown))
         if missing > len(shown):
             line.append(f" and {count(missing - len(shown))} more", style="bold")
         lines.append(line)
     for absent in missing_groups:
         line = chip("missing", MISSING_STYLE)
         line.append_text(names.group(absent))
-        expected = absent["expected"]
-        line.append(f": the whole dp group (tp {integer(expected['tp_size'])} × pp {integer(expected['pp_size'])}), "
+        expected = absent.expected
+        line.append(f": the whole dp group (tp {integer(expected.tp_size)} × pp {integer(expected.pp_size)}), "
                     "no rank has reported")
         lines.append(line)
     unlisted = groups_missing - len(missing_groups)  # the sidecar lists a bounded number
@@ -215,27 +213,27 @@ def missing_lines(groups: Sequence[Mapping[str, Any]], missing_groups: Sequence[
     return out
 
 
-def world_conflicts(doc: Mapping[str, Any]) -> list[str]:
+def world_conflicts(doc: v1.StatusDocument) -> list[str]:
     """One warning per static label set whose ranks reported different worlds, or a world larger than the
     sidecar can hold (`world_implausible`): which worlds, by how many ranks. One pass over the ranks."""
     names = Names(doc)
     conflicting: dict[str, bool] = {}  # label set -> whether its one world is implausible
-    for group in doc["groups"]:
-        if group.get("world_conflict"):
-            conflicting[group["label_set"]] = bool(group.get("world_implausible"))
+    for group in doc.groups:
+        if group.world_conflict:
+            conflicting[group.label_set] = group.world_implausible
     counts: dict[str, dict[str, int]] = {key: {} for key in conflicting}
-    for rank in doc["ranks"]:
-        world = rank.get("world")
-        key = names.groups[rank["group"]]["label_set"]
+    for rank in doc.ranks:
+        world = rank.world
+        key = names.groups[rank.group].label_set
         if world is not None and key in counts:
-            name = (f"tp {integer(world['tp_size'])} × pp {integer(world['pp_size'])} × "
-                    f"dp {integer(world['dp_size'])}")
+            name = (f"tp {integer(world.tp_size)} × pp {integer(world.pp_size)} × "
+                    f"dp {integer(world.dp_size)}")
             counts[key][name] = counts[key].get(name, 0) + 1
     lines = []
     for key, implausible in conflicting.items():
         worlds = ", ".join(f"{name} ({n} rank{'' if n == 1 else 's'})" for name, n in counts[key].items())
         labels = literal(" ".join(f"{k}={v}" for k, v in names.labels[key].items()) or "no static labels").plain
-        allowed = doc["sidecar"]["limits"]["ranks_allowed"]
+        allowed = doc.sidecar.limits.ranks_allowed
         said = (f"report {worlds}, more positions than the {count(allowed)} rank identities this sidecar keeps "
                 "(ranks.max_ranks)" if implausible else f"report different parallel sizes: {worlds}")
         lines.append(f"world conflict: the ranks with {labels} {said}; no missing rank can be worked out for them")
@@ -245,32 +243,20 @@ def world_conflicts(doc: Mapping[str, Any]) -> list[str]:
 Row = tuple[int, int | None]  # (pp_rank, attn_cp_rank)
 
 
-def grid_of(group: Mapping[str, Any], members: Sequence[Mapping[str, Any]], room: int
-            ) -> tuple[list[Row], list[int], int, int]:
+def grid_of(group: v1.Group, room: int) -> tuple[list[Row], list[int], int, int]:
     """The rows and tp columns of a group's grid that fit `room` cells, and how many rows and columns it has.
 
-    Read from the group's `grid` (the sidecar's api.grid_model); a sidecar from before sends none, and
-    its axes are drawn as it drew them, pp (x cp) rows by tp columns, cut to the room the same way.
+    Read from the group's `grid` (the sidecar's status.grid_model), cut to the room as the sidecar cuts it:
+    a document listing more than the caps allow is still drawn within them.
     """
-    grid = group.get("grid")
-    if grid is not None:
-        columns = [integer(tp) for tp in grid["tp_ranks"][:max(room, 0)]]
-        fit = room // len(columns) if columns else 0
-        rows = [(integer(row["pp_rank"]), optional_integer(row["attn_cp_rank"])) for row in grid["rows"][:fit]]
-        return rows, columns, integer(grid["row_count"]), integer(grid["column_count"])
-    missing = [(integer(m["pp_rank"]), integer(m["tp_rank"])) for m in group.get("missing", ())]
-    cps: list[int | None] = [integer(cp) for cp in group["attn_cp_ranks"]] or [None]
-    if any(rank["attn_cp_rank"] is None for rank in members) and None not in cps:
-        cps.insert(0, None)
-    tps = sorted({*map(integer, group["tp_ranks"]), *(integer(r["tp_rank"]) for r in members), *(tp for _, tp in missing)})
-    pps = sorted({*map(integer, group["pp_ranks"]), *(integer(r["pp_rank"]) for r in members), *(pp for pp, _ in missing)})
-    columns = tps[:max(room, 0)]
+    grid = group.grid
+    columns = [integer(tp) for tp in grid.tp_ranks[:max(room, 0)]]
     fit = room // len(columns) if columns else 0
-    rows = list(itertools.islice(((pp, cp) for pp in pps for cp in cps), fit))  # never the whole product
-    return rows, columns, len(pps) * len(cps), len(tps)
+    rows = [(integer(row.pp_rank), optional_integer(row.attn_cp_rank)) for row in grid.rows[:fit]]
+    return rows, columns, integer(grid.row_count), integer(grid.column_count)
 
 
-def group_block(group: Mapping[str, Any], members: Sequence[Mapping[str, Any]], names: Names,
+def group_block(group: v1.Group, members: Sequence[v1.Rank], names: Names,
                 room: int = GRID_CELLS_PER_GROUP) -> GridBlock:
     """One replica group: pp stage (and cp rank) rows by tp rank columns, each cell its rank's state colour,
     at most `room` cells (`grid_of`), and a line saying what is left out.
@@ -280,15 +266,15 @@ def group_block(group: Mapping[str, Any], members: Sequence[Mapping[str, Any]], 
     """
     title = names.group(group)
     title.stylize("bold")
-    live, size = integer(group["live"]), integer(group["size"])
+    live, size = integer(group.live), integer(group.size)
     title.append(f"  {live}/{size} live", style="green" if live == size else "yellow")
-    missing = {(integer(m["pp_rank"]), integer(m["tp_rank"])) for m in group.get("missing", ())}
-    if group.get("missing_count"):
+    missing = {(integer(m.pp_rank), integer(m.tp_rank)) for m in group.missing}
+    if group.missing_count:
         title.append("  ")
-        title.append(f"{integer(group['missing_count'])} missing", style=MISSING_STYLE)
-    at = {(integer(rank["pp_rank"]), optional_integer(rank["attn_cp_rank"]), integer(rank["tp_rank"])): rank
+        title.append(f"{integer(group.missing_count)} missing", style=MISSING_STYLE)
+    at = {(integer(rank.pp_rank), optional_integer(rank.attn_cp_rank), integer(rank.tp_rank)): rank
           for rank in members}
-    rows, tps, row_count, column_count = grid_of(group, members, room)
+    rows, tps, row_count, column_count = grid_of(group, room)
     # One more column for the mark, in every cell of a group that has one, to keep the columns aligned.
     width = max((len(str(tp)) for tp in tps), default=1) + (len(MISSING_MARK) if missing else 0)
     grid = Table.grid(padding=(0, 1))
@@ -301,15 +287,15 @@ def group_block(group: Mapping[str, Any], members: Sequence[Mapping[str, Any]], 
                 cells.append(Text(f"{f'{tp}{MISSING_MARK}':>{width}}", style=MISSING_STYLE))
                 continue
             rank = at.get((pp, cp, tp))
-            style = STATE_STYLE.get(rank["state"], "reverse") if rank is not None else ABSENT_STYLE
+            style = STATE_STYLE.get(rank.state, "reverse") if rank is not None else ABSENT_STYLE
             cells.append(Text(f"{tp:>{width}}", style=style))
         label = f"pp{pp}" if cp is None else f"pp{pp} cp{cp}"
         grid.add_row(Text(label, style="dim"), CellRow(cells, width))
     parts: list[RenderableType] = [title, grid]
     if len(rows) < row_count or len(tps) < column_count:
         drawn_rows, drawn_columns = set(rows), set(tps)
-        hidden = sum(1 for pp, cp, tp in ((integer(r["pp_rank"]), optional_integer(r["attn_cp_rank"]),
-                                           integer(r["tp_rank"])) for r in members)
+        hidden = sum(1 for pp, cp, tp in ((integer(r.pp_rank), optional_integer(r.attn_cp_rank),
+                                           integer(r.tp_rank)) for r in members)
                      if (pp, cp) not in drawn_rows or tp not in drawn_columns)
         parts.append(Text(f"drawn {len(rows)} of {count(row_count)} rows, {len(tps)} of {count(column_count)} tp "
                           f"columns; {hidden} rank{'' if hidden == 1 else 's'} not drawn", style="yellow"))
@@ -324,15 +310,15 @@ class GridBlock(Group):
         self.cells = cells
 
 
-def missing_group_block(absent: Mapping[str, Any], names: Names) -> RenderableType:
+def missing_group_block(absent: v1.MissingGroup, names: Names) -> RenderableType:
     """A dp group the world expects and no rank is in: its name, `missing`, and the layout it should have."""
     title = names.group(absent)
     title.stylize("bold")
     title.append("  ")
     title.append("missing", style=MISSING_STYLE)
-    expected = absent["expected"]
-    return Group(title, Text(f"no rank has reported (tp {integer(expected['tp_size'])} × "
-                             f"pp {integer(expected['pp_size'])} expected)", style="magenta"))
+    expected = absent.expected
+    return Group(title, Text(f"no rank has reported (tp {integer(expected.tp_size)} × "
+                             f"pp {integer(expected.pp_size)} expected)", style="magenta"))
 
 
 class CellRow:
@@ -355,41 +341,41 @@ class CellRow:
 # --- transfers and bandwidth ----------------------------------------------------------------
 
 
-def transfers_section(doc: Mapping[str, Any]) -> list[RenderableType]:
+def transfers_section(doc: v1.StatusDocument) -> list[RenderableType]:
     """Per transfer between tiers: rolled-up tokens and bytes, active bandwidth now and its history."""
-    bandwidth = doc["bandwidth"]
-    by_transfer = {family["transfer"]: family for family in bandwidth["families"] if family["transfer"] is not None}
+    bandwidth = doc.bandwidth
+    by_transfer = {family.transfer: family for family in bandwidth.families if family.transfer is not None}
     head = Text("Transfers", style=SECTION)
-    head.append(f"   totals since the sidecar started; active bandwidth over {duration(bandwidth['window_seconds'])}, "
-                f"history every {duration(bandwidth['history_interval_seconds'])}", style="dim")
+    head.append(f"   totals since the sidecar started; active bandwidth over {duration(bandwidth.window_seconds)}, "
+                f"history every {duration(bandwidth.history_interval_seconds)}", style="dim")
     table = Table(box=None, padding=(0, 2), show_edge=False, header_style="bold")
     for name, justify in (("transfer", "left"), ("tiers", "left"), ("tokens", "right"), ("bytes", "right"),
                           ("active bandwidth", "right"), ("history", "left")):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    for transfer in doc["transfers"]:
-        family = by_transfer.get(transfer["name"])
-        rate = transfer["bytes_per_second"]
-        table.add_row(literal(transfer["name"]), literal(f"{transfer['from']}→{transfer['to']}"),
-                      Text(count(transfer["tokens"]) if transfer["tokens"] is not None else "–"),
-                      Text(size(transfer["bytes"]) if transfer["bytes"] is not None else "–"),
+    for transfer in doc.transfers:
+        family = by_transfer.get(transfer.name)
+        rate = transfer.bytes_per_second
+        table.add_row(literal(transfer.name), literal(f"{transfer.source}→{transfer.target}"),
+                      Text(count(transfer.tokens) if transfer.tokens is not None else "–"),
+                      Text(size(transfer.bytes) if transfer.bytes is not None else "–"),
                       Text(speed(rate), style="bold cyan" if rate is not None else "dim"),
-                      sparkline([point[1] for point in family["history"]] if family is not None else []))
-    for family in bandwidth["families"]:
-        if family["transfer"] is None:  # a bytes counter outside the known tiers (an operator's own family)
-            rate = family["bytes_per_second"]
-            table.add_row(literal(family["family"]), Text("–"), Text("–"), Text("–"),
+                      sparkline([point[1] for point in family.history] if family is not None else []))
+    for family in bandwidth.families:
+        if family.transfer is None:  # a bytes counter outside the known tiers (an operator's own family)
+            rate = family.bytes_per_second
+            table.add_row(literal(family.family), Text("–"), Text("–"), Text("–"),
                           Text(speed(rate), style="bold cyan" if rate is not None else "dim"),
-                          sparkline([point[1] for point in family["history"]]))
+                          sparkline([point[1] for point in family.history]))
     out: list[RenderableType] = [head, table]
-    occupancy = host_occupancy(doc["rollups"])
+    occupancy = host_occupancy(doc.rollups)
     if occupancy is not None:
         out.append(occupancy)
     return out
 
 
-def host_occupancy(rollups: Sequence[Mapping[str, Any]]) -> Text | None:
+def host_occupancy(rollups: Sequence[v1.Rollup]) -> Text | None:
     """L2 host pool use, from the rolled-up host gauges (one live replica per group, summed)."""
-    totals = {rollup["family"]: rollup["total"] for rollup in rollups if rollup["family"] in OCCUPANCY}
+    totals = {rollup.family: rollup.total for rollup in rollups if rollup.family in OCCUPANCY}
     if set(totals) != set(OCCUPANCY) or not totals[OCCUPANCY[1]]:
         return None
     used, capacity = number(totals[OCCUPANCY[0]]), number(totals[OCCUPANCY[1]])
@@ -413,18 +399,18 @@ def sparkline(values: Sequence[float | None], width: int = SPARK_WIDTH) -> Text:
 # --- reasons, spread, upstreams, the sidecar ------------------------------------------------
 
 
-def reasons_section(doc: Mapping[str, Any]) -> list[RenderableType]:
+def reasons_section(doc: v1.StatusDocument) -> list[RenderableType]:
     """Every family with a `reason` label, its reasons by value (those at 0 counted, not listed)."""
     out: list[RenderableType] = [Text("Reasons", style=SECTION).append(
         "   tokens, rolled up; attempt-level counts are not final cache misses", style="dim")]
-    for family in doc["reasons"]:
-        line = literal(family["family"])
+    for family in doc.reasons:
+        line = literal(family.family)
         line.stylize("bold")
-        if family["attempt_level"]:
+        if family.attempt_level:
             line.append(" (attempt-level)", style="dim")
-        line.append(f"  {count(family['total'])}")
-        by_reason = family.get("by_reason") or []  # a capped listing may list fewer than the family has
-        nonzero = sorted((r for r in by_reason if number(r["value"])), key=lambda r: -number(r["value"]))
+        line.append(f"  {count(family.total)}")
+        by_reason = family.by_reason  # a capped listing may list fewer than the family has
+        nonzero = sorted((r for r in by_reason if number(r.value)), key=lambda r: -number(r.value))
         zeros = len(by_reason) - len(nonzero)
         if not by_reason:
             line.append("  (no reason reported yet)", style="dim")
@@ -434,8 +420,8 @@ def reasons_section(doc: Mapping[str, Any]) -> list[RenderableType]:
             line.append(":")
         for reason in nonzero:
             line.append("  ")
-            line.append_text(literal(reason["reason"]))
-            line.append(f" {count(reason['value'])}", style="bold")
+            line.append_text(literal(reason.reason))
+            line.append(f" {count(reason.value)}", style="bold")
         if nonzero and zeros:
             line.append(f"  ({zeros} more at 0)", style="dim")
         out.append(line)
@@ -444,34 +430,34 @@ def reasons_section(doc: Mapping[str, Any]) -> list[RenderableType]:
     return out
 
 
-def spread_section(doc: Mapping[str, Any]) -> list[RenderableType]:
+def spread_section(doc: v1.StatusDocument) -> list[RenderableType]:
     """Replica groups by how far their live replicas disagree, the diverging ones first and in red."""
-    spread = doc["spread"]
+    spread = doc.spread
     names = Names(doc)
     out: list[RenderableType] = [Text("Replica spread", style=SECTION).append(
-        f"   (max - min) / max of the replicas' increases; diverging above {number(spread['threshold']):g}",
+        f"   (max - min) / max of the replicas' increases; diverging above {number(spread.threshold):g}",
         style="dim")]
-    ordered = sorted(spread["groups"], key=lambda g: (not g["diverging"], -number(g["max_ratio"])))
+    ordered = sorted(spread.groups, key=lambda g: (not g.diverging, -number(g.max_ratio)))
     for entry in ordered[:SPREAD_SHOWN]:
-        group = names.groups.get(entry["group"])
-        line = names.group(group) if group is not None else literal(entry["group"])
-        if entry["diverging"]:
-            line.append(f"  DIVERGING {number(entry['max_ratio']):.2f}", style="bold white on red")
-            worst = sorted(entry["series"], key=lambda s: -number(s["ratio"]))[:3]
+        group = names.groups.get(entry.group)
+        line = names.group(group) if group is not None else literal(entry.group)
+        if entry.diverging:
+            line.append(f"  DIVERGING {number(entry.max_ratio):.2f}", style="bold white on red")
+            worst = sorted(entry.series, key=lambda s: -number(s.ratio))[:3]
             for series in worst:
                 line.append("  ")
-                line.append_text(literal(series["family"]))
-                if series["labels"]:
+                line.append_text(literal(series.family))
+                if series.labels:
                     line.append("{")
-                    line.append_text(labels_text(series["labels"]))
+                    line.append_text(labels_text(series.labels))
                     line.append("}")
-                line.append(f" {number(series['ratio']):.2f}", style="bold red")
+                line.append(f" {number(series.ratio):.2f}", style="bold red")
         else:
-            line.append(f"  agree ({number(entry['max_ratio']):.2f})", style="green")
+            line.append(f"  agree ({number(entry.max_ratio):.2f})", style="green")
         out.append(line)
     if len(ordered) > SPREAD_SHOWN:
         rest = ordered[SPREAD_SHOWN:]
-        diverging = sum(1 for g in rest if g["diverging"])
+        diverging = sum(1 for g in rest if g.diverging)
         out.append(Text(f"and {len(rest)} more groups ({diverging} diverging)", style="bold red" if diverging else "dim"))
     if not ordered:
         out.append(Text("no replica group has two live replicas with increases in the window yet", style="dim"))
@@ -481,25 +467,25 @@ def spread_section(doc: Mapping[str, Any]) -> list[RenderableType]:
 class Names:
     """What the document writes once and references by id (label sets, groups), read back as text."""
 
-    def __init__(self, doc: Mapping[str, Any]) -> None:
-        self.labels: dict[str, Mapping[str, str]] = {s["id"]: s["labels"] for s in doc["label_sets"]}
-        self.groups: dict[str, Mapping[str, Any]] = {g["id"]: g for g in doc["groups"]}
+    def __init__(self, doc: v1.StatusDocument) -> None:
+        self.labels: dict[str, Mapping[str, str]] = {s.id: s.labels for s in doc.label_sets}
+        self.groups: dict[str, v1.Group] = {g.id: g for g in doc.groups}
 
-    def group(self, group: Mapping[str, Any]) -> Text:
+    def group(self, group: v1.Group | v1.MissingGroup) -> Text:
         """`dp0 cache_type=...`: a replica group (or a missing one) as its dp rank and static labels."""
-        name = Text(f"dp{integer(group['dp_rank'])}")
-        labels = self.labels[group["label_set"]]
+        name = Text(f"dp{integer(group.dp_rank)}")
+        labels = self.labels[group.label_set]
         if labels:
             name.append(" ")
             name.append_text(labels_text(labels))
         return name
 
-    def rank(self, rank: Mapping[str, Any]) -> str:
+    def rank(self, rank: v1.Rank) -> str:
         """`tp=1 pp=0 dp=0 [cp=0] name="value" ...`: a rank's axes and every static label in name order,
-        quoted as /metrics writes them (the sidecar's `api.identity_text`); shown through `literal`."""
-        labels = {**self.labels[self.groups[rank["group"]]["label_set"]], **rank["own_labels"]}
-        cp = rank["attn_cp_rank"]
-        axes = [f"tp={integer(rank['tp_rank'])}", f"pp={integer(rank['pp_rank'])}", f"dp={integer(rank['dp_rank'])}",
+        quoted as /metrics writes them (the sidecar's `status.identity_text`); shown through `literal`."""
+        labels = {**self.labels[self.groups[rank.group].label_set], **rank.own_labels}
+        cp = rank.attn_cp_rank
+        axes = [f"tp={integer(rank.tp_rank)}", f"pp={integer(rank.pp_rank)}", f"dp={integer(rank.dp_rank)}",
                 *(() if cp is None else (f"cp={integer(cp)}",))]
         return " ".join((*axes, *(f'{k}="{quote(str(v))}"' for k, v in sorted(labels.items()))))
 
@@ -509,55 +495,55 @@ def quote(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def upstreams_section(doc: Mapping[str, Any]) -> list[RenderableType]:
+def upstreams_section(doc: v1.StatusDocument) -> list[RenderableType]:
     """The engines the sidecar proxies (none when every rank pushes)."""
-    if not doc["upstreams"]:
+    if not doc.upstreams:
         return [Text("Upstreams", style=SECTION).append("   none: every rank pushes", style="dim")]
     table = Table(box=None, padding=(0, 2), show_edge=False, header_style="bold")
     for name in ("upstream", "source", "state", "ranks", "samples", "last read", "errors", "last error"):
         table.add_column(name, overflow="fold")
-    for upstream in doc["upstreams"]:
-        errors = sum(number(n) for n in upstream["errors"].values())
-        took = upstream["last_scrape_duration_seconds"]
-        table.add_row(literal(upstream["name"]), literal(upstream["source"]),
-                      Text("up", style="green") if upstream["up"] else Text("DOWN", style="bold red"),
-                      Text(count(upstream["ranks"])), Text(count(upstream["samples"])),
+    for upstream in doc.upstreams:
+        errors = sum(number(n) for n in upstream.errors.values())
+        took = upstream.last_scrape_duration_seconds
+        table.add_row(literal(upstream.name), literal(upstream.source),
+                      Text("up", style="green") if upstream.up else Text("DOWN", style="bold red"),
+                      Text(count(upstream.ranks)), Text(count(upstream.samples)),
                       Text(f"{number(took) * 1000:.0f} ms" if took is not None else "never"),
                       Text(count(errors), style="red" if errors else ""),
-                      literal(upstream["last_error"] or ""))
+                      literal(upstream.last_error or ""))
     return [Text("Upstreams", style=SECTION), table]
 
 
-def sidecar_section(doc: Mapping[str, Any]) -> list[RenderableType]:
+def sidecar_section(doc: v1.StatusDocument) -> list[RenderableType]:
     """The sidecar's own health: ingest, connections, throughput, limits, and rejections by reason."""
-    sidecar = doc["sidecar"]
-    ingest, conns, limits = sidecar["ingest"], sidecar["connections"], sidecar["limits"]
+    sidecar = doc.sidecar
+    ingest, conns, limits = sidecar.ingest, sidecar.connections, sidecar.limits
     health = Text("Sidecar", style=SECTION)
     health.append("  ingest ")
-    health.append(*(("listening", "green") if ingest["listening"] else ("NOT LISTENING", "bold red")))
+    health.append(*(("listening", "green") if ingest.listening else ("NOT LISTENING", "bold red")))
     health.append(" on ")
-    health.append_text(literal(ingest["socket_path"]))
-    health.append(f" · connections {count(conns['open'])} open of {count(conns['allowed'])} "
-                  f"({count(conns['accepted'])} accepted)")
-    traffic = Text(f"received: frames {count(sidecar['frames_received'])} · snapshots "
-                   f"{count(sidecar['snapshots_applied'])} applied of {count(sidecar['snapshots_received'])}"
-                   f" · samples {count(sidecar['samples_applied'])}")
-    full = number(limits["series_allowed"]) and number(limits["series_used"]) >= number(limits["series_allowed"])
-    limit_line = Text(f"limits: series {count(limits['series_used'])} of {count(limits['series_allowed'])}",
+    health.append_text(literal(ingest.socket_path))
+    health.append(f" · connections {count(conns.open)} open of {count(conns.allowed)} "
+                  f"({count(conns.accepted)} accepted)")
+    traffic = Text(f"received: frames {count(sidecar.frames_received)} · snapshots "
+                   f"{count(sidecar.snapshots_applied)} applied of {count(sidecar.snapshots_received)}"
+                   f" · samples {count(sidecar.samples_applied)}")
+    full = number(limits.series_allowed) and number(limits.series_used) >= number(limits.series_allowed)
+    limit_line = Text(f"limits: series {count(limits.series_used)} of {count(limits.series_allowed)}",
                       style="bold red" if full else "")
-    limit_line.append(f" · stale after {duration(limits['stale_after_seconds'])}, expired after "
-                      f"{duration(limits['expire_after_seconds'])} · window {duration(limits['window_seconds'])}"
+    limit_line.append(f" · stale after {duration(limits.stale_after_seconds)}, expired after "
+                      f"{duration(limits.expire_after_seconds)} · window {duration(limits.window_seconds)}"
                       " · namespace ")
-    limit_line.append_text(literal(repr(sidecar["namespace"])))
-    rejected = Text(f"rejections {count(sidecar['rejections_total'])}",
-                    style="bold red" if sidecar["rejections_total"] else "green")
-    nonzero = sorted(((reason, n) for reason, n in sidecar["rejections"].items() if number(n)), key=lambda item: -item[1])
+    limit_line.append_text(literal(repr(sidecar.namespace)))
+    rejected = Text(f"rejections {count(sidecar.rejections_total)}",
+                    style="bold red" if sidecar.rejections_total else "green")
+    nonzero = sorted(((reason, n) for reason, n in sidecar.rejections.items() if number(n)), key=lambda item: -item[1])
     for reason, n in nonzero:
         rejected.append("  ")
         rejected.append_text(literal(reason))
         rejected.append(f" {count(n)}", style="bold red")
     out: list[RenderableType] = [health, traffic, limit_line, rejected]
-    conflicts = {family: n for family, n in sidecar["rollup_layout_conflicts"].items() if n}
+    conflicts = {family: n for family, n in sidecar.rollup_layout_conflicts.items() if n}
     if conflicts:
         line = Text("histogram layouts left out of their rollup:", style="yellow")
         for family, n in sorted(conflicts.items()):
@@ -568,7 +554,7 @@ def sidecar_section(doc: Mapping[str, Any]) -> list[RenderableType]:
     return out
 
 
-SECTIONS: tuple[tuple[str, Callable[[Mapping[str, Any]], list[RenderableType]]], ...] = (
+SECTIONS: tuple[tuple[str, Callable[[v1.StatusDocument], list[RenderableType]]], ...] = (
     ("Ranks", ranks_section), ("Transfers", transfers_section), ("Reasons", reasons_section),
     ("Replica spread", spread_section), ("Upstreams", upstreams_section), ("Sidecar", sidecar_section),
 )

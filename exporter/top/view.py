@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from exporter.top.fetch import FailureKind, Fetched, FetchFailed, FetchResult, Target
-
-API_VERSION = 1
+from exporter.api.v1 import StatusDocument
+from exporter.top.fetch import Fetched, FetchFailed, FetchResult, Target
 
 
 @dataclass
@@ -16,7 +14,7 @@ class View:
 
     target: Target
     interval: float
-    document: dict[str, Any] | None = None
+    document: StatusDocument | None = None
     document_at: float | None = None  # wall-clock time the document was read
     failure: FetchFailed | None = None  # the latest failed poll, until one succeeds
     failures_in_row: int = 0
@@ -25,14 +23,7 @@ class View:
     def update(self, result: FetchResult) -> None:
         """Take one poll's result: a document replaces the last one, a failure is shown over it."""
         self.polls += 1
-        if isinstance(result, Fetched):
-            version = result.document.get("api_version")
-            if version != API_VERSION:
-                self._failed(FetchFailed(
-                    FailureKind.INVALID,
-                    f"{self.target.status_url} speaks api_version {version!r}; this top reads {API_VERSION}",
-                    result.at))
-                return
+        if isinstance(result, Fetched):  # decoded and of this api_version (fetch.received)
             self.document, self.document_at = result.document, result.at
             self.failure, self.failures_in_row = None, 0
         else:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from config.generator import DEFAULT_NAMESPACE, outputs, readme_block, with_readme_block
-from config.generator.yamltext import Folded, Key, dump_documents
+from config.generator.yamltext import Folded, Key, dump_documents, dump_mapping
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "config"
@@ -89,6 +89,13 @@ def test_yaml_writer_keeps_comments_and_refuses_what_does_not_load_back() -> Non
     assert yaml.safe_load(text)["a"]["d"] == "some prose " * 20 + "end"
     with pytest.raises(ValueError, match="single spaces"):
         dump_documents([{"d": Folded("two  spaces")}])
+
+
+def test_yaml_writer_quotes_what_a_yaml_1_1_or_1_2_reader_would_misread() -> None:
+    """Kubernetes and Prometheus read YAML 1.1 (`on` is a bool, `0660` octal, `12:30` base 60),
+    ruamel.yaml writes 1.2 (`1e3` is a float): a string either would misread is quoted."""
+    text = dump_mapping({"yes": "on", "b": "1e3", "c": "0660", "d": 1e-05, "e": None, "f": "12:30"})
+    assert text == "'yes': 'on'\nb: '1e3'\nc: '0660'\nd: 1.0e-05\ne: null\nf: '12:30'\n"
 
 
 def test_a_family_added_to_the_catalog_gets_its_rules(tmp_path: Path) -> None:

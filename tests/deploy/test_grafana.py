@@ -186,13 +186,13 @@ def collector_names(ns: str = DEFAULT_NAMESPACE, prefix: str = "") -> frozenset[
     """Sample names the real collector (exporter/sidecar/expose/collector.py) declares, on a sidecar with one upstream."""
     from exporter.catalog import default_catalog
     from exporter.config import SidecarConfig
-    from exporter.sidecar.core.health import SidecarStats, UpstreamHealth
+    from exporter.sidecar.core.health import SidecarHealth, UpstreamHealth
     from exporter.sidecar.core.state import SidecarState
     from exporter.sidecar.expose.collector import SidecarCollector
 
     config = SidecarConfig()
     state = SidecarState(default_catalog(), config.ranks, config.rollup.window_seconds)
-    stats = SidecarStats()
+    stats = SidecarHealth()
     # An upstream that has been read and has failed once, so its every health family is declared.
     upstream = UpstreamHealth("engine", "http://127.0.0.1:30000/metrics")
     upstream.last_scrape_wall, upstream.last_duration, upstream.errors = 1.0, 0.1, {"connect": 1}

@@ -8,13 +8,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from exporter.errors import LabelError
 from exporter.labels import (
     MAX_RANK_AXIS,
     RANK_KEYS,
     label_name_problem,
+    own_labels_problem,
     radix_cache_metric_labels,
     rank_axis,
+    rank_axis_problem,
     split_rank_labels,
+    static_label_problem,
 )
 from exporter.protocol.messages import MAX_RANK
 
@@ -151,3 +155,40 @@ def test_a_rank_axis_has_one_spelling(text):
 def test_split_rank_labels_refuses_what_is_no_rank_number(value):
     with pytest.raises(ValueError, match="tp_rank=.* must be a whole number from 0 to 65535"):
         split_rank_labels({"tp_rank": value, "pp_rank": 0, "dp_rank": 0})
+
+
+# --- the one split and the one static-label rule (client, stat-logger hook, proxy, the sidecar's hello) ---
+
+
+def test_split_rank_labels_leaves_out_the_familys_own_labels_and_empty_values():
+    labels = {"tp_rank": 1, "pp_rank": "0", "dp_rank": 0, "pool": "kv", "priority": "", "zone": "eu"}
+    assert split_rank_labels(labels, own=("pool",)) == ({"tp_rank": 1, "pp_rank": 0, "dp_rank": 0}, {"zone": "eu"})
+
+
+def test_split_rank_labels_names_every_missing_rank_axis():
+    with pytest.raises(LabelError, match=r"rank labels \['pp_rank', 'dp_rank'\] are missing"):
+        split_rank_labels({"tp_rank": 0, "zone": "eu"})
+
+
+def test_a_rank_axis_problem_cuts_a_long_value():
+    assert rank_axis_problem("tp_rank", "3") is None and rank_axis_problem("tp_rank", 3) is None
+    problem = rank_axis_problem("dp_rank", "9" * 5000)
+    assert problem is not None and len(problem) < 200 and "(5000 characters)" in problem
+    assert problem.startswith("rank label dp_rank='9999")
+
+
+@pytest.mark.parametrize("name, value, problem", [
+    ("zone", "eu", None),
+    ("le", "1", "label name 'le' is reserved"),
+    ("pool", "kv", "label name 'pool' is a family label in the catalog"),
+    ("zone", "", "label 'zone' has an empty value; leave the label out instead"),
+    ("zone", "x" * 9, "value of label 'zone' is longer than 8 characters"),
+    ("pool", "", "label name 'pool' is a family label in the catalog"),  # the first problem is named
+])
+def test_static_label_problem(name, value, problem):
+    assert static_label_problem(name, value, family_labels={"pool"}, max_value_length=8) == problem
+
+
+def test_own_labels_problem_names_what_the_family_takes():
+    assert own_labels_problem("f_total", ("pool",), {"pool": "kv"}) is None
+    assert own_labels_problem("f_total", ("pool",), {"zone": "eu"}) == "'f_total' takes labels ['pool'], got ['zone']"

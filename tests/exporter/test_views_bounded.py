@@ -25,15 +25,15 @@ from rich.console import Console, RenderableType
 
 from exporter.config import SidecarConfig
 from exporter.protocol.messages import Hello, RankId, World
-from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.expose import status as api
 from exporter.sidecar.expose.page import render_page
 from exporter.sidecar.expose.status import StatusView
 from exporter.top import render
-from exporter.top.fetch import Fetched, Target
+from exporter.top.fetch import Target, received
 from exporter.top.render import render_frame
 from exporter.top.view import View
-from tests.exporter.sidecar.expose.test_status import assert_valid
+from tests.exporter.sidecar.expose.test_status import assert_valid, typed
 from tests.exporter.sidecar.harness import STATIC, Harness
 from tests.exporter.sidecar.upstream.test_feed import feed, read
 
@@ -51,7 +51,7 @@ def diagonal(h: Harness, n: int, world: World | None = None, labels: dict[str, s
 
 
 def document(h: Harness) -> tuple[bytes, dict[str, Any]]:
-    body = StatusView(SidecarConfig(), h.state, SidecarStats()).encode()
+    body = StatusView(SidecarConfig(), h.state, SidecarHealth()).encode()
     doc = json.loads(body)
     assert_valid("status", doc)
     return body, doc
@@ -76,8 +76,9 @@ def screen_text(renderable: RenderableType, width: int = 200) -> str:
 
 
 def view_of(doc: dict[str, Any]) -> View:
+    """A View that polled `doc`, read as top reads a body (decoded into the model)."""
     view = View(TARGET, interval=2.0)
-    view.update(Fetched(doc, at=1_764_400_000.0, seconds=0.01))
+    view.update(received(json.dumps(doc).encode(), TARGET.status_url, at=1_764_400_000.0, seconds=0.01))
     return view
 
 
@@ -85,7 +86,7 @@ def test_hello_only_ranks_on_a_diagonal_draw_a_bounded_grid() -> None:
     h = Harness()
     diagonal(h, 130)
     body, doc = document(h)
-    page = render_page(doc)
+    page = render_page(typed(doc))
     rows, cells = drawn(130)  # 7 rows of 130 columns: 910 cells, where the cube had 130**3
     assert page_cells(page) == cells
     assert len(page.encode()) < 200_000  # 65.5 KB measured (the cube's page: 71 MB)
@@ -104,7 +105,7 @@ def test_a_world_of_65536_by_65536_is_a_conflict_and_only_its_ranks_are_drawn() 
     h = Harness()
     diagonal(h, 40, BIG)
     body, doc = document(h)
-    page = render_page(doc)
+    page = render_page(typed(doc))
     rows, cells = drawn(40)  # 25 rows of 40: no missing position of the claimed world is drawn
     assert page_cells(page) == cells and 'class="rank state-missing"' not in page
     assert len(page.encode()) < 100_000  # 54 KB measured (was 51.5 MB)
@@ -125,7 +126,7 @@ def test_an_upstream_with_ranks_on_a_diagonal_draws_the_same_bounded_grid() -> N
     feed(h).apply(read("# TYPE sglang:load_back_bytes_total counter\n" + lines))
     assert len(h.state.ranks) == 130
     _, doc = document(h)
-    page = render_page(doc)
+    page = render_page(typed(doc))
     assert page_cells(page) == drawn(130)[1]
     assert len(page.encode()) < 200_000  # 66 KB measured (was 71 MB)
 
@@ -139,7 +140,7 @@ def test_groups_share_the_documents_cap_on_cells() -> None:
     # The last group has 96 cells of room left: 2 rows of its 40 columns.
     assert [len(g["rows"]) * len(g["tp_ranks"]) for g in grids] == [1000] * 4 + [80]
     assert [g["hidden_ranks"] for g in grids] == [15] * 4 + [38]
-    assert page_cells(render_page(doc)) == 4080 <= api.GRID_CELLS
+    assert page_cells(render_page(typed(doc))) == 4080 <= api.GRID_CELLS
 
 
 def test_an_ordinary_layout_is_drawn_whole_as_before() -> None:
@@ -155,7 +156,7 @@ def test_an_ordinary_layout_is_drawn_whole_as_before() -> None:
     whole, sparse = (g["grid"] for g in doc["groups"])
     assert whole == {"rows": every_row, "tp_ranks": [0, 1], "row_count": 4, "column_count": 2, "hidden_ranks": 0}
     assert sparse == {"rows": every_row, "tp_ranks": [0], "row_count": 4, "column_count": 1, "hidden_ranks": 0}
-    page = render_page(doc)
+    page = render_page(typed(doc))
     assert page_cells(page) == 8 + 4 and page.count('class="rank absent"') == 2 and "drawn:" not in page
 
 
@@ -186,9 +187,9 @@ def test_top_bounds_a_grid_a_document_lists_past_the_caps() -> None:
     group["grid"]["tp_ranks"] = list(range(5000))
     text = screen_text(render_frame(view_of(doc)), width=200)
     assert sum(line.startswith("pp") for line in text.splitlines()) == 1  # 1,024 columns leave room for one row
-    del group["grid"]  # a sidecar from before the grid: its axes, the product cut to the cap, never built whole
+    del group["grid"]  # a sidecar from before the grid: not this model's document, refused in one line
     text = screen_text(render_frame(view_of(doc)), width=200)
-    assert [line.split()[:2] for line in grid_rows(text)] == [["pp0", f"cp{cp}"] for cp in range(25)]
+    assert "cannot read: Object missing required field `grid` - at `$.groups[0]`" in text and not grid_rows(text)
     assert render.GRID_CELLS_PER_GROUP == api.GRID_CELLS_PER_GROUP and render.GRID_CELLS == api.GRID_CELLS
 
 

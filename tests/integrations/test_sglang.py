@@ -347,6 +347,45 @@ def test_histograms_push_the_engines_buckets_and_gauges_ignore_multiprocess_mode
     assert isinstance(gauge.labels(tp_rank=0, pp_rank=0, dp_rank=0), GaugeChild)
 
 
+def test_a_repeated_bucket_bound_keeps_the_family_prometheus_clients_and_starts_no_client(sidecar, in_process,
+                                                                                         monkeypatch, caplog):
+    """prometheus_client takes a repeated bound, the sidecar's one layout rule (catalog.bucket_layout_problem)
+    does not. Before, each label set started a push client, then fell back when its child was refused: the
+    sidecar held a rank identity with no series. Now the family is decided once, at construction."""
+    monkeypatch.setenv("HICACHE_EXPORTER_SOCKET", sidecar.socket_path)
+    histogram = in_process.SidecarHistogram("sglang:eviction_duration_seconds", "d", ["tp_rank", "pp_rank", "dp_rank"],
+                                            buckets=[0.5, 0.5, 2.0])
+    try:
+        assert isinstance(histogram, prometheus_client.Histogram)
+        histogram.labels(tp_rank=0, pp_rank=0, dp_rank=0).observe(1.0)
+        assert "sglang:eviction_duration_seconds: buckets must be strictly ascending" in caplog.text
+        assert in_process._this_process().clients == {}
+    finally:
+        if isinstance(histogram, prometheus_client.Histogram):
+            prometheus_client.REGISTRY.unregister(histogram)
+        in_process._warned.discard("sglang:eviction_duration_seconds")
+
+
+def test_the_hook_splits_labels_by_the_proxys_rule(engine_sidecar, in_process, monkeypatch, caplog):
+    """exporter.labels.split_rank_labels: an empty value is no static label, and a rank axis has one spelling
+    ("03" is no rank number; before, the hook's int() pushed it as rank 3 while the proxy refused it)."""
+    monkeypatch.setenv("HICACHE_EXPORTER_SOCKET", engine_sidecar.socket_path)
+    counter = in_process.SidecarCounter(name="sglang:evicted_tokens_total", documentation="e",
+                                        labelnames=["tp_rank", "pp_rank", "dp_rank", "priority"])
+    made: list[Any] = []
+    try:
+        assert isinstance(counter.labels(tp_rank=0, pp_rank=0, dp_rank=0, priority=""), CounterChild)
+        assert [static for (_, static) in in_process._this_process().clients] == [()]
+        odd = counter.labels(tp_rank="03", pp_rank=0, dp_rank=0, priority="")
+        assert not isinstance(odd, CounterChild)
+        assert "tp_rank='03' must be a whole number" in caplog.text
+        made.append(counter._fallback)
+    finally:
+        for metric in made:
+            prometheus_client.REGISTRY.unregister(metric)
+        in_process._warned.discard("sglang:evicted_tokens_total")
+
+
 def test_families_the_sidecar_cannot_take_stay_prometheus_clients(sidecar, in_process, monkeypatch, caplog):
     monkeypatch.setenv("HICACHE_EXPORTER_SOCKET", sidecar.socket_path)
     made: list[Any] = []

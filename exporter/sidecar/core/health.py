@@ -3,33 +3,18 @@
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
+
+from prometheus_client import Histogram
 
 from exporter.errors import ErrorCode
 
 DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
-class DurationHistogram:
-    """Observations counted into fixed upper bounds (the last bucket is +Inf), and their sum."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...] = DURATION_BUCKETS) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative
-        self.sum = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect_left(self.bounds, seconds)] += 1  # `le` buckets: a value on a bound counts in it
-        self.sum += seconds
-
-    def cumulative(self) -> list[int]:
-        total, out = 0, []
-        for count in self.counts:
-            total += count
-            out.append(total)
-        return out
+def duration_histogram(name: str) -> Histogram:
+    """prometheus_client's histogram over DURATION_BUCKETS, in no registry: the collector exposes it
+    under its family's name and HELP text (expose/families.py)."""
+    return Histogram(name, name, buckets=DURATION_BUCKETS, registry=None)
 
 
 class UpstreamHealth:
@@ -59,8 +44,8 @@ class UpstreamHealth:
         self.last_error = kind if line is None else f"{kind} at line {line}"
 
 
-class SidecarStats:
-    """Plain in-memory counters, written by the event loop and read by the collector."""
+class SidecarHealth:
+    """The sidecar's own counters, durations and upstream health, written by the event loop and read by the views."""
 
     def __init__(self) -> None:
         self.started_at = time.time()  # wall clock, for people
@@ -72,8 +57,8 @@ class SidecarStats:
         self.snapshots_applied = 0
         self.samples_applied = 0
         self.rejections: dict[str, int] = {code.value: 0 for code in ErrorCode}
-        self.scrape_duration = DurationHistogram()
-        self.ingest_duration = DurationHistogram()
+        self.scrape_duration = duration_histogram("scrape_duration_seconds")  # one /metrics render
+        self.ingest_duration = duration_histogram("ingest_duration_seconds")  # one applied snapshot
         self.ingest_listening = False
         self.upstreams: dict[str, UpstreamHealth] = {}  # by name, in config order
 

@@ -13,17 +13,18 @@ from collections.abc import Iterable, Iterator, Sequence
 from functools import lru_cache
 from typing import TypeVar
 
+from prometheus_client.metrics import Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from exporter import __version__
-from exporter.sidecar.core.health import DurationHistogram, SidecarStats
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import HistAccumulator, HistValue, LabelValues, Layout, RollupKey
 from exporter.sidecar.core.ranks import RankState, RankStatus
 from exporter.sidecar.core.state import SidecarState
-from exporter.sidecar.expose.families import SELF, SELF_FAMILIES, ExposedFamilies, Family
+from exporter.sidecar.expose.families import SELF, SELF_FAMILIES, ExposedFamilies, Family, value_sample_name
 
 ENV_REVISION = "HICACHE_EXPORTER_REVISION"
 KeyT = TypeVar("KeyT", bound=tuple)
@@ -67,7 +68,7 @@ def add_value(metric: Metric, labels: dict[str, str], value: float | HistValue |
         metric.add_sample(name + "_count", labels, float(value.counts[-1]))
         metric.add_sample(name + "_sum", labels, float(value.sum))
     else:
-        metric.add_sample(name + "_total" if metric.type == "counter" else name, labels, float(value))
+        metric.add_sample(value_sample_name(name, metric.type), labels, float(value))
 
 
 def _labels(names: tuple[str, ...], values: LabelValues, base: dict[str, str]) -> dict[str, str]:
@@ -102,11 +103,11 @@ class SidecarCollector(Collector):
     """Yields per-rank series, rollups, bandwidth and spread gauges, and the sidecar's self-metrics."""
 
     def __init__(
-        self, state: SidecarState, stats: SidecarStats, namespace: str, per_rank_series: bool = True,
+        self, state: SidecarState, health: SidecarHealth, namespace: str, per_rank_series: bool = True,
         extra: Sequence[Collector] = (),
     ) -> None:
         self.state = state
-        self.stats = stats
+        self.health = health
         self.per_rank_series = per_rank_series
         self.extra = tuple(extra)  # other collectors rendered last, such as prometheus_client's process collector
         self.revision = build_revision()
@@ -189,61 +190,62 @@ class SidecarCollector(Collector):
             yield metric
 
     def _self_metrics(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
-        stats, state = self.stats, self.state
+        health, state = self.health, self.state
         metric = {name[len(SELF):]: new_metric(family) for name, family in SELF_FAMILIES.items()}
         info = metric["build_info"]
         info.add_sample(info.name, {"version": __version__, "revision": self.revision,
                                   "python_version": platform.python_version()}, 1.0)
         for status, count in state.ranks_by_status().items():
-            metric["ranks"].add_sample(SELF + "ranks", {"state": status.value}, float(count))
+            add_value(metric["ranks"], {"state": status.value}, count)
         up, last, restarts = metric["rank_up"], metric["rank_last_push_timestamp_seconds"], metric["rank_restarts"]
         for rank in ranks:
             labels = rank_labels[id(rank)]
-            up.add_sample(up.name, labels, 1.0 if rank.status is RankStatus.LIVE else 0.0)
+            add_value(up, labels, 1.0 if rank.status is RankStatus.LIVE else 0.0)
             if rank.last_push_wall is not None:
-                last.add_sample(last.name, labels, rank.last_push_wall)
-            restarts.add_sample(restarts.name + "_total", labels, float(rank.restarts))
+                add_value(last, labels, rank.last_push_wall)
+            add_value(restarts, labels, rank.restarts)
         for name, value in (
-            ("connections", stats.connections_open), ("connections_accepted", stats.connections_accepted),
-            ("frames_received", stats.frames_received), ("snapshots_received", stats.snapshots_received),
-            ("snapshots_applied", stats.snapshots_applied), ("samples_applied", stats.samples_applied),
+            ("connections", health.connections_open), ("connections_accepted", health.connections_accepted),
+            ("frames_received", health.frames_received), ("snapshots_received", health.snapshots_received),
+            ("snapshots_applied", health.snapshots_applied), ("samples_applied", health.samples_applied),
         ):
             metric[name].add_metric([], float(value))  # type: ignore[attr-defined]
-        for reason, count in sorted(stats.rejections.items()):
-            metric["rejections"].add_sample(SELF + "rejections_total", {"reason": reason}, float(count))
+        for reason, count in sorted(health.rejections.items()):
+            add_value(metric["rejections"], {"reason": reason}, count)
         for family, count in state.layout_conflicts().items():
-            metric["rollup_layout_conflicts"].add_sample(SELF + "rollup_layout_conflicts_total", {"family": family}, float(count))
-        for health in stats.upstreams.values():
-            labels = {"upstream": health.name}
-            metric["upstream_series_resets"].add_sample(
-                SELF + "upstream_series_resets_total", labels, float(health.series_resets))
-            metric["upstream_series_flapping"].add_sample(
-                SELF + "upstream_series_flapping", labels, float(health.flapping))
-            metric["upstream_up"].add_sample(SELF + "upstream_up", labels, 1.0 if health.up else 0.0)
-            if health.last_scrape_wall is not None:
-                metric["upstream_last_scrape_timestamp_seconds"].add_sample(
-                    SELF + "upstream_last_scrape_timestamp_seconds", labels, health.last_scrape_wall)
-            if health.last_duration is not None:
-                metric["upstream_scrape_duration_seconds"].add_sample(
-                    SELF + "upstream_scrape_duration_seconds", labels, health.last_duration)
-            metric["upstream_samples"].add_sample(SELF + "upstream_samples", labels, float(health.samples))
-            for kind, count in sorted(health.errors.items()):
-                metric["upstream_scrape_errors"].add_sample(
-                    SELF + "upstream_scrape_errors_total", {**labels, "kind": kind}, float(count))
-            for family in sorted(health.unranked):
-                metric["upstream_unranked_families"].add_sample(
-                    SELF + "upstream_unranked_families", {**labels, "family": family}, 1.0)
-            for family in sorted(health.cp_colliding):
-                metric["upstream_cp_colliding_families"].add_sample(
-                    SELF + "upstream_cp_colliding_families", {**labels, "family": family}, 1.0)
-        _durations(metric["scrape_duration_seconds"], stats.scrape_duration)
-        _durations(metric["ingest_duration_seconds"], stats.ingest_duration)
-        if stats.upstreams:
+            add_value(metric["rollup_layout_conflicts"], {"family": family}, count)
+        for upstream in health.upstreams.values():
+            labels = {"upstream": upstream.name}
+            add_value(metric["upstream_series_resets"], labels, upstream.series_resets)
+            add_value(metric["upstream_series_flapping"], labels, upstream.flapping)
+            add_value(metric["upstream_up"], labels, 1.0 if upstream.up else 0.0)
+            if upstream.last_scrape_wall is not None:
+                add_value(metric["upstream_last_scrape_timestamp_seconds"], labels, upstream.last_scrape_wall)
+            if upstream.last_duration is not None:
+                add_value(metric["upstream_scrape_duration_seconds"], labels, upstream.last_duration)
+            add_value(metric["upstream_samples"], labels, upstream.samples)
+            for kind, count in sorted(upstream.errors.items()):
+                add_value(metric["upstream_scrape_errors"], {**labels, "kind": kind}, count)
+            for family in sorted(upstream.unranked):
+                add_value(metric["upstream_unranked_families"], {**labels, "family": family}, 1.0)
+            for family in sorted(upstream.cp_colliding):
+                add_value(metric["upstream_cp_colliding_families"], {**labels, "family": family}, 1.0)
+        _durations(metric["scrape_duration_seconds"], health.scrape_duration)
+        _durations(metric["ingest_duration_seconds"], health.ingest_duration)
+        if health.upstreams:
             yield from metric.values()
         else:  # a sidecar without upstreams shows no empty proxy families
             yield from (m for name, m in metric.items() if not name.startswith("upstream_"))
 
 
-def _durations(metric: Metric, histogram: DurationHistogram) -> None:
-    buckets = [(floatToGoString(b), float(c)) for b, c in zip((*histogram.bounds, float("inf")), histogram.cumulative())]
-    metric.add_metric([], buckets, histogram.sum)  # type: ignore[attr-defined]
+def _durations(metric: Metric, histogram: Histogram) -> None:
+    """prometheus_client's histogram under the family's name: its buckets and sum, not its `_created`
+    (no sidecar family has one)."""
+    buckets, total = [], 0.0
+    (collected,) = histogram.collect()
+    for sample in collected.samples:
+        if sample.name.endswith("_bucket"):
+            buckets.append((sample.labels["le"], sample.value))
+        elif sample.name.endswith("_sum"):
+            total = sample.value
+    metric.add_metric([], buckets, total)  # type: ignore[attr-defined]

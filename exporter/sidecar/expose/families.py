@@ -1,7 +1,8 @@
 """Every family the sidecar exposes, defined once: exported name, type and help text.
 
-Names follow prometheus_client's convention: a counter's name is given without `_total`,
-which its samples (and the 0.0.4 text format's HELP and TYPE lines) add.
+Names follow prometheus_client's convention: a counter's name is given without `_total`
+(FamilySpec.exported_name), which its samples (and the 0.0.4 text format's HELP and TYPE lines)
+add: `value_sample_name` is the one place that adds it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ ROLLUP_HELP = {
 }
 
 
+def value_sample_name(name: str, kind: str) -> str:
+    """The name of a counter's or gauge's value samples, from its family's name and type: a
+    counter's add `_total`, which its family's name leaves out (FamilySpec.exported_name)."""
+    return name + "_total" if kind == MetricType.COUNTER.value else name
+
+
 @dataclass(frozen=True, slots=True)
 class Family:
     """One exposed family: name (counters without `_total`), Prometheus type and HELP text."""
@@ -24,6 +31,11 @@ class Family:
     name: str
     type: str
     help: str
+
+    @property
+    def sample_name(self) -> str:
+        """The name of its value samples (a counter's with `_total`)."""
+        return value_sample_name(self.name, self.type)
 
 
 SELF_FAMILIES: dict[str, Family] = {f.name: f for f in (

@@ -20,8 +20,7 @@ from exporter.catalog import FamilySpec, MetricType
 from exporter.sidecar.core.keys import HistValue, SeriesKey
 from exporter.sidecar.core.ranks import RankState
 from exporter.sidecar.expose.collector import SidecarCollector, le_values
-
-SUFFIX = {MetricType.COUNTER: "_total", MetricType.GAUGE: "", MetricType.HISTOGRAM: ""}
+from exporter.sidecar.expose.families import value_sample_name
 
 
 def escape_label_value(value: str) -> str:
@@ -38,8 +37,8 @@ def header(name: str, kind: str, help_text: str, openmetrics: bool) -> str:
     help_text = help_text.replace("\\", "\\\\").replace("\n", "\\n")
     if openmetrics:
         help_text = help_text.replace('"', '\\"')
-    elif kind == "counter":
-        name += "_total"
+    else:
+        name = value_sample_name(name, kind)
     return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n"
 
 
@@ -102,11 +101,8 @@ class _RankLayout:
     `template % values`: no string is built per line, and the body joins one piece per rank and
     family. Values are spelled `%r` (repr(), exact and cheap: the protocol refuses NaN and
     infinities), bucket counts `%d` (ints by type, decoded as ints by the protocol: the same text
-    as repr(), at about 33 ns a value against 60 for `%r`). In-process A/B, the two renderers taking
-    turns over the same 64 full-catalog ranks, every rank pushed before each render (medians of 20,
-    three runs): the filled-pieces layout this replaced (a str per line, the body joined then
-    encoded) rendered in 8.7-10.0 ms, this in 7.2-8.7 ms (1.14-1.27x); with nothing pushed since,
-    5.6-5.8 against 4.2-4.6 ms (1.26-1.32x). At 256 ranks 1.08x and 1.39x."""
+    as repr(), and cheaper). Measured against the str-per-line layout it replaced: BENCHMARKS.md,
+    section "Fast paths", "the /metrics renderer"."""
 
     __slots__ = ("families",)
 
@@ -131,6 +127,7 @@ class _RankLayout:
         return blocks
 
 
+# Fast path: formats only what changed since the last scrape (payoff: BENCHMARKS.md "Fast paths"; proof: expose/test_render.py).
 class TextRenderer:
     """Renders /metrics bodies, caching per-rank lines between that rank's snapshots."""
 
@@ -150,8 +147,8 @@ class TextRenderer:
     def render(self, openmetrics: bool = False) -> bytes:
         """One /metrics body. The garbage collector waits until it is done: a render allocates
         thousands of short-lived strings, enough to set off a full collection over every rank's
-        state now and then (`python -m bench.scrape --ranks 64`: p99 14.9 ms with it, 9.8 ms
-        without; p50 unchanged)."""
+        state now and then, which showed in the p99 (BENCHMARKS.md, section "Fast paths", "no
+        garbage collection during a render")."""
         if not gc.isenabled():
             return self._render(openmetrics)
         gc.disable()
@@ -239,10 +236,11 @@ class TextRenderer:
         family, values = key
         spec = self.specs[family]
         labels = self._labels_of(spec, values) + label_text(rank.label_dict())
-        name = self.families[family].name
+        exposed = self.families[family]
         value = rank.values[key]
         if not isinstance(value, HistValue):
-            return (f"{name}{SUFFIX[spec.type]}{{{labels}}} ",)
+            return (f"{exposed.sample_name}{{{labels}}} ",)
+        name = exposed.name
         buckets = tuple(f'{name}_bucket{{{labels},le="{bound}"}} ' for bound in le_values(value.bounds))
         return (*buckets, f"{name}_count{{{labels}}} ", f"{name}_sum{{{labels}}} ")
 

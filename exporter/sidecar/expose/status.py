@@ -1,6 +1,6 @@
-"""The JSON API v1 (docs/api.md, docs/api/v1.schema.json): the sidecar's state as plain dicts; no I/O.
+"""The JSON API v1 (docs/api.md): the sidecar's state as the model of exporter.api.v1; no I/O.
 
-The numbers are the ones /metrics shows, read through the same computations (exposition.py's
+The numbers are the ones /metrics shows, read through the same computations (collector.py's
 `rollup_cells`, `window_increases`, the window's bandwidths and spreads): this module only
 reshapes them for people and for `hicache-exporter top`. What it adds is read off the ranks'
 hellos: the layout their worlds expect, and the positions of it no known rank holds.
@@ -15,15 +15,17 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 import msgspec
 
 from exporter import __version__
+from exporter.api import v1
+from exporter.api.v1 import API_VERSION, BANDWIDTH_SERIES_LISTED, SPREAD_SERIES_LISTED
 from exporter.catalog import Catalog
 from exporter.config import SidecarConfig
 from exporter.protocol.messages import World
-from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import GroupKey, HistAccumulator, LabelValues, RollupKey, StaticKey
 from exporter.sidecar.core.ranks import RankState
@@ -32,15 +34,14 @@ from exporter.sidecar.core.window import Bandwidth
 from exporter.sidecar.expose.collector import build_revision, rollup_cells, window_increases
 from exporter.sidecar.expose.families import ExposedFamilies
 
-API_VERSION = 1
 SPREAD_THRESHOLD = 0.2  # the HiCacheReplicaSpreadHigh alert's threshold (config/prometheus/alerting_rules.yml)
 HISTORY_INTERVAL_SECONDS = 5.0  # bandwidth history: one point per interval, sampled by housekeeping
-HISTORY_POINTS = 60  # five minutes of points at 5 s: a few KiB whatever the number of ranks
+BANDWIDTH_HISTORY_POINTS = 60  # five minutes of points at 5 s: a few KiB whatever the number of ranks
 # Listings that a rank's label values can grow are cut to their largest entries; the counts and
 # sums beside them stay exact (docs/api.md). Every catalog family's own rollup series are on /metrics.
+# The bandwidth and spread listings' bounds are the model's (v1.BANDWIDTH_SERIES_LISTED,
+# v1.SPREAD_SERIES_LISTED): the schema states them as maxItems.
 REASONS_LISTED = 20  # per reason family, after its preset reasons
-BANDWIDTH_SERIES_LISTED = 20  # per bytes family
-SPREAD_SERIES_LISTED = 5  # per replica group (the page shows the widest, top the widest three)
 ENCODED_MAX_AGE_SECONDS = 1.0  # one housekeeping tick: viewers within it share one encoded document
 # The grid of a replica group (groups[].grid) is what the page, its script and `top` draw, so what they
 # draw is bounded here once: at most these many cells, with exact counts of the rows, columns and ranks
@@ -56,13 +57,13 @@ class Transfer:
     """One movement of KV data between two cache tiers, and the families that count it."""
 
     name: str
-    source: str  # tier the data leaves
-    target: str  # tier the data arrives in
+    source: v1.Tier  # tier the data leaves
+    target: v1.Tier  # tier the data arrives in
     tokens_family: str
     bytes_family: str
 
 
-# The four movements of DESIGN section 4 (L1 = device, L2 = host, L3 = storage), stated once.
+# The four movements between the cache tiers (L1 = device, L2 = host, L3 = storage), stated once.
 TRANSFERS: tuple[Transfer, ...] = (
     Transfer("load_back", "L2", "L1", "load_back_tokens_total", "load_back_bytes_total"),
     Transfer("backup", "L1", "L2", "hicache_backup_tokens_total", "hicache_backup_bytes_total"),
@@ -70,13 +71,13 @@ TRANSFERS: tuple[Transfer, ...] = (
     Transfer("storage_backup", "L2", "L3", "backuped_tokens_total", "storage_backup_bytes_total"),
 )
 # A family's unit, by the ending of its name (catalog names follow the Prometheus naming rules).
-_UNITS = (
+_UNITS: tuple[tuple[str, v1.Unit], ...] = (
     ("_tokens_total", "tokens"), ("_tokens", "tokens"), ("_bytes_total", "bytes"), ("_seconds", "seconds"),
     ("_pgs", "pages"), ("_states", "states"), ("_bandwidth", "gigabytes_per_second"),
 )
 
 
-def unit_of(name: str) -> str | None:
+def unit_of(name: str) -> v1.Unit | None:
     """The unit a family's name says (docs/api.md lists them), or None."""
     return next((unit for suffix, unit in _UNITS if name.endswith(suffix)), None)
 
@@ -175,7 +176,7 @@ class BandwidthHistory:
 
     def __init__(self, families: Iterable[str], interval: float | None = None, points: int | None = None) -> None:
         self.interval = HISTORY_INTERVAL_SECONDS if interval is None else interval
-        self.points = HISTORY_POINTS if points is None else points
+        self.points = BANDWIDTH_HISTORY_POINTS if points is None else points
         self._series: dict[str, deque[tuple[float, float | None]]] = {name: deque(maxlen=self.points) for name in families}
         self._next = float("-inf")
 
@@ -193,14 +194,14 @@ class BandwidthHistory:
         for name, points in self._series.items():
             points.append((wall, rate(_total(bw for _, bw in rolled.get(name, ())))))
 
-    def history(self, family: str) -> list[list[float | None]]:
-        """A family's points, oldest first, as [time, bytes per second] pairs."""
-        return [[t, v] for t, v in self._series.get(family, ())]
+    def history(self, family: str) -> list[tuple[float, float | None]]:
+        """A family's points, oldest first, as (time, bytes per second) pairs."""
+        return list(self._series.get(family, ()))
 
 
-def world_dict(world: World | None) -> dict[str, int] | None:
+def world_sizes(world: World | None) -> v1.WorldSizes | None:
     """A world as the API shows it: tp_size, pp_size, dp_size; None for a rank that gave none."""
-    return None if world is None else {"tp_size": world.tp_size, "pp_size": world.pp_size, "dp_size": world.dp_size}
+    return None if world is None else v1.WorldSizes(tp_size=world.tp_size, pp_size=world.pp_size, dp_size=world.dp_size)
 
 
 def label_set_worlds(ranks: Iterable[RankState]) -> dict[StaticKey, World | None]:
@@ -229,7 +230,7 @@ def plausible(world: World, max_ranks: int) -> bool:
     return world_positions(world) <= max_ranks
 
 
-def missing_positions(world: World, members: Iterable[RankState], room: int) -> tuple[int, list[dict[str, int]]]:
+def missing_positions(world: World, members: Iterable[RankState], room: int) -> tuple[int, list[v1.Position]]:
     """How many (pp_rank, tp_rank) positions of `world` no member holds at any cp rank, and the first `room` of them.
 
     The count is exact; the listing visits at most the held positions plus `room`, so a world of
@@ -237,12 +238,12 @@ def missing_positions(world: World, members: Iterable[RankState], room: int) -> 
     """
     held = {(r.pp_rank, r.tp_rank) for r in members if r.pp_rank < world.pp_size and r.tp_rank < world.tp_size}
     count = world.pp_size * world.tp_size - len(held)
-    listed: list[dict[str, int]] = []
+    listed: list[v1.Position] = []
     if count and room > 0:
         for pp in range(world.pp_size):
             for tp in range(world.tp_size):
                 if (pp, tp) not in held:
-                    listed.append({"pp_rank": pp, "tp_rank": tp})
+                    listed.append(v1.Position(pp_rank=pp, tp_rank=tp))
                     if len(listed) >= room:
                         return count, listed
     return count, listed
@@ -255,7 +256,7 @@ def _row_order(row: tuple[int, int | None]) -> tuple[int, bool, int]:
     return row[0], row[1] is not None, row[1] or 0  # by pp stage, the row without a cp axis first
 
 
-def grid_model(held: Iterable[Position], missing: Iterable[tuple[int, int]], room: int) -> dict[str, Any]:
+def grid_model(held: Iterable[Position], missing: Iterable[tuple[int, int]], room: int) -> v1.Grid:
     """What the grid of one group draws, at most `room` cells: rows of (pp, cp), columns of tp, and exact counts.
 
     Columns are the tp ranks some member holds or a missing position names. Rows are every pp stage
@@ -284,17 +285,27 @@ def grid_model(held: Iterable[Position], missing: Iterable[tuple[int, int]], roo
         rows, row_count = ordered[:fit], len(ordered)
     drawn_rows, drawn_columns = set(rows), set(columns)
     hidden = sum(1 for pp, cp, tp in held if (pp, cp) not in drawn_rows or tp not in drawn_columns)
-    return {
-        "rows": [{"pp_rank": pp, "attn_cp_rank": cp} for pp, cp in rows],
-        "tp_ranks": columns,
-        "row_count": row_count,
-        "column_count": len(tps),
-        "hidden_ranks": hidden,
-    }
+    return v1.Grid(rows=[v1.GridRow(pp_rank=pp, attn_cp_rank=cp) for pp, cp in rows], tp_ranks=columns,
+                   row_count=row_count, column_count=len(tps), hidden_ranks=hidden)
 
 
-def lifecycle(rank: RankState, now: float) -> dict[str, Any]:
-    """What both rank listings say of a rank's process, connection and pushes."""
+class Lifecycle(TypedDict):
+    """The fields v1.Rank and v1.RankRow share, typed for `**` into either."""
+
+    epoch: str
+    pid: int
+    seq: int
+    restarts: int
+    reconnects: int
+    snapshots: int
+    series: int
+    seconds_since_activity: float
+    last_push_time: float | None
+    world: v1.WorldSizes | None
+
+
+def lifecycle(rank: RankState, now: float) -> Lifecycle:
+    """What both rank listings (v1.Rank, v1.RankRow) say of a rank's process, connection and pushes."""
     return {
         "epoch": rank.epoch,
         "pid": rank.pid,
@@ -305,45 +316,43 @@ def lifecycle(rank: RankState, now: float) -> dict[str, Any]:
         "series": len(rank.values),
         "seconds_since_activity": round(now - rank.last_activity, 3),
         "last_push_time": rank.last_push_wall,
-        "world": world_dict(rank.world),
+        "world": world_sizes(rank.world),
     }
 
 
-def rank_rows(state: SidecarState) -> list[dict[str, Any]]:
+def rank_rows(state: SidecarState) -> list[v1.RankRow]:
     """GET /api/v1/ranks' rows: one per known rank, in exposition order."""
     now = state.clock()
     return [
-        {
-            "tp_rank": rank.tp_rank,
-            "pp_rank": rank.pp_rank,
-            "dp_rank": rank.dp_rank,
-            "attn_cp_rank": rank.attn_cp_rank,
-            "labels": dict(rank.static),
-            "status": rank.status.value,
-            **lifecycle(rank, now),
-        }
+        v1.RankRow(tp_rank=rank.tp_rank, pp_rank=rank.pp_rank, dp_rank=rank.dp_rank, attn_cp_rank=rank.attn_cp_rank,
+                   labels=dict(rank.static), status=rank.status.value, **lifecycle(rank, now))
         for rank in state.known_ranks()
     ]
 
 
-def upstream_rows(stats: SidecarStats) -> list[dict[str, Any]]:
+def ranks_body(state: SidecarState, health: SidecarHealth) -> bytes:
+    """GET /api/v1/ranks as JSON."""
+    return msgspec.json.encode(v1.RanksResponse(ranks=rank_rows(state), upstreams=upstream_rows(health)))
+
+
+def upstream_rows(health: SidecarHealth) -> list[v1.Upstream]:
     """One row per configured upstream, in config order."""
     return [
-        {
-            "name": h.name, "source": h.source, "up": h.up, "last_scrape_time": h.last_scrape_wall,
-            "last_scrape_duration_seconds": h.last_duration, "samples": h.samples, "scrapes": h.scrapes,
-            "ranks": h.ranks, "pass_through_families": h.pass_through, "errors": dict(h.errors),
-            "last_error": h.last_error, "unranked_families": sorted(h.unranked),
-            "cp_colliding_families": sorted(h.cp_colliding),
-        }
-        for h in stats.upstreams.values()
+        v1.Upstream(
+            name=h.name, source=h.source, up=h.up, last_scrape_time=h.last_scrape_wall,
+            last_scrape_duration_seconds=h.last_duration, samples=h.samples, scrapes=h.scrapes,
+            ranks=h.ranks, pass_through_families=h.pass_through, errors=dict(h.errors),
+            last_error=h.last_error, unranked_families=sorted(h.unranked),
+            cp_colliding_families=sorted(h.cp_colliding),
+        )
+        for h in health.upstreams.values()
     ]
 
 
 class StatusView:
     """Builds GET /api/v1/status from the sidecar's state; what depends only on the catalog is worked out once."""
 
-    def __init__(self, config: SidecarConfig, state: SidecarState, stats: SidecarStats,
+    def __init__(self, config: SidecarConfig, state: SidecarState, stats: SidecarHealth,
                  history: BandwidthHistory | None = None) -> None:
         self.config = config
         self.state = state
@@ -359,7 +368,7 @@ class StatusView:
         self.specs = {spec.name: spec for spec in catalog}
         self.revision = build_revision()
 
-    def document(self) -> dict[str, Any]:
+    def document(self) -> v1.StatusDocument:
         """The whole status document, as of now."""
         state = self.state
         known, increases = window_increases(state)
@@ -370,85 +379,85 @@ class StatusView:
         registry_groups = state.replica_groups()
         ids = DocumentIds.of(registry_groups)
         groups, missing_groups, missing_totals = self._groups(registry_groups, ids)
-        return {
-            "api_version": API_VERSION,
-            "generated_at": state.wall_time(),
-            "sidecar": self._sidecar(),
-            "label_sets": [{"id": set_id, "labels": dict(static)} for static, set_id in ids.label_sets.items()],
-            "ranks": self._ranks(known, ids),
-            "groups": groups,
-            "missing_groups": missing_groups,
-            "missing_totals": missing_totals,
-            "rollups": self._rollups(cells, totals),
-            "transfers": self._transfers(totals, bw_totals),
-            "bandwidth": self._bandwidth(bandwidth, bw_totals),
-            "reasons": self._reasons(cells),
-            "spread": self._spread(registry_groups, increases, ids),
-            "upstreams": upstream_rows(self.stats),
-        }
+        return v1.StatusDocument(
+            api_version=API_VERSION,
+            generated_at=state.wall_time(),
+            sidecar=self._sidecar(),
+            label_sets=[v1.LabelSet(id=set_id, labels=dict(static)) for static, set_id in ids.label_sets.items()],
+            ranks=self._ranks(known, ids),
+            groups=groups,
+            missing_groups=missing_groups,
+            missing_totals=missing_totals,
+            rollups=self._rollups(cells, totals),
+            transfers=self._transfers(totals, bw_totals),
+            bandwidth=self._bandwidth(bandwidth, bw_totals),
+            reasons=self._reasons(cells),
+            spread=self._spread(registry_groups, increases, ids),
+            upstreams=upstream_rows(self.stats),
+        )
 
     def encode(self) -> bytes:
         """The status document as JSON (msgspec: any label value, markup or control characters, comes out escaped)."""
         return msgspec.json.encode(self.document())
 
-    def _sidecar(self) -> dict[str, Any]:
+    def _sidecar(self) -> v1.Sidecar:
         stats, state, config = self.stats, self.state, self.config
         budget = state.series_budget()
-        return {
-            "version": __version__,
-            "revision": self.revision,
-            "python_version": platform.python_version(),
-            "namespace": config.metrics.namespace,
-            "started_at": stats.started_at,
-            "uptime_seconds": round(time.monotonic() - stats.started_monotonic, 3),
-            "ready": stats.ingest_listening,
-            "ingest": {"listening": stats.ingest_listening, "socket_path": str(config.ingest.socket_path)},
-            "connections": {"open": stats.connections_open, "accepted": stats.connections_accepted,
-                            "allowed": config.ingest.max_connections},
-            "frames_received": stats.frames_received,
-            "snapshots_received": stats.snapshots_received,
-            "snapshots_applied": stats.snapshots_applied,
-            "samples_applied": stats.samples_applied,
-            "ranks_by_state": {status.value: count for status, count in state.ranks_by_status().items()},
-            "rejections": dict(sorted(stats.rejections.items())),
-            "rejections_total": sum(stats.rejections.values()),
-            "rollup_layout_conflicts": state.layout_conflicts(),
-            "limits": {
-                "series_used": budget.per_rank + budget.rollup,
-                "series_rank": budget.per_rank,
-                "series_rollup": budget.rollup,
-                "series_allowed": budget.limit,
-                "series_per_rank_allowed": state.config.max_series_per_rank,
-                "ranks_known": state.rank_count(),
-                "ranks_allowed": state.config.max_ranks,
-                "stale_after_seconds": state.config.stale_after_seconds,
-                "expire_after_seconds": state.config.expire_after_seconds,
-                "window_seconds": state.window_seconds,
-            },
-        }
+        return v1.Sidecar(
+            version=__version__,
+            revision=self.revision,
+            python_version=platform.python_version(),
+            namespace=config.metrics.namespace,
+            started_at=stats.started_at,
+            uptime_seconds=round(time.monotonic() - stats.started_monotonic, 3),
+            ready=stats.ingest_listening,
+            ingest=v1.Ingest(listening=stats.ingest_listening, socket_path=str(config.ingest.socket_path)),
+            connections=v1.Connections(open=stats.connections_open, accepted=stats.connections_accepted,
+                                       allowed=config.ingest.max_connections),
+            frames_received=stats.frames_received,
+            snapshots_received=stats.snapshots_received,
+            snapshots_applied=stats.snapshots_applied,
+            samples_applied=stats.samples_applied,
+            ranks_by_state=v1.RanksByState(**{status.value: count for status, count in state.ranks_by_status().items()}),
+            rejections=dict(sorted(stats.rejections.items())),
+            rejections_total=sum(stats.rejections.values()),
+            rollup_layout_conflicts=state.layout_conflicts(),
+            limits=v1.Limits(
+                series_used=budget.per_rank + budget.rollup,
+                series_rank=budget.per_rank,
+                series_rollup=budget.rollup,
+                series_allowed=budget.limit,
+                series_per_rank_allowed=state.config.max_series_per_rank,
+                ranks_known=state.rank_count(),
+                ranks_allowed=state.config.max_ranks,
+                stale_after_seconds=state.config.stale_after_seconds,
+                expire_after_seconds=state.config.expire_after_seconds,
+                window_seconds=state.window_seconds,
+            ),
+        )
 
-    def _ranks(self, known: list[RankState], ids: DocumentIds) -> list[dict[str, Any]]:
+    def _ranks(self, known: list[RankState], ids: DocumentIds) -> list[v1.Rank]:
         now = self.state.clock()
         wall = self.state.wall_time()
         return [
-            {
-                "id": short_rank_id(ids.groups[rank.replica_group], rank),
-                "group": ids.groups[rank.replica_group],
-                "tp_rank": rank.tp_rank,
-                "pp_rank": rank.pp_rank,
-                "dp_rank": rank.dp_rank,
-                "attn_cp_rank": rank.attn_cp_rank,
-                "own_labels": dict(own_labels(rank)),
-                "state": rank.status.value,
-                "source": rank.source,
-                "seconds_since_push": None if rank.last_push_wall is None else round(wall - rank.last_push_wall, 3),
+            v1.Rank(
+                id=short_rank_id(ids.groups[rank.replica_group], rank),
+                group=ids.groups[rank.replica_group],
+                tp_rank=rank.tp_rank,
+                pp_rank=rank.pp_rank,
+                dp_rank=rank.dp_rank,
+                attn_cp_rank=rank.attn_cp_rank,
+                own_labels=dict(own_labels(rank)),
+                state=rank.status.value,
+                source=rank.source,
+                seconds_since_push=None if rank.last_push_wall is None else round(wall - rank.last_push_wall, 3),
                 **lifecycle(rank, now),
-            }
+            )
             for rank in known
         ]
 
     def _groups(self, groups: dict[GroupKey, list[RankState]], ids: DocumentIds
-                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
+                ) -> tuple[list[v1.Group], list[v1.MissingGroup], v1.MissingTotals]:
         """The replica groups with their expected layout and missing positions, the dp groups no rank
         of an expected layout holds, and the exact totals of both."""
         state = self.state
@@ -463,35 +472,35 @@ class StatusView:
         # whatever sizes a rank claims; more than the sidecar could ever track is not worth listing.
         room = max_ranks
         positions = 0
-        out = []
+        out: list[v1.Group] = []
         for key, members in sorted(groups.items(), key=lambda item: (item[0][1], item[0][0])):
             world = worlds.get(key[1])
             count, missing = missing_positions(world, members, room) if world is not None else (0, [])
             room -= len(missing)
             positions += count
             grid = grid_model(((r.pp_rank, r.attn_cp_rank, r.tp_rank) for r in members),
-                              ((m["pp_rank"], m["tp_rank"]) for m in missing), min(GRID_CELLS_PER_GROUP, cells))
-            cells -= len(grid["rows"]) * len(grid["tp_ranks"])
-            out.append({
-                "id": ids.groups[key],
-                "label_set": ids.label_sets[key[1]],
-                "dp_rank": key[0],
-                "size": len(members),
-                "live": sum(1 for rank in members if rank.live),
-                "pp_ranks": sorted({rank.pp_rank for rank in members}),
-                "tp_ranks": sorted({rank.tp_rank for rank in members}),
-                "attn_cp_ranks": sorted({rank.attn_cp_rank for rank in members if rank.attn_cp_rank is not None}),
-                "expected": world_dict(world),
-                "world_conflict": key[1] in worlds and world is None,
-                "world_implausible": key[1] in implausible,
-                "missing": missing,
-                "missing_count": count,
-                "grid": grid,
-            })
+                              ((m.pp_rank, m.tp_rank) for m in missing), min(GRID_CELLS_PER_GROUP, cells))
+            cells -= len(grid.rows) * len(grid.tp_ranks)
+            out.append(v1.Group(
+                id=ids.groups[key],
+                label_set=ids.label_sets[key[1]],
+                dp_rank=key[0],
+                size=len(members),
+                live=sum(1 for rank in members if rank.live),
+                pp_ranks=sorted({rank.pp_rank for rank in members}),
+                tp_ranks=sorted({rank.tp_rank for rank in members}),
+                attn_cp_ranks=sorted({rank.attn_cp_rank for rank in members if rank.attn_cp_rank is not None}),
+                expected=world_sizes(world),
+                world_conflict=key[1] in worlds and world is None,
+                world_implausible=key[1] in implausible,
+                missing=missing,
+                missing_count=count,
+                grid=grid,
+            ))
         present: dict[StaticKey, set[int]] = {}
         for dp_rank, static in groups:
             present.setdefault(static, set()).add(dp_rank)
-        missing_groups: list[dict[str, Any]] = []
+        missing_groups: list[v1.MissingGroup] = []
         absent_groups = 0
         room = max_ranks
         for static, world in sorted(worlds.items()):
@@ -503,82 +512,82 @@ class StatusView:
             positions += absent * world.tp_size * world.pp_size
             if not absent or room <= 0:
                 continue
-            expected, label_set = world_dict(world), ids.label_sets[static]
+            expected = v1.WorldSizes(tp_size=world.tp_size, pp_size=world.pp_size, dp_size=world.dp_size)
+            label_set = ids.label_sets[static]
             for dp in range(world.dp_size):  # visits at most the present dp ranks plus `room`
                 if dp not in dps:
-                    missing_groups.append({"label_set": label_set, "dp_rank": dp, "expected": expected})
+                    missing_groups.append(v1.MissingGroup(label_set=label_set, dp_rank=dp, expected=expected))
                     room -= 1
                     if room <= 0:
                         break
-        return out, missing_groups, {"positions": positions, "groups": absent_groups}
+        return out, missing_groups, v1.MissingTotals(positions=positions, groups=absent_groups)
 
     @staticmethod
     def _series_total(entries: list[tuple[RollupKey, float | HistAccumulator]]) -> float:
         return sum(value.counts[-1] if isinstance(value, HistAccumulator) else value for _, value in entries)
 
     def _rollups(self, cells: dict[str, list[tuple[RollupKey, float | HistAccumulator]]],
-                 totals: dict[str, float]) -> list[dict[str, Any]]:
-        out = []
-        for spec in self.catalog:
-            out.append({
-                "family": spec.name,
-                "exported": self.families.rollup[spec.name].name,
-                "type": spec.type.value,
-                "semantics": spec.semantics.value,
-                "attempt_level": spec.attempt_level,
-                "unit": unit_of(spec.name),
-                "total": totals.get(spec.name, 0.0),
-                "series_count": len(cells.get(spec.name, ())),
-            })
-        return out
+                 totals: dict[str, float]) -> list[v1.Rollup]:
+        return [
+            v1.Rollup(
+                family=spec.name,
+                exported=self.families.rollup[spec.name].name,
+                type=spec.type.value,
+                semantics=spec.semantics.value,
+                attempt_level=spec.attempt_level,
+                unit=unit_of(spec.name),
+                total=totals.get(spec.name, 0.0),
+                series_count=len(cells.get(spec.name, ())),
+            )
+            for spec in self.catalog
+        ]
 
-    def _transfers(self, totals: dict[str, float], bw_totals: dict[str, Bandwidth]) -> list[dict[str, Any]]:
+    def _transfers(self, totals: dict[str, float], bw_totals: dict[str, Bandwidth]) -> list[v1.Transfer]:
         catalog = self.catalog
-        out = []
-        for transfer in self.transfers:
-            bw = bw_totals.get(transfer.bytes_family)
-            out.append({
-                "name": transfer.name,
-                "from": transfer.source,
-                "to": transfer.target,
-                "tokens_family": transfer.tokens_family if transfer.tokens_family in catalog else None,
-                "tokens": totals.get(transfer.tokens_family, 0.0) if transfer.tokens_family in catalog else None,
-                "bytes_family": transfer.bytes_family if transfer.bytes_family in catalog else None,
-                "bytes": totals.get(transfer.bytes_family, 0.0) if transfer.bytes_family in catalog else None,
-                "bytes_per_second": rate(bw),
-            })
-        return out
+        return [
+            v1.Transfer(
+                name=transfer.name,
+                source=transfer.source,
+                target=transfer.target,
+                tokens_family=transfer.tokens_family if transfer.tokens_family in catalog else None,
+                tokens=totals.get(transfer.tokens_family, 0.0) if transfer.tokens_family in catalog else None,
+                bytes_family=transfer.bytes_family if transfer.bytes_family in catalog else None,
+                bytes=totals.get(transfer.bytes_family, 0.0) if transfer.bytes_family in catalog else None,
+                bytes_per_second=rate(bw_totals.get(transfer.bytes_family)),
+            )
+            for transfer in self.transfers
+        ]
 
     def _bandwidth(self, bandwidth: dict[str, list[tuple[RollupKey, Bandwidth]]],
-                   bw_totals: dict[str, Bandwidth]) -> dict[str, Any]:
+                   bw_totals: dict[str, Bandwidth]) -> v1.Bandwidth:
         families = []
         for bytes_spec, duration_spec in self.pairs:
             total = bw_totals.get(bytes_spec.name, Bandwidth(0.0, 0.0))
             moving = [(key, value) for key, value in
                       ((key, rate(bw)) for key, bw in bandwidth.get(bytes_spec.name, ())) if value is not None]
             listed = sorted(moving, key=lambda item: -item[1])[:BANDWIDTH_SERIES_LISTED]
-            families.append({
-                "family": bytes_spec.name,
-                "exported": self.families.bandwidth[bytes_spec.name][1].name,
-                "duration_family": duration_spec.name,
-                "transfer": self.transfer_of.get(bytes_spec.name),
-                "bytes_per_second": rate(total),
-                "bytes_delta": total.bytes_delta,
-                "seconds_delta": total.seconds_delta,
-                "series": [{"labels": _labels(bytes_spec.labels, values, static), "bytes_per_second": value}
-                           for (_, static, values), value in listed],
-                "series_count": len(moving),
-                "history": self.history.history(bytes_spec.name),
-            })
-        return {
-            "window_seconds": self.state.window_seconds,
-            "history_interval_seconds": self.history.interval,
-            "history_points": self.history.points,
-            "families": families,
-        }
+            families.append(v1.BandwidthFamily(
+                family=bytes_spec.name,
+                exported=self.families.bandwidth[bytes_spec.name][1].name,
+                duration_family=duration_spec.name,
+                transfer=self.transfer_of.get(bytes_spec.name),
+                bytes_per_second=rate(total),
+                bytes_delta=total.bytes_delta,
+                seconds_delta=total.seconds_delta,
+                series=[v1.BandwidthSeries(labels=_labels(bytes_spec.labels, values, static), bytes_per_second=value)
+                        for (_, static, values), value in listed],
+                series_count=len(moving),
+                history=self.history.history(bytes_spec.name),
+            ))
+        return v1.Bandwidth(
+            window_seconds=self.state.window_seconds,
+            history_interval_seconds=self.history.interval,
+            history_points=self.history.points,
+            families=families,
+        )
 
-    def _reasons(self, cells: dict[str, list[tuple[RollupKey, float | HistAccumulator]]]) -> list[dict[str, Any]]:
-        out = []
+    def _reasons(self, cells: dict[str, list[tuple[RollupKey, float | HistAccumulator]]]) -> list[v1.ReasonFamily]:
+        out: list[v1.ReasonFamily] = []
         for spec in self.reason_specs:
             at = spec.labels.index("reason")
             by_reason = dict.fromkeys(spec.preset.get("reason", ()), 0.0)
@@ -593,48 +602,47 @@ class StatusView:
             largest = sorted(found.items(), key=lambda item: (-item[1], item[0]))
             rest = largest[REASONS_LISTED:]
             by_reason.update(sorted(largest[:REASONS_LISTED]))
-            out.append({
-                "family": spec.name,
-                "semantics": spec.semantics.value,
-                "attempt_level": spec.attempt_level,
-                "total": sum(by_reason.values()) + sum(value for _, value in rest),
-                "by_reason": [{"reason": reason, "value": value} for reason, value in by_reason.items()],
-                "other_reasons": len(rest),
-                "other_value": sum(value for _, value in rest),
-            })
+            out.append(v1.ReasonFamily(
+                family=spec.name,
+                semantics=spec.semantics.value,
+                attempt_level=spec.attempt_level,
+                total=sum(by_reason.values()) + sum(value for _, value in rest),
+                by_reason=[v1.ReasonValue(reason=reason, value=value) for reason, value in by_reason.items()],
+                other_reasons=len(rest),
+                other_value=sum(value for _, value in rest),
+            ))
         return out
 
     def _spread(self, registry_groups: dict[GroupKey, list[RankState]], increases: dict[int, Increases],
-                ids: DocumentIds) -> dict[str, Any]:
+                ids: DocumentIds) -> v1.Spread:
         state = self.state
         # The window's rule: a group is read while at least two of its replicas are current.
         current = {key for key, members in registry_groups.items() if sum(1 for r in members if r.current) >= 2}
         per_group: dict[GroupKey, list[tuple[str, LabelValues, float]]] = {}
         for (family, group_key, values), ratio in state.spreads(increases).items():
             per_group.setdefault(group_key, []).append((family, values, ratio))
-        groups = []
+        groups: list[v1.SpreadGroup] = []
         for key in sorted(current, key=lambda k: (k[1], k[0])):
             entries = sorted((e for e in per_group.get(key, ()) if e[2] > 0), key=lambda e: -e[2])
             top = entries[0][2] if entries else 0.0
-            groups.append({
-                "group": ids.groups[key],
-                "max_ratio": top,
-                "diverging": top > SPREAD_THRESHOLD,
-                "series": [{"family": family, "labels": dict(zip(self.specs[family].labels, values)), "ratio": ratio}
-                           for family, values, ratio in entries[:SPREAD_SERIES_LISTED]],
-                "series_count": len(entries),
-            })
-        return {"threshold": SPREAD_THRESHOLD, "groups": groups}
-
+            groups.append(v1.SpreadGroup(
+                group=ids.groups[key],
+                max_ratio=top,
+                diverging=top > SPREAD_THRESHOLD,
+                series=[v1.SpreadSeries(family=family, labels=dict(zip(self.specs[family].labels, values)), ratio=ratio)
+                        for family, values, ratio in entries[:SPREAD_SERIES_LISTED]],
+                series_count=len(entries),
+            ))
+        return v1.Spread(threshold=SPREAD_THRESHOLD, groups=groups)
 
 
 class EncodedStatus:
     """The status document as served: encoded once per `max_age` (one housekeeping tick) and shared by
     every request until then, with its gzipped form made on first demand; one copy of each is held.
 
-    Without it each request built its own copy: four viewers of a sidecar whose series were all
-    escape-heavy labels held four documents at once (998 MB at the peak, before the listings were
-    bounded). A frame, a connection or an upstream read since the build makes it stale at once, so a
+    Without it each request built its own copy, and viewers of a sidecar whose series were all
+    escape-heavy labels held one document each at once (measured: docs/reliability.md, section
+    Memory budget). A frame, a connection or an upstream read since the build makes it stale at once, so a
     reader polling for a change sees it on its next request.
     """
 

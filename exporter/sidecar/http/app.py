@@ -19,18 +19,18 @@ from aiohttp.typedefs import Handler, Middleware
 from prometheus_client.exposition import choose_encoder
 
 from exporter.config import SidecarConfig
-from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.expose.page import render_page
 from exporter.sidecar.expose.render import TextRenderer
-from exporter.sidecar.expose.status import EncodedStatus, StatusView, rank_rows, upstream_rows
+from exporter.sidecar.expose.status import EncodedStatus, StatusView, ranks_body
 from exporter.sidecar.http.bodies import BodyBudget, bodies_in_flight
 from exporter.sidecar.http.security import BasicAuth, auth_middleware
 
 HOUSEKEEPING_SECONDS = 1.0
 CONFIG: web.AppKey[SidecarConfig] = web.AppKey("config", SidecarConfig)
 STATE: web.AppKey[SidecarState] = web.AppKey("state", SidecarState)
-STATS: web.AppKey[SidecarStats] = web.AppKey("stats", SidecarStats)
+HEALTH: web.AppKey[SidecarHealth] = web.AppKey("health", SidecarHealth)
 RENDERER: web.AppKey[TextRenderer] = web.AppKey("renderer", TextRenderer)
 VIEW: web.AppKey[StatusView] = web.AppKey("view", StatusView)
 ENCODED: web.AppKey[EncodedStatus] = web.AppKey("encoded", EncodedStatus)
@@ -65,7 +65,7 @@ _BAD_REQUESTS = BadRequestLogFilter()
 
 
 def build_app(
-    config: SidecarConfig, state: SidecarState, stats: SidecarStats, renderer: TextRenderer,
+    config: SidecarConfig, state: SidecarState, health: SidecarHealth, renderer: TextRenderer,
     sources: Sequence[Callable[[web.Application], AsyncIterator[None]]] = (),
 ) -> web.Application:
     """The application over in-memory state; its cleanup context runs the sources (the ingest listener,
@@ -85,9 +85,9 @@ def build_app(
         app.on_cleanup.append(lambda _: _close(auth))
     app[CONFIG] = config
     app[STATE] = state
-    app[STATS] = stats
+    app[HEALTH] = health
     app[RENDERER] = renderer
-    app[VIEW] = StatusView(config, state, stats)
+    app[VIEW] = StatusView(config, state, health)
     app[ENCODED] = EncodedStatus(app[VIEW])
     app[STATIC] = _static_files()
     app[BODIES] = bodies
@@ -128,12 +128,13 @@ async def _metrics(request: web.Request) -> web.Response:
     started = time.perf_counter()
     _, content_type = choose_encoder(request.headers.get("Accept", ""))  # prometheus_client's negotiation
     body = request.app[RENDERER].render(openmetrics=content_type.startswith("application/openmetrics-text"))
-    request.app[STATS].scrape_duration.observe(time.perf_counter() - started)
+    request.app[HEALTH].scrape_duration.observe(time.perf_counter() - started)
     return _negotiated(request, body, {"Content-Type": content_type})
 
 
+# Fast path: gzip at level 1, not aiohttp's 6, and q-values as RFC 9110 reads them (payoff: BENCHMARKS.md "Fast paths").
 def _negotiated(request: web.Request, body: bytes, headers: dict[str, str]) -> web.Response:
-    """`body`, gzipped (level 1: the fastest) when the client accepts it."""
+    """`body`, gzipped (level 1: the fastest) when the client accepts it (tests/exporter/sidecar/http/test_gzip.py)."""
     headers["Vary"] = "Accept-Encoding"
     if accepts_gzip(request.headers.get("Accept-Encoding", "")):
         body = gzip.compress(body, compresslevel=1)
@@ -176,14 +177,14 @@ async def _healthy(request: web.Request) -> web.Response:
 
 
 async def _ready(request: web.Request) -> web.Response:
-    if request.app[STATS].ingest_listening:
+    if request.app[HEALTH].ingest_listening:
         return web.Response(text="ready\n")
     return web.Response(status=503, text="ingest socket is not listening\n")
 
 
 async def _ranks(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response({"ranks": rank_rows(state), "upstreams": upstream_rows(request.app[STATS])})
+    return web.Response(body=ranks_body(state, request.app[HEALTH]), headers={"Content-Type": "application/json; charset=utf-8"})
 
 
 async def _status(request: web.Request) -> web.Response:

@@ -14,7 +14,7 @@ from exporter.config import IngestConfig
 from exporter.errors import ErrorCode, ProtocolError
 from exporter.protocol.framing import FrameDecoder, encode_message
 from exporter.protocol.messages import Bye, ErrorMessage, Hello, Snapshot, Welcome, message_type, parse_client_message
-from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.ranks import Join, RankState
 from exporter.sidecar.core.state import Push, SidecarState
 from exporter.sidecar.ingest.socket_file import (
@@ -44,7 +44,7 @@ class _Closing(Exception):
 class IngestServer:
     """Accepts rank connections on the Unix socket and feeds their frames to the state."""
 
-    def __init__(self, config: IngestConfig, state: SidecarState, stats: SidecarStats) -> None:
+    def __init__(self, config: IngestConfig, state: SidecarState, stats: SidecarHealth) -> None:
         self.config = config
         self.state = state
         self.stats = stats

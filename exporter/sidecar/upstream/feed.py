@@ -89,7 +89,7 @@ from prometheus_client.samples import Timestamp
 
 from exporter.catalog import Catalog, FamilySpec, MetricType
 from exporter.config import UpstreamConfig
-from exporter.errors import ErrorCode, ProtocolError
+from exporter.errors import ErrorCode, LabelError, ProtocolError
 from exporter.labels import MAX_RANK_AXIS, RANK_AXES, RANK_KEYS, rank_axis, split_rank_labels
 from exporter.protocol.messages import RankId, Sample
 from exporter.sidecar.core.health import UpstreamHealth
@@ -711,11 +711,11 @@ class UpstreamFeed:
         return out
 
     def _rank_of(self, labels: dict[str, str], own: tuple[str, ...]) -> tuple[RankId | None, dict[str, str]]:
-        """The rank axes (None where one is no rank number: see labels.rank_axis), and the static labels:
-        neither a rank axis nor one of the family's own labels."""
+        """The rank axes (None where one is missing or no rank number), and the static labels: the
+        one split of labels.split_rank_labels (neither a rank axis nor one of the family's own labels)."""
         try:
-            axes, static = split_rank_labels({k: v for k, v in labels.items() if k not in own})
-        except (KeyError, ValueError):  # a rank key missing, or an axis that is no rank number
+            axes, static = split_rank_labels(labels, own)
+        except LabelError:  # a rank key missing, or an axis that is no rank number
             return None, {}
         rank_id = RankId(**axes)
         static.update(self.config.labels)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -132,6 +133,20 @@ def test_binding_errors_are_raised_at_bind_time() -> None:
         RankClient("/x.sock", rank=RANK, labels={"le": "1"})
     with pytest.raises(LabelError, match="world"):
         RankClient("/x.sock", rank=RANK, world={"tp_size": 2, "pp_size": 1})
+
+
+@pytest.mark.parametrize("rank, labels, message", [
+    # What the sidecar's hello would refuse, so that the rank would push nothing at all, refused here.
+    ({"tp_rank": 0, "pp_rank": 0, "dp_rank": 0}, {"zone": ""}, "static label: label 'zone' has an empty value"),
+    ({"tp_rank": 0, "pp_rank": 0, "dp_rank": 0}, {"pool": "kv"}, "static label: label name 'pool' is a family label"),
+    ({"tp_rank": "03", "pp_rank": 0, "dp_rank": 0}, {}, "rank label tp_rank='03' must be a whole number"),
+    ({"tp_rank": -1, "pp_rank": 0, "dp_rank": 0}, {}, "rank label tp_rank=-1 must be a whole number"),
+    ({"tp_rank": 1.5, "pp_rank": 0, "dp_rank": 0}, {}, "rank label tp_rank=1.5 must be a whole number"),
+])
+def test_a_rank_and_its_static_labels_follow_the_sidecars_rules(rank, labels, message) -> None:
+    with pytest.raises(LabelError, match=re.escape(message)):
+        RankClient("/x.sock", rank=rank, labels=labels)
+    assert RankClient("/x.sock", rank={"tp_rank": "3", "pp_rank": 0, "dp_rank": 0}).rank["tp_rank"] == 3
 
 
 def test_hello_and_snapshot_are_the_protocol_structs() -> None:

@@ -174,7 +174,7 @@
     return lines;
   }
 
-  // What a group's grid leaves out (the sidecar caps it, api.grid_model), with exact counts; "" when nothing.
+  // What a group's grid leaves out (the sidecar caps it, status.grid_model), with exact counts; "" when nothing.
   function gridCut(group) {
     const g = group.grid;
     if (g.rows.length === g.row_count && g.tp_ranks.length === g.column_count) return "";

@@ -14,7 +14,7 @@ from exporter.config import RanksConfig, SidecarConfig
 from exporter.errors import ErrorCode
 from exporter.protocol.framing import encode_message
 from exporter.protocol.messages import Sample, Snapshot, parse_client_message
-from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.history import WindowHistory
 from exporter.sidecar.core.ranks import SEQ_JUMP_PER_SECOND, SEQ_JUMP_SLACK, RankStatus
 from exporter.sidecar.core.state import SidecarState, SnapshotResult
@@ -107,7 +107,7 @@ def _wire_snapshot(seq: int, *samples: Sample) -> Snapshot:
 
 def _per_rank_bytes(state: SidecarState) -> float:
     """The per-rank load_back_bytes_total of rank tp 0 on /metrics."""
-    text = TextRenderer(SidecarCollector(state, SidecarStats(), "sglang_")).render().decode()
+    text = TextRenderer(SidecarCollector(state, SidecarHealth(), "sglang_")).render().decode()
     scrape = Scrape(text)
     return scrape.value("sglang_load_back_bytes_total", tp_rank="0")
 
@@ -187,7 +187,7 @@ def test_a_gauge_going_down_on_a_reconnect_is_no_conflict(h: Harness) -> None:
 def test_after_an_epoch_conflict_metrics_shows_the_new_writers_series_only(h: Harness) -> None:
     """The epoch starting over in place must not reuse /metrics lines cached for the old writer's
     series, even when the new writer sends as many series as it did."""
-    renderer = TextRenderer(SidecarCollector(h.state, SidecarStats(), "sglang_"))
+    renderer = TextRenderer(SidecarCollector(h.state, SidecarHealth(), "sglang_"))
     impostor, rank = h.hello(epoch="real")
     h.push(rank, bytes_(5_000_000.0), tokens(100.0))
     scrape = Scrape(renderer.render().decode())
@@ -279,7 +279,7 @@ def test_the_other_writers_values_count_in_the_series_budget_until_the_epoch_end
 
 
 def test_a_writer_that_resumes_its_values_shows_its_own_series_on_metrics(h: Harness) -> None:
-    renderer = TextRenderer(SidecarCollector(h.state, SidecarStats(), "sglang_"))
+    renderer = TextRenderer(SidecarCollector(h.state, SidecarHealth(), "sglang_"))
     conn, rank = h.hello(epoch="E")
     h.push(rank, bytes_(100.0), used(3.0))
     h.state.disconnect(conn, rank)
@@ -319,9 +319,9 @@ def _fingerprint(h: Harness) -> str:
 
 def test_reading_never_changes_state_and_status_follows_the_clock() -> None:
     h = Harness(ranks_config=RanksConfig(stale_after_seconds=10.0, expire_after_seconds=30.0))
-    collector = SidecarCollector(h.state, SidecarStats(), "sglang_")
+    collector = SidecarCollector(h.state, SidecarHealth(), "sglang_")
     renderer = TextRenderer(collector)
-    view = StatusView(SidecarConfig(), h.state, SidecarStats())
+    view = StatusView(SidecarConfig(), h.state, SidecarHealth())
     conn, a = h.hello(tp=0)
     _, b = h.hello(tp=1)
     for step in range(1, 9):  # 80 s of pushes: older history than the window (60 s), which a read must not prune

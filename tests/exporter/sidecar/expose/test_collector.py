@@ -16,7 +16,7 @@ import pytest
 
 from exporter.catalog import FamilySpec, MetricType, default_catalog
 from exporter.protocol.messages import Hello, HistogramSample, RankId, Sample, ScalarSample, Snapshot
-from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.expose.collector import SidecarCollector, build_revision
 from exporter.sidecar.expose.render import TextRenderer
@@ -57,11 +57,11 @@ def _samples(tp: int, step: int, layout: dict[str, tuple[float | str, ...]]) -> 
     return samples
 
 
-def golden_state() -> tuple[TextRenderer, SidecarStats]:
+def golden_state() -> tuple[TextRenderer, SidecarHealth]:
     """Two replicas of dp group 0, two pushes each; tp 1 uses its own load-back duration layout."""
     clock = Clock()
     state = SidecarState(CATALOG, clock=clock, wall_clock=lambda: 1_764_400_000.0)
-    stats = SidecarStats()
+    stats = SidecarHealth()
     renderer = TextRenderer(SidecarCollector(state, stats, "sglang_"))
     ranks = [state.hello(object(), Hello(protocol=1, epoch=f"e{tp}", pid=100 + tp,
                                          rank=RankId(tp_rank=tp, pp_rank=0, dp_rank=0), labels=STATIC)).rank
@@ -108,7 +108,7 @@ def test_a_non_default_layout_is_exposed_rolled_up_and_gives_bandwidth(caplog: p
     """Two ranks with the operator's layout roll up together; a third with the catalog's is left out, counted and logged."""
     clock = Clock()
     state = SidecarState(CATALOG, clock=clock, wall_clock=lambda: 1_764_400_000.0)
-    renderer = TextRenderer(SidecarCollector(state, SidecarStats(), "sglang_"))
+    renderer = TextRenderer(SidecarCollector(state, SidecarHealth(), "sglang_"))
     default = (*(CATALOG.get("load_back_duration_seconds").buckets or ()), "+Inf")
     with caplog.at_level(logging.WARNING, logger="hicache_exporter.ledger"):
         for tp, bounds in ((0, CUSTOM), (1, CUSTOM), (2, default)):
@@ -154,3 +154,24 @@ def test_rollups_only_shows_no_per_rank_catalog_series_and_both_renderers_agree(
         assert scrape.value("sglang_rollup_load_back_active_bandwidth_bytes_per_second") > 0
     assert {(s.name, tuple(sorted(s.labels.items()))) for s in fast.samples if not s.name.startswith("hicache_exporter_")} \
         == {(s.name, tuple(sorted(s.labels.items()))) for s in reference.samples if not s.name.startswith("hicache_exporter_")}
+
+
+def test_self_durations_keep_their_names_buckets_and_values() -> None:
+    """The durations are prometheus_client histograms: a value on a bound counts in it, as `le`
+    says, beyond the last bound only in +Inf; exposed under the family's name without `_created`."""
+    stats = SidecarHealth()
+    for seconds in (0.0001, 0.3, 5.0):
+        stats.scrape_duration.observe(seconds)
+    stats.ingest_duration.observe(0.002)
+    state = SidecarState(CATALOG, clock=Clock(), wall_clock=lambda: 1_764_400_000.0)
+    body = TextRenderer(SidecarCollector(state, stats, "sglang_")).render().decode()
+    scrape = Scrape(body)
+    buckets = {s.labels["le"]: s.value for s in scrape.find("hicache_exporter_scrape_duration_seconds_bucket")}
+    assert list(buckets) == ["0.0001", "0.00025", "0.0005", "0.001", "0.0025", "0.005", "0.01", "0.025", "0.05",
+                             "0.1", "0.25", "0.5", "1.0", "+Inf"]
+    assert [buckets[le] for le in ("0.0001", "0.25", "0.5", "1.0", "+Inf")] == [1, 1, 2, 2, 3]
+    assert scrape.value("hicache_exporter_scrape_duration_seconds_count") == 3
+    assert scrape.value("hicache_exporter_scrape_duration_seconds_sum") == 0.0001 + 0.3 + 5.0
+    assert scrape.value("hicache_exporter_ingest_duration_seconds_bucket", le="0.001") == 0
+    assert scrape.value("hicache_exporter_ingest_duration_seconds_bucket", le="0.0025") == 1
+    assert "_created" not in body

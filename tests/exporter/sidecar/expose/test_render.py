@@ -18,7 +18,7 @@ from prometheus_client.utils import floatToGoString
 from exporter.catalog import MetricType, default_catalog
 from exporter.client import RankClient
 from exporter.protocol.messages import Hello, HistogramSample, RankId, ScalarSample, Snapshot, parse_client_message
-from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.expose.collector import SidecarCollector
 from exporter.sidecar.expose.render import TextRenderer, spell_value
@@ -52,7 +52,7 @@ def _same(a: dict, b: dict) -> None:
 def populated() -> tuple[SidecarState, SidecarCollector, Clock]:
     clock = Clock()
     state = SidecarState(default_catalog(), clock=clock, wall_clock=lambda: 1.7e9)
-    collector = SidecarCollector(state, SidecarStats(), "sglang_")
+    collector = SidecarCollector(state, SidecarHealth(), "sglang_")
     for tp in range(3):
         client = RankClient("/nonexistent.sock", rank={"tp_rank": tp, "pp_rank": 0, "dp_rank": 0},
                             labels={"cache_type": "HiRadixCache", "zone": 'we"ird\n{value} %s\\'})
@@ -104,6 +104,8 @@ def test_openmetrics_renderer_gives_exactly_prometheus_clients_samples(populated
     reference = generate_openmetrics(registry).decode()
     assert fast.endswith("# EOF\n")
     _same(_samples(parse_openmetrics(fast)), _samples(parse_openmetrics(reference)))
+    headers = lambda text: sorted(line for line in text.splitlines() if line.startswith("#"))  # noqa: E731
+    assert headers(fast) == headers(reference)  # counters named without `_total` here, HELP escaped as OpenMetrics says
 
 
 def test_cached_rank_lines_follow_new_snapshots_restarts_and_expiry(populated: Populated) -> None:
@@ -203,7 +205,7 @@ INGEST_FLOATS = FLOATS.filter(lambda v: math.isfinite(v) and abs(v) <= 2.0**63)
 )
 def test_a_rank_with_any_values_renders_the_reference_samples(scalars: list[float], counts: list[int], total: float) -> None:
     state = SidecarState(default_catalog(), clock=Clock(), wall_clock=lambda: 1.7e9)
-    collector = SidecarCollector(state, SidecarStats(), "sglang_")
+    collector = SidecarCollector(state, SidecarHealth(), "sglang_")
     rank = state.hello(object(), Hello(protocol=1, epoch="e", pid=1, rank=RankId(tp_rank=0, pp_rank=0, dp_rank=0),
                                        labels={"cache_type": "HiRadixCache"})).rank
     samples: list[ScalarSample | HistogramSample] = []

@@ -17,15 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from exporter.api import v1
 from exporter.catalog import MetricType, default_catalog
 from exporter.client import RankClient
 from exporter.config import RanksConfig, SidecarConfig, config_from_data
 from exporter.protocol.messages import Hello, RankId, World
-from exporter.sidecar.core.health import SidecarStats
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.expose import status as api
 from exporter.sidecar.expose.collector import window_increases
 from exporter.sidecar.expose.page import Names, render_page, sparkline_path
@@ -48,14 +50,29 @@ def validator(definition: str) -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator({**SCHEMA, "$ref": f"#/$defs/{definition}"})
 
 
+def typed(doc: dict[str, Any]) -> v1.StatusDocument:
+    """A status document read as JSON, as the model (what the page renders)."""
+    return msgspec.convert(doc, v1.StatusDocument)
+
+
+def doc_of(view: StatusView) -> dict[str, Any]:
+    """The view's document as a client reads it: its JSON."""
+    return json.loads(view.encode())
+
+
+def identity_of(doc: dict[str, Any], rank: dict[str, Any]) -> str:
+    """A rank's identity as the page writes it (page.Names.rank)."""
+    return Names(typed(doc)).rank(msgspec.convert(rank, v1.Rank))
+
+
 def rank_labels(doc: dict[str, Any], rank: dict[str, Any]) -> dict[str, str]:
     """A rank's static labels, read back from its group's label set and its own labels."""
-    names = Names(doc)
-    return {**names.labels[names.groups[rank["group"]]["label_set"]], **rank["own_labels"]}
+    names = Names(typed(doc))
+    return {**names.labels[names.groups[rank["group"]].label_set], **rank["own_labels"]}
 
 
 def group_labels(doc: dict[str, Any], group: dict[str, Any]) -> dict[str, str]:
-    return Names(doc).labels[group["label_set"]]
+    return Names(typed(doc)).labels[group["label_set"]]
 
 
 def assert_valid(definition: str, document: Any) -> None:
@@ -196,13 +213,13 @@ def test_a_silent_rank_is_stale_in_the_api_and_on_the_page(proxied: tuple[Sideca
 
         def state() -> str | None:
             doc = get_json(sidecar.url + "/api/v1/status")
-            return next((r["state"] for r in doc["ranks"] if Names(doc).rank(r) == identity), None)
+            return next((r["state"] for r in doc["ranks"] if identity_of(doc, r) == identity), None)
 
         wait_until(lambda: state() == "live")
         wait_until(lambda: state() == "stale", timeout=STALE_AFTER + 5)
         doc = get_json(sidecar.url + "/api/v1/status")
         assert_valid("status", doc)
-        rank = next(r for r in doc["ranks"] if Names(doc).rank(r) == identity)
+        rank = next(r for r in doc["ranks"] if identity_of(doc, r) == identity)
         assert rank["seconds_since_push"] >= STALE_AFTER and rank["seq"] == 1 and rank["epoch"] == "quiet"
         assert doc["sidecar"]["ranks_by_state"]["stale"] >= 1
         page = http_get(sidecar.url + "/")[1].decode()
@@ -243,7 +260,7 @@ def test_the_packaged_script_builds_the_dom_without_markup() -> None:
 
 
 def view_of(h: Harness, history: BandwidthHistory | None = None) -> StatusView:
-    return StatusView(SidecarConfig(), h.state, SidecarStats(), history=history)
+    return StatusView(SidecarConfig(), h.state, SidecarHealth(), history=history)
 
 
 def test_spread_marks_a_diverging_group() -> None:
@@ -256,7 +273,7 @@ def test_spread_marks_a_diverging_group() -> None:
     h.push(b, tokens(500))  # this replica counts half: a real divergence
     h.push(c, tokens(1000))
     h.push(d, tokens(990))
-    doc = view_of(h).document()
+    doc = doc_of(view_of(h))
     spread = doc["spread"]
     by_dp = {g["id"]: g["dp_rank"] for g in doc["groups"]}
     groups = {by_dp[g["group"]]: g for g in spread["groups"]}
@@ -279,14 +296,14 @@ def test_bandwidth_history_is_bounded_and_sampled_on_its_interval() -> None:
     h.push(rank, bytes_(4096), hist("load_back_duration_seconds", one_hot("load_back_duration_seconds", 0), 0.002))
     for wall in (2.0, 3.0, 4.0, 5.0):
         history.sample(h.state, wall)
-    assert history.history("load_back_bytes_total") == [[3.0, 2048000.0], [4.0, 2048000.0], [5.0, 2048000.0]]
-    doc = view_of(h, history).document()
+    assert history.history("load_back_bytes_total") == [(3.0, 2048000.0), (4.0, 2048000.0), (5.0, 2048000.0)]
+    doc = doc_of(view_of(h, history))
     (load_back, *_) = doc["bandwidth"]["families"]
-    assert load_back["history"] == history.history("load_back_bytes_total")
+    assert load_back["history"] == [list(point) for point in history.history("load_back_bytes_total")]
     assert doc["bandwidth"]["history_points"] == 3 and doc["bandwidth"]["history_interval_seconds"] == 5.0
     idle = BandwidthHistory(["load_back_bytes_total"], points=2)
     idle.sample(Harness().state, 1.0)
-    assert idle.history("load_back_bytes_total") == [[1.0, None]]
+    assert idle.history("load_back_bytes_total") == [(1.0, None)]
     assert_valid("status", json.loads(view_of(h, history).encode()))
 
 
@@ -295,7 +312,7 @@ def test_an_empty_sidecar_is_valid_too() -> None:
     assert_valid("status", doc)
     assert doc["ranks"] == [] and doc["groups"] == [] and doc["spread"]["groups"] == []
     assert all(t["tokens"] == 0 and t["bytes_per_second"] is None for t in doc["transfers"])
-    assert "No rank has connected yet." in render_page(doc)
+    assert "No rank has connected yet." in render_page(typed(doc))
 
 
 class _Page(HTMLParser):
@@ -329,7 +346,7 @@ def test_any_label_value_round_trips_through_json_and_is_text_on_the_page(value:
     doc = json.loads(view.encode())  # valid JSON whatever the value holds
     (row,) = doc["ranks"]
     assert rank_labels(doc, row) == {**STATIC, "model": value} and row["own_labels"] == {}
-    identity = Names(doc).rank(row)
+    identity = identity_of(doc, row)
     assert identity.endswith(f'model="{_escaped(value)}"') and row["id"] == "g0/tp=0,pp=0"
     parsed = _Page()
     parsed.feed(render_page(view.document()))
@@ -379,7 +396,7 @@ def test_a_rank_that_never_started_is_missing_from_its_group(sidecar: SidecarThr
         assert groups[0]["missing"] == [] and groups[0]["missing_count"] == 0
         assert groups[1]["missing"] == [{"pp_rank": 0, "tp_rank": 1}] and groups[1]["missing_count"] == 1
         assert doc["missing_groups"] == [] and doc["missing_totals"] == {"positions": 1, "groups": 0}
-        page = render_page(doc)
+        page = render_page(typed(doc))
         assert page.count('class="rank state-missing"') == 1 and ">missing</span>" in page
         # The rank starts after all: its position is held, nothing is missing any more.
         late = world_client(sidecar.socket_path, *never_started, world)
@@ -387,7 +404,7 @@ def test_a_rank_that_never_started_is_missing_from_its_group(sidecar: SidecarThr
         wait_until(lambda: get_json(sidecar.url + "/api/v1/status")["missing_totals"]["positions"] == 0)
         doc = get_json(sidecar.url + "/api/v1/status")
         assert_valid("status", doc)
-        assert all(g["missing"] == [] for g in doc["groups"]) and 'class="rank state-missing"' not in render_page(doc)
+        assert all(g["missing"] == [] for g in doc["groups"]) and 'class="rank state-missing"' not in render_page(typed(doc))
     finally:
         for client in clients:
             client.close()
@@ -407,7 +424,7 @@ def test_a_dp_group_with_no_rank_is_a_missing_group(sidecar: SidecarThread) -> N
         assert doc["missing_totals"] == {"positions": 2, "groups": 1}  # the missing group's tp 1 x pp 2 positions
         unknown = next(g for g in doc["groups"] if group_labels(doc, g) == other)
         assert unknown["expected"] is None and unknown["missing"] == [] and not unknown["world_conflict"]
-        page = render_page(doc)
+        page = render_page(typed(doc))
         assert 'data-missing-group="dp=2 cache_type=&quot;UnifiedRadixCache&quot;"' in page
     finally:
         for client in clients:
@@ -425,7 +442,7 @@ def test_ranks_that_disagree_on_the_world_expect_nothing(sidecar: SidecarThread)
         assert group["world_conflict"] and group["expected"] is None
         assert group["missing"] == [] and group["missing_count"] == 0  # tp 2 or tp 4: no position is known missing
         assert doc["missing_totals"] == {"positions": 0, "groups": 0}
-        page = render_page(doc)
+        page = render_page(typed(doc))
         assert '<p class="warning world-conflict">' in page
         assert "tp 2 × pp 1 × dp 1 (1 rank)" in page and "tp 4 × pp 1 × dp 1 (1 rank)" in page
     finally:
@@ -452,7 +469,7 @@ def test_a_position_is_missing_only_when_no_cp_rank_holds_it() -> None:
     (group,) = doc["groups"]
     assert group["missing"] == [{"pp_rank": 0, "tp_rank": 2}] and group["missing_count"] == 1
     assert group["attn_cp_ranks"] == [0, 1]
-    page = render_page(doc)
+    page = render_page(typed(doc))
     assert '<td class="rank state-missing" rowspan="2" data-missing="0/2"' in page  # one cell over both cp rows
     assert page.count('class="rank absent"') == 1  # (cp 1, tp 1)
 
@@ -465,13 +482,13 @@ def test_a_forgotten_identity_leaves_its_position_missing() -> None:
     h.state.disconnect(conn, gone)
     h.clock.advance(3.0)
     h.push(kept, tokens(64))
-    doc = view_of(h).document()
+    doc = doc_of(view_of(h))
     (group,) = doc["groups"]
     assert [r["state"] for r in doc["ranks"]] == ["live", "expired"] and group["missing"] == []  # still known
     h.hello(tp=0, labels={"cache_type": "HiRadixCache"})  # the registry is full: the expired identity is forgotten
-    doc = view_of(h).document()
+    doc = doc_of(view_of(h))
     group = next(g for g in doc["groups"] if group_labels(doc, g) == STATIC)
-    assert [Names(doc).rank(r) for r in doc["ranks"] if r["group"] == group["id"]] == [
+    assert [identity_of(doc, r) for r in doc["ranks"] if r["group"] == group["id"]] == [
         'tp=0 pp=0 dp=0 cache_type="UnifiedRadixCache"']
     assert group["missing"] == [{"pp_rank": 0, "tp_rank": 1}] and doc["missing_totals"]["positions"] == 1
 
@@ -491,7 +508,7 @@ def test_a_world_at_the_protocol_bounds_is_a_conflict_and_expects_nothing() -> N
     assert doc["missing_groups"] == [] and doc["missing_totals"] == {"positions": 0, "groups": 0}
     assert ("world conflict: the ranks with cache_type=UnifiedRadixCache report tp 65536 × pp 65536 × dp 65536 "
             "(1 rank), more positions than the 64 rank identities this sidecar keeps (ranks.max_ranks); "
-            "no missing rank can be worked out for them") in html.unescape(render_page(doc))
+            "no missing rank can be worked out for them") in html.unescape(render_page(typed(doc)))
 
 
 def test_plausible_worlds_count_exactly_and_list_boundedly() -> None:
@@ -565,7 +582,7 @@ def test_the_worst_case_document_fits_the_memory_budget() -> None:
 
 def test_viewers_share_one_encoded_document_until_a_tick_or_a_frame() -> None:
     h = Harness()
-    stats = SidecarStats()
+    stats = SidecarHealth()
     encoded = api.EncodedStatus(StatusView(SidecarConfig(), h.state, stats))
     first = encoded.body(gzipped=False)
     assert encoded.body(gzipped=False) is first  # a second viewer within the tick: the same bytes
@@ -586,7 +603,7 @@ def test_spread_lists_the_widest_series_and_counts_them_all() -> None:
     pools = [f"p{i}" for i in range(12)]
     h.push(a, *(tokens(1000, pool=p) for p in pools))
     h.push(b, *(tokens(1000 - 10 * (i + 1), pool=p) for i, p in enumerate(pools)))
-    (group,) = view_of(h).document()["spread"]["groups"]
+    (group,) = doc_of(view_of(h))["spread"]["groups"]
     assert group["series_count"] == 12 and len(group["series"]) == api.SPREAD_SERIES_LISTED
     assert [s["labels"]["pool"] for s in group["series"]] == ["p11", "p10", "p9", "p8", "p7"]
 
@@ -622,7 +639,7 @@ def test_a_rank_without_a_cp_axis_keeps_its_cell_beside_cp_ranks() -> None:
     world_hello(h, 1, world, cp=1)
     doc = json.loads(view_of(h).encode())
     parsed = _Page()
-    parsed.feed(render_page(doc))
+    parsed.feed(render_page(typed(doc)))
     assert sorted(parsed.rank_ids) == sorted(r["id"] for r in doc["ranks"])  # all three, tp 0 included
     assert doc["groups"][0]["missing"] == []
 
@@ -631,7 +648,7 @@ def test_distinct_label_sets_that_read_alike_unquoted_get_distinct_ids() -> None
     h = Harness()
     h.hello(labels={"a": "1 b=2"})
     h.hello(labels={"a": "1", "b": "2"})
-    doc = view_of(h).document()
+    doc = doc_of(view_of(h))
     assert len({r["id"] for r in doc["ranks"]}) == 2 and len({g["id"] for g in doc["groups"]}) == 2
 
 

@@ -83,7 +83,7 @@ def test_health_and_readiness(sidecar: SidecarThread) -> None:
     assert http_get(sidecar.url + "/-/healthy")[0] == 200
     assert http_get(sidecar.url + "/-/ready")[0] == 200
     assert sidecar.sidecar is not None
-    sidecar.call(lambda: setattr(sidecar.sidecar.stats, "ingest_listening", False))
+    sidecar.call(lambda: setattr(sidecar.sidecar.health, "ingest_listening", False))
     assert http_get(sidecar.url + "/-/ready")[0] == 503
 
 

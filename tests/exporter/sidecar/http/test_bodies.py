@@ -32,7 +32,12 @@ def _ranks(running: SidecarThread) -> list[RankClient]:
         for i in range(2000):
             client.gauge(spec.name, **{name: f"value-{i:05d}-{'x' * 60}" for name in spec.labels}).set(i)
         clients.append(client.start())
-    wait_until(lambda: len(http_get(running.url + "/metrics")[1]) > 1_000_000, timeout=30)
+    # Every rank pushed (each snapshot holds all its series): the body's size is settled. Waiting for
+    # "over 1 MB" alone let three ranks pass, and the fourth then made each body a quarter larger
+    # than the one the budget was sized on, so the second slow reader was refused.
+    pushed = b"hicache_exporter_rank_last_push_timestamp_seconds{"
+    wait_until(lambda: http_get(running.url + "/metrics")[1].count(pushed) == len(clients), timeout=60)
+    assert len(http_get(running.url + "/metrics")[1]) > 1_000_000
     return clients
 
 

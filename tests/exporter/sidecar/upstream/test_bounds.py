@@ -16,7 +16,7 @@ from prometheus_client import Counter, Gauge
 
 from exporter.config import RanksConfig, UpstreamConfig
 from exporter.errors import ProtocolError
-from exporter.sidecar.core.health import SidecarStats, UpstreamHealth
+from exporter.sidecar.core.health import SidecarHealth, UpstreamHealth
 from exporter.sidecar.core.ranks import RankStatus
 from exporter.sidecar.expose.collector import SidecarCollector
 from exporter.sidecar.upstream import feed as upstream_module
@@ -34,7 +34,7 @@ from tests.exporter.sidecar.upstream.test_feed import Engine, read, rollup
 def feed(h: Harness, **config: object) -> UpstreamFeed:
     """A feed whose reserved names are those a real sidecar with the `sglang_` namespace makes."""
     upstream = UpstreamConfig.model_validate({"url": "http://engine:30000/metrics", **config})
-    names = SidecarCollector(h.state, SidecarStats(), "sglang_").exposed_names()
+    names = SidecarCollector(h.state, SidecarHealth(), "sglang_").exposed_names()
     return UpstreamFeed(upstream, h.state, UpstreamHealth(upstream.label, upstream.url or ""), names)
 
 

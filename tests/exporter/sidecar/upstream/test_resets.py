@@ -302,14 +302,14 @@ def test_a_new_process_ends_the_flapping_of_the_old_ones_series() -> None:
 
 
 def test_the_feeds_self_metrics_are_exposed() -> None:
-    from exporter.sidecar.core.health import SidecarStats
+    from exporter.sidecar.core.health import SidecarHealth
     from exporter.sidecar.expose.collector import SidecarCollector
 
     h = Harness()
     up = feed(h)
     for value in (100, 50, 100, 50):
         up.apply(read(counter("load_back_bytes_total", value)))
-    stats = SidecarStats()
+    stats = SidecarHealth()
     stats.upstreams[up.health.name] = up.health
     samples = {s.name: s.value for m in SidecarCollector(h.state, stats, "sglang_").collect() for s in m.samples
                if s.labels.get("upstream") == up.health.name}

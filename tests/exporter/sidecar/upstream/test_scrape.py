@@ -413,7 +413,7 @@ def test_a_hostile_directory_never_stops_the_sidecar_or_another_upstreams_reads(
     }, "test")
     sidecar = SidecarThread(config).start()
     assert sidecar.sidecar is not None
-    hostile, healthy = (sidecar.sidecar.stats.upstreams[name] for name in ("hostile", "healthy"))
+    hostile, healthy = (sidecar.sidecar.health.upstreams[name] for name in ("hostile", "healthy"))
     rng = random.Random(19)
     try:
         for _ in range(20):

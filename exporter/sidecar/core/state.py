@@ -30,11 +30,11 @@ from exporter.sidecar.core.samples import Rejection, SampleReader, below
 from exporter.sidecar.core.window import Bandwidth, SeriesWindow
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Push:
     """A source's snapshot, typed: its seq, its samples and any HELP texts. The listener makes one
     of each wire snapshot, the upstream feed one per slice of a rank's read; the reader checks the
-    samples (once, for both)."""
+    samples (once, for both). Not frozen: one is made per push, and a frozen init costs twice."""
 
     seq: int
     samples: list[Sample]

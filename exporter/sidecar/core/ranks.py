@@ -75,10 +75,8 @@ class Silence:
     so reading never changes state and no housekeeping has to mark it."""
 
     clock: Clock
-    config: RanksConfig
-
-    def silent_for(self, since: float) -> float:
-        return self.clock() - since
+    stale_after: float  # ranks.stale_after_seconds
+    expire_after: float  # ranks.expire_after_seconds
 
 
 @dataclass(eq=False)
@@ -149,12 +147,14 @@ class RankState:
     @property
     def stale(self) -> bool:
         """Silent for stale_after since its last hello or snapshot."""
-        return self.silence.silent_for(self.last_activity) >= self.silence.config.stale_after_seconds
+        silence = self.silence
+        return silence.clock() - self.last_activity >= silence.stale_after
 
     @property
     def expired(self) -> bool:
         """Silent for expire_after: its per-rank series are gone, its rollup contribution stays."""
-        return self.silence.silent_for(self.last_activity) >= self.silence.config.expire_after_seconds
+        silence = self.silence
+        return silence.clock() - self.last_activity >= silence.expire_after
 
     @property
     def connected(self) -> bool:
@@ -171,12 +171,13 @@ class RankState:
 
     @property
     def status(self) -> RankStatus:
-        silent = self.silence.silent_for(self.last_activity)
-        if silent >= self.silence.config.expire_after_seconds:
+        silence = self.silence
+        silent = silence.clock() - self.last_activity
+        if silent >= silence.expire_after:
             return RankStatus.EXPIRED
-        if not self.connected:
+        if self.connection is None:
             return RankStatus.DEPARTED
-        return RankStatus.STALE if silent >= self.silence.config.stale_after_seconds else RankStatus.LIVE
+        return RankStatus.STALE if silent >= silence.stale_after else RankStatus.LIVE
 
     def label_dict(self) -> dict[str, str]:
         """Rank keys and static labels, as exposed on every per-rank series."""
@@ -264,7 +265,7 @@ class RankRegistry:
         # at most max_ranks of its own, so no source's churn can flush another's memory.
         self.forgotten: dict[str, dict[RankIdentity, str]] = {}
         self.budget = SeriesBudget(config.max_series_total)
-        self.silence = Silence(clock, config)
+        self.silence = Silence(clock, config.stale_after_seconds, config.expire_after_seconds)
 
     def join(self, connection: object, msg: Join, source: str = PUSH_SOURCE) -> HelloResult:
         """Bind `connection` to the rank identity in `msg`, reported by `source`; raise ProtocolError to refuse it."""

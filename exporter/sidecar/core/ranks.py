@@ -12,7 +12,7 @@ from typing import TypeVar
 from exporter.catalog import Catalog
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode, ProtocolError
-from exporter.labels import DERIVED_LABELS, label_name_problem
+from exporter.labels import DERIVED_LABELS, static_label_problem
 from exporter.protocol.messages import Hello, RankId, World
 from exporter.sidecar.core.history import Positions, WindowHistory
 from exporter.sidecar.core.keys import (
@@ -265,6 +265,7 @@ class RankRegistry:
         # at most max_ranks of its own, so no source's churn can flush another's memory.
         self.forgotten: dict[str, dict[RankIdentity, str]] = {}
         self.budget = SeriesBudget(config.max_series_total)
+        self.family_labels = frozenset(label for family in catalog for label in family.labels)  # not static labels
         self.silence = Silence(clock, config.stale_after_seconds, config.expire_after_seconds)
 
     def join(self, connection: object, msg: Join, source: str = PUSH_SOURCE) -> HelloResult:
@@ -433,14 +434,8 @@ class RankRegistry:
                 f"{len(labels)} static labels; at most {limits.max_static_labels} are allowed",
             )
         for name, value in labels.items():
-            problem = label_name_problem(name)
-            if problem is None and self.catalog.static_label_conflicts({name}):
-                problem = f"label name {name!r} is a family label in the catalog"
-            if problem is None and not value:
-                # Prometheus drops a label whose value is empty: two identities would expose as one.
-                problem = f"label {name!r} has an empty value; leave the label out instead"
-            if problem is None and len(value) > limits.max_label_value_length:
-                problem = f"value of label {name!r} is longer than {limits.max_label_value_length} characters"
+            problem = static_label_problem(name, value, family_labels=self.family_labels,
+                                           max_value_length=limits.max_label_value_length)
             if problem:
                 raise ProtocolError(ErrorCode.INVALID_HELLO, f"static label: {problem}")
 

@@ -16,6 +16,7 @@ from msgspec import UNSET
 from exporter.catalog import Catalog, bucket_layout_problem
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode, SampleRejected
+from exporter.labels import own_labels_problem
 from exporter.protocol.messages import Sample
 from exporter.sidecar.core.keys import (
     BUCKETS_PER_SERIES,
@@ -280,10 +281,8 @@ class SampleReader:
             if len(labels) != len(names):
                 raise KeyError
             values = tuple(map(labels.__getitem__, names))
-        except KeyError:
-            raise SampleRejected(
-                ErrorCode.WRONG_LABELS, f"{plan.name!r} takes labels {list(names)}, got {sorted(labels)}"
-            ) from None
+        except KeyError:  # the same test as labels.own_labels_problem, on the fast path; its message
+            raise SampleRejected(ErrorCode.WRONG_LABELS, own_labels_problem(plan.name, names, labels) or "") from None
         limit = self.config.max_label_value_length
         if values and max(map(len, values)) > limit:
             raise SampleRejected(ErrorCode.WRONG_LABELS, f"{plan.name!r}: a label value is longer than {limit} characters")

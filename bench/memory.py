@@ -8,10 +8,10 @@ moving values (every counter, gauge and histogram changes between pushes), one r
 `period` seconds, /metrics is scraped `scrapes` times, and the sidecar's VmRSS and VmHWM (peak
 RSS) are read from /proc. MB here is 10^6 bytes.
 
-Steady state needs full window histories: the sidecar keeps HISTORY_POINTS (12) entries per rank
+Steady state needs full window histories: the sidecar keeps WINDOW_HISTORY_ENTRIES (12) entries per rank
 per rollup window, one per window/12 (5 s at the default 60 s, so a real deployment reaches that
 after a minute). To get there in seconds, the sidecar runs with `rollup.window_seconds` =
-HISTORY_POINTS x `period`, and the ranks push 62 rounds: the same number of entries, the same
+WINDOW_HISTORY_ENTRIES x `period`, and the ranks push 62 rounds: the same number of entries, the same
 memory, in a fraction of the time.
 """
 
@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from exporter.sidecar.core.ranks import HISTORY_POINTS
+from exporter.sidecar.core.ranks import WINDOW_HISTORY_ENTRIES
 
 from bench.common import RawRank, Sidecar, progress_printer
 from bench.report import report, row
@@ -40,7 +40,7 @@ def _status_bytes(pid: int, field: str) -> int:
 
 def measure(ranks: int, rounds: int, period: float, scrapes: int, progress: bool = True) -> dict[str, Any]:
     say = progress_printer(progress, "memory")
-    window = HISTORY_POINTS * period
+    window = WINDOW_HISTORY_ENTRIES * period
     with Sidecar(config_yaml=f"rollup:\n  window_seconds: {window:g}\n") as sidecar:
         time.sleep(0.5)
         idle_rss = _status_bytes(sidecar.pid, "VmRSS")

@@ -134,7 +134,6 @@ async def _demo(args: argparse.Namespace, config: Any, workdir: Path) -> int:
 def _print_progress(sidecar: Sidecar, layout: list[tuple[int, int, int, int]], steps: Any, completed: Any,
                     alive: int, elapsed: float) -> None:
     state = sidecar.state
-    state.tick()
     groups = sorted({slot[0] for slot in layout})
     per_group = []
     for dp in groups:

@@ -31,20 +31,25 @@ class WindowHistory:
             self._entries[-1] = entry
         else:
             self._entries.append(entry)
-        self.prune(now)
+        self._prune(now)
 
-    def prune(self, now: float) -> None:
+    def _prune(self, now: float) -> None:
         start = now - self.window
         entries = self._entries
         while len(entries) >= 2 and entries[1][0] <= start:
             entries.popleft()
 
     def base(self, now: float) -> Positions | None:
-        """Positions at the window's start, or None when everything seen lies inside the window."""
-        self.prune(now)
-        if self._entries and self._entries[0][0] <= now - self.window:
-            return self._entries[0][1]
-        return None
+        """Positions at the window's start (the last entry at or before it), or None when everything
+        seen lies inside the window. A read: it prunes nothing (`record` does, so a silent rank's
+        history does not grow)."""
+        start = now - self.window
+        found = None
+        for at, positions in self._entries:
+            if at > start:
+                break
+            found = positions
+        return found
 
     def increases(self, now: float, current: Positions) -> Increases:
         """Increase of every series over the window ending at `now`."""

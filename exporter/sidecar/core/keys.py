@@ -63,8 +63,8 @@ Value = float | HistValue
 
 
 # A histogram's buckets cost memory like series do: each is a count in the rank's value, its
-# position, its rollup and watermark, and a line on /metrics (about 0.64 kB a bucket, where a
-# series costs about 5.5 kB: docs/reliability.md). So a histogram counts as one series plus one
+# position, its rollup and watermark, and a line on /metrics (a fraction of what a series costs:
+# the measured figures are in docs/reliability.md). So a histogram counts as one series plus one
 # per BUCKETS_PER_SERIES buckets: the catalog's layouts (6 to 19 buckets) count 1 to 3, and a
 # 1,024-bucket layout 129, so the series limits bound what buckets hold too.
 BUCKETS_PER_SERIES = 8
@@ -89,6 +89,12 @@ class SeriesBudget:
         """Room for one more rank series of weight `cost` and the rollup series it may make, on
         top of `pending_rollups` that accepted series may still make (the ledger makes them later)."""
         return self.per_rank + self.rollup + pending_rollups + 2 * cost <= self.limit
+
+
+def make_rollup_key(family: str, shared: StaticKey, label_values: LabelValues) -> RollupKey:
+    """The one rollup key of a series: its family, the static labels its replica group shares
+    (RankState.shared: derived labels left out) and the values of the family's own labels."""
+    return (family, shared, label_values)
 
 
 def static_key(labels: dict[str, str]) -> StaticKey:

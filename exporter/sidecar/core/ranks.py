@@ -12,8 +12,8 @@ from typing import TypeVar
 from exporter.catalog import Catalog
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode, ProtocolError
-from exporter.labels import DERIVED_LABELS, label_name_problem
-from exporter.protocol.messages import Hello, World
+from exporter.labels import DERIVED_LABELS, static_label_problem
+from exporter.protocol.messages import Hello, RankId, World
 from exporter.sidecar.core.history import Positions, WindowHistory
 from exporter.sidecar.core.keys import (
     GroupKey,
@@ -31,7 +31,9 @@ Clock = Callable[[], float]
 RankIdentity = tuple[int, int, int, int, StaticKey]  # (tp_rank, pp_rank, dp_rank, attn_cp_rank, static labels)
 REPLACED_EPOCHS_KEPT = 64
 PUSH_SOURCE = "push"  # the source of identities that ranks push over the socket; an upstream's is "upstream:<name>"
-HISTORY_POINTS = 12  # entries kept per rank per window (5 s apart at 60 s): bounds memory whatever the push rate
+# Position-history entries kept per rank per window (5 s apart at 60 s): bounds memory whatever the
+# push rate. Not the status page's history of points (expose/status.py HISTORY_POINTS).
+WINDOW_HISTORY_ENTRIES = 12
 # How far a reconnect's first seq may pass the last one its epoch pushed: SEQ_JUMP_PER_SECOND for
 # every second since that push, plus SEQ_JUMP_SLACK. Generous enough for a client that uses a
 # nanosecond clock as its seq (about 2**30 a second); a forged 2**64-1 after a seq of 50 would
@@ -49,6 +51,34 @@ class RankStatus(str, Enum):
     EXPIRED = "expired"  # silent for expire_after: per-rank series are gone, rollups keep it
 
 
+@dataclass(frozen=True, slots=True)
+class Join:
+    """A source's hello, typed: the rank identity it reports (rank keys and static labels) and its
+    process start (epoch). The socket's listener makes one of each wire hello, the upstream feed one
+    per rank it reads; the registry checks identities (static labels, ownership, limits) once, for both."""
+
+    rank: RankId
+    labels: dict[str, str]
+    epoch: str
+    pid: int
+    world: World | None = None
+
+    @classmethod
+    def of(cls, hello: Hello) -> Join:
+        """A wire hello (its shape already checked by the protocol's decoder) as the registry's record."""
+        return cls(rank=hello.rank, labels=hello.labels, epoch=hello.epoch, pid=hello.pid, world=hello.world)
+
+
+@dataclass(frozen=True, slots=True)
+class Silence:
+    """When a silent rank turns stale and expires: its status is derived from the clock when read,
+    so reading never changes state and no housekeeping has to mark it."""
+
+    clock: Clock
+    stale_after: float  # ranks.stale_after_seconds
+    expire_after: float  # ranks.expire_after_seconds
+
+
 @dataclass(eq=False)
 class RankState:
     """One rank identity across its epochs and connections: liveness, values as pushed, positions."""
@@ -60,6 +90,7 @@ class RankState:
     epoch: str
     pid: int
     history: WindowHistory
+    silence: Silence
     attn_cp_rank: int | None = None  # None: the rank has no context-parallel axis (0 in its identity)
     source: str = PUSH_SOURCE  # who reports this identity: pushed ranks, or one upstream
     world: World | None = None
@@ -81,8 +112,6 @@ class RankState:
     # another source took the identity over): its per_shard rollups already hold what it pushed
     # before, so its first values this epoch are baselines.
     resumed: bool = False
-    stale: bool = False
-    expired: bool = False
     restarts: int = 0
     reconnects: int = 0
     last_activity: float = 0.0  # monotonic time of the last hello or snapshot
@@ -116,9 +145,16 @@ class RankState:
         return (self.dp_rank, self.shared)
 
     @property
-    def order(self) -> tuple[int, int, int]:
-        """Order inside a replica group: the lowest (pp_rank, attn_cp_rank, tp_rank) speaks for its gauges."""
-        return (self.pp_rank, self.attn_cp_rank or 0, self.tp_rank)
+    def stale(self) -> bool:
+        """Silent for stale_after since its last hello or snapshot."""
+        silence = self.silence
+        return silence.clock() - self.last_activity >= silence.stale_after
+
+    @property
+    def expired(self) -> bool:
+        """Silent for expire_after: its per-rank series are gone, its rollup contribution stays."""
+        silence = self.silence
+        return silence.clock() - self.last_activity >= silence.expire_after
 
     @property
     def connected(self) -> bool:
@@ -135,11 +171,13 @@ class RankState:
 
     @property
     def status(self) -> RankStatus:
-        if self.expired:
+        silence = self.silence
+        silent = silence.clock() - self.last_activity
+        if silent >= silence.expire_after:
             return RankStatus.EXPIRED
-        if not self.connected:
+        if self.connection is None:
             return RankStatus.DEPARTED
-        return RankStatus.STALE if self.stale else RankStatus.LIVE
+        return RankStatus.STALE if silent >= silence.stale_after else RankStatus.LIVE
 
     def label_dict(self) -> dict[str, str]:
         """Rank keys and static labels, as exposed on every per-rank series."""
@@ -191,6 +229,11 @@ def _carried(positions: dict[SeriesKey, CarriedT], reported: dict[SeriesKey, Val
     return kept
 
 
+def replica_order(rank: RankState) -> tuple[int, int, int]:
+    """How ranks sort inside a replica group: the lowest (pp_rank, attn_cp_rank, tp_rank) speaks for its gauges."""
+    return (rank.pp_rank, rank.attn_cp_rank or 0, rank.tp_rank)
+
+
 def exposition_order(rank: RankState) -> tuple[StaticKey, int, int, int, int]:
     """How ranks sort wherever they are listed: by static labels, then dp, pp, cp and tp rank."""
     return (rank.static, rank.dp_rank, rank.pp_rank, rank.attn_cp_rank or 0, rank.tp_rank)
@@ -222,13 +265,10 @@ class RankRegistry:
         # at most max_ranks of its own, so no source's churn can flush another's memory.
         self.forgotten: dict[str, dict[RankIdentity, str]] = {}
         self.budget = SeriesBudget(config.max_series_total)
+        self.family_labels = frozenset(label for family in catalog for label in family.labels)  # not static labels
+        self.silence = Silence(clock, config.stale_after_seconds, config.expire_after_seconds)
 
-    @property
-    def series_count(self) -> int:
-        """Per-rank series held now (the rollups' are in `budget` too)."""
-        return self.budget.per_rank
-
-    def hello(self, connection: object, msg: Hello, source: str = PUSH_SOURCE) -> HelloResult:
+    def join(self, connection: object, msg: Join, source: str = PUSH_SOURCE) -> HelloResult:
         """Bind `connection` to the rank identity in `msg`, reported by `source`; raise ProtocolError to refuse it."""
         self._check_static_labels(msg.labels)
         static = static_key(msg.labels)
@@ -247,7 +287,7 @@ class RankRegistry:
             rank = RankState(
                 tp_rank=msg.rank.tp_rank, pp_rank=msg.rank.pp_rank, dp_rank=msg.rank.dp_rank,
                 static=static, epoch=msg.epoch, pid=msg.pid, attn_cp_rank=msg.rank.attn_cp_rank, source=source,
-                history=WindowHistory(self.window, self.window / HISTORY_POINTS),
+                history=WindowHistory(self.window, self.window / WINDOW_HISTORY_ENTRIES), silence=self.silence,
                 resumed=self._remembered(identity, source) == msg.epoch,
             )
             self.ranks[identity] = rank
@@ -276,9 +316,7 @@ class RankRegistry:
         rank.world = msg.world
         rank.connection = connection
         rank.pushed = False
-        rank.stale = False
-        rank.expired = False
-        rank.last_activity = self.clock()
+        rank.last_activity = self.clock()  # live again: not stale, not expired
         return result
 
     def _check_owner(self, rank: RankState, source: str) -> None:
@@ -396,14 +434,8 @@ class RankRegistry:
                 f"{len(labels)} static labels; at most {limits.max_static_labels} are allowed",
             )
         for name, value in labels.items():
-            problem = label_name_problem(name)
-            if problem is None and self.catalog.static_label_conflicts({name}):
-                problem = f"label name {name!r} is a family label in the catalog"
-            if problem is None and not value:
-                # Prometheus drops a label whose value is empty: two identities would expose as one.
-                problem = f"label {name!r} has an empty value; leave the label out instead"
-            if problem is None and len(value) > limits.max_label_value_length:
-                problem = f"value of label {name!r} is longer than {limits.max_label_value_length} characters"
+            problem = static_label_problem(name, value, family_labels=self.family_labels,
+                                           max_value_length=limits.max_label_value_length)
             if problem:
                 raise ProtocolError(ErrorCode.INVALID_HELLO, f"static label: {problem}")
 
@@ -437,24 +469,10 @@ class RankRegistry:
         rank.connection_seq = seq
         rank.rejoined = False
         rank.pushed = True
-        rank.stale = False
-        rank.expired = False
-        rank.last_activity = self.clock()
+        rank.last_activity = self.clock()  # live again: not stale, not expired
         rank.last_push_wall = self.wall_clock()
         rank.last_push = rank.last_activity
         rank.snapshots += 1
-
-    def tick(self) -> None:
-        """Mark silent ranks stale, then expired."""
-        now = self.clock()
-        stale_after = self.config.stale_after_seconds
-        expire_after = self.config.expire_after_seconds
-        for rank in self.ranks.values():
-            silent = now - rank.last_activity
-            if not rank.stale and silent >= stale_after:
-                rank.stale = True
-            if not rank.expired and silent >= expire_after:
-                rank.expired = True
 
     def exposed_ranks(self) -> list[RankState]:
         """Ranks whose per-rank series are on /metrics (all but expired), in exposition order."""
@@ -463,6 +481,6 @@ class RankRegistry:
     def groups(self) -> dict[GroupKey, list[RankState]]:
         """Known ranks by replica group, each group in replica order."""
         groups: dict[GroupKey, list[RankState]] = {}
-        for rank in sorted(self.ranks.values(), key=lambda r: r.order):
+        for rank in sorted(self.ranks.values(), key=replica_order):
             groups.setdefault(rank.replica_group, []).append(rank)
         return groups

@@ -1,6 +1,8 @@
 """The rollup ledger: rank positions, replica-group watermarks and the rollups built from them.
 
-The rules (DESIGN section 6), stated once:
+The rules (DESIGN section 6), stated once here; whether a family is replicated or per_shard is
+`FamilySpec`'s to say, and a rollup series' key is `keys.make_rollup_key` (family, the static
+labels a replica group shares, the family's own label values):
 
 * Every rank has a **position** per counter and histogram series: its values made continuous
   across its own restarts (a new epoch continues from the last value the previous one
@@ -15,7 +17,8 @@ The rules (DESIGN section 6), stated once:
   order, departures, hand-overs and restarts neither lose nor double-count: at any settled
   point the rollup is one replica's value per group, summed.
 * **gauges**: per_shard gauges sum the current (live, pushed) ranks' values; replicated gauges
-  take, per group, the current replica with the lowest `(pp_rank, tp_rank)`, summed over groups.
+  take, per group, the current replica first in replica order (the lowest `(pp_rank,
+  attn_cp_rank, tp_rank)`: ranks.replica_order), summed over groups.
 * A histogram series whose layout differs from its rollup series' (the layout of the first
   value the rollup saw) is exposed per rank but left out of that rollup, counted in
   `layout_conflicts` and logged once per rank, series and epoch.
@@ -43,8 +46,9 @@ from exporter.sidecar.core.keys import (
     SeriesRoute,
     Update,
     histogram_cost,
+    make_rollup_key,
 )
-from exporter.sidecar.core.ranks import RankState
+from exporter.sidecar.core.ranks import RankState, replica_order
 
 log = logging.getLogger("hicache_exporter.ledger")
 Watermarks = dict[SeriesKey, "RollupCounter | HistAccumulator"]
@@ -169,10 +173,10 @@ class RollupLedger:
         out: dict[RollupKey, float] = {}
         taken: set[tuple[int, RollupKey]] = set()  # (dp_rank, rollup key) a replica already spoke for
         per_shard = self._gauge_per_shard
-        for rank in sorted((r for r in ranks if r.current and r.gauge_keys), key=lambda r: r.order):
+        for rank in sorted((r for r in ranks if r.current and r.gauge_keys), key=replica_order):
             values = rank.values
             for key in rank.gauge_keys:
-                rollup_key = (key[0], rank.shared, key[1])
+                rollup_key = make_rollup_key(key[0], rank.shared, key[1])
                 if not per_shard[key[0]]:
                     if (rank.dp_rank, rollup_key) in taken:
                         continue

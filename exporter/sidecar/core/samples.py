@@ -16,6 +16,7 @@ from msgspec import UNSET
 from exporter.catalog import Catalog, bucket_layout_problem
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode, SampleRejected
+from exporter.labels import own_labels_problem
 from exporter.protocol.messages import Sample
 from exporter.sidecar.core.keys import (
     BUCKETS_PER_SERIES,
@@ -27,6 +28,7 @@ from exporter.sidecar.core.keys import (
     Update,
     Value,
     histogram_cost,
+    make_rollup_key,
 )
 from exporter.sidecar.core.ranks import RankRegistry, RankState
 
@@ -210,7 +212,7 @@ class SampleReader:
         if (name, label_values) not in rank.values:
             self._check_series_room(rank)  # before anything is interned or indexed for it
         intern = self._intern
-        route = intern(SeriesRoute(plan, intern((name, label_values)), intern((name, rank.shared, label_values))))
+        route = intern(SeriesRoute(plan, intern((name, label_values)), intern(make_rollup_key(name, rank.shared, label_values))))
         # Labels in the catalog's order (as the client library sends them) map one-to-one to
         # series, so the index is bounded like the rank's series; other orders are not kept.
         if tuple(labels) == plan.labels and len(rank.routes) < self.config.max_series_per_rank:
@@ -279,10 +281,8 @@ class SampleReader:
             if len(labels) != len(names):
                 raise KeyError
             values = tuple(map(labels.__getitem__, names))
-        except KeyError:
-            raise SampleRejected(
-                ErrorCode.WRONG_LABELS, f"{plan.name!r} takes labels {list(names)}, got {sorted(labels)}"
-            ) from None
+        except KeyError:  # the same test as labels.own_labels_problem, on the fast path; its message
+            raise SampleRejected(ErrorCode.WRONG_LABELS, own_labels_problem(plan.name, names, labels) or "") from None
         limit = self.config.max_label_value_length
         if values and max(map(len, values)) > limit:
             raise SampleRejected(ErrorCode.WRONG_LABELS, f"{plan.name!r}: a label value is longer than {limit} characters")

@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 from exporter.catalog import Catalog, FamilySpec
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode
-from exporter.protocol.messages import Hello, Snapshot
+from exporter.protocol.messages import Hello, Sample, Snapshot
 from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import GroupKey, HistAccumulator, LabelValues, RollupKey, SeriesBudget
 from exporter.sidecar.core.ranks import (
     PUSH_SOURCE,
     Clock,
     HelloResult,
+    Join,
     RankIdentity,
     RankRegistry,
     RankState,
@@ -26,7 +27,23 @@ from exporter.sidecar.core.ranks import (
 )
 from exporter.sidecar.core.rollups import RollupLedger
 from exporter.sidecar.core.samples import Rejection, SampleReader, below
-from exporter.sidecar.core.window import Bandwidth, Window
+from exporter.sidecar.core.window import Bandwidth, SeriesWindow
+
+
+@dataclass(slots=True)
+class Push:
+    """A source's snapshot, typed: its seq, its samples and any HELP texts. The listener makes one
+    of each wire snapshot, the upstream feed one per slice of a rank's read; the reader checks the
+    samples (once, for both). Not frozen: one is made per push, and a frozen init costs twice."""
+
+    seq: int
+    samples: list[Sample]
+    help: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, snapshot: Snapshot) -> Push:
+        """A wire snapshot (its shape already checked by the protocol's decoder) as the state's record."""
+        return cls(seq=snapshot.seq, samples=snapshot.samples, help=snapshot.help)
 
 
 @dataclass
@@ -57,23 +74,33 @@ class SidecarState:
         self.registry = RankRegistry(catalog, self.config, window_seconds, clock, wall_clock)
         self.reader = SampleReader(catalog, self.config, self.registry)
         self.ledger = RollupLedger(catalog, self.registry.budget)
-        self.window = Window(catalog)
+        self.window = SeriesWindow(catalog)
         self.help: dict[str, str] = {}  # HELP texts ranks gave for catalog families, the latest per family
 
     @property
     def ranks(self) -> dict[RankIdentity, RankState]:
         return self.registry.ranks
 
-    def hello(self, connection: object, msg: Hello, source: str = PUSH_SOURCE) -> HelloResult:
-        """Bind `connection` to the rank identity in `msg`, reported by `source`; raise ProtocolError to refuse it."""
-        return self.registry.hello(connection, msg, source)
+    def join(self, connection: object, msg: Join, source: str = PUSH_SOURCE) -> HelloResult:
+        """Bind `connection` to the rank identity in `msg`, reported by `source`; raise ProtocolError to refuse it.
+
+        The sources' one door for hellos: the listener and the upstream feed each hand a typed `Join`."""
+        return self.registry.join(connection, msg, source)
+
+    def hello(self, connection: object, msg: Hello) -> HelloResult:
+        """A pushed rank's wire hello, for callers that speak the protocol directly (tests, benches): `join`."""
+        return self.join(connection, Join.of(msg))
 
     def disconnect(self, connection: object, rank: RankState) -> None:
         """The connection holding `rank` closed (bye, EOF or error)."""
         self.registry.disconnect(connection, rank)
 
     def snapshot(self, rank: RankState, msg: Snapshot) -> SnapshotResult:
-        """Apply a snapshot from `rank`'s open connection."""
+        """A pushed rank's wire snapshot, for callers that speak the protocol directly (tests, benches): `push`."""
+        return self.push(rank, Push.of(msg))
+
+    def push(self, rank: RankState, msg: Push) -> SnapshotResult:
+        """Apply a snapshot from `rank`'s open connection: the sources' one door for snapshots."""
         refused = self.registry.refusal(rank, msg.seq)
         if refused is not None:
             return SnapshotResult(ignored=True, refused=refused)
@@ -86,7 +113,7 @@ class SidecarState:
         rank.history.record(rank.last_activity, rank.positions)
         return SnapshotResult(applied=len(msg.samples) - len(rejections), rejections=rejections, conflict=conflict)
 
-    def _writer_of(self, rank: RankState, msg: Snapshot) -> Rejection | None:
+    def _writer_of(self, rank: RankState, msg: Push) -> Rejection | None:
         """Which writer of its epoch a reconnect's first snapshot continues; an `epoch_conflict`
         answer when that is not the writer that pushed last.
 
@@ -120,10 +147,6 @@ class SidecarState:
             "pushed before: another process pushed with this epoch. This connection's values count from "
             "here on (the epoch restarts in place); keep other processes off the socket (ingest.allowed_uids)"
         )
-
-    def tick(self) -> None:
-        """Mark silent ranks stale, then expired."""
-        self.registry.tick()
 
     def exposed_ranks(self) -> list[RankState]:
         """Ranks whose per-rank series are on /metrics (all but expired), in exposition order."""

@@ -8,7 +8,7 @@ from itertools import chain, repeat
 
 from exporter.catalog import Catalog, FamilySpec, MetricType
 from exporter.sidecar.core.history import Increases
-from exporter.sidecar.core.keys import GroupKey, LabelValues, RollupKey
+from exporter.sidecar.core.keys import GroupKey, LabelValues, RollupKey, make_rollup_key
 from exporter.sidecar.core.ranks import RankState
 
 
@@ -24,7 +24,7 @@ class Bandwidth:
         return self.bytes_delta / self.seconds_delta
 
 
-class Window:
+class SeriesWindow:
     """Reads the ranks' window histories: active bandwidth per bytes counter, spread per replicated counter."""
 
     def __init__(self, catalog: Catalog) -> None:
@@ -59,7 +59,7 @@ class Window:
                 moved = max(moved, 0.0)
                 if not rank.expired:
                     per_rank.append((bytes_spec, rank, labels, Bandwidth(moved, seconds)))
-                acc = rolled.setdefault((bytes_spec.name, rank.shared, labels), [0.0, 0.0])
+                acc = rolled.setdefault(make_rollup_key(bytes_spec.name, rank.shared, labels), [0.0, 0.0])
                 acc[0] += moved
                 acc[1] += seconds
         return per_rank, {key: Bandwidth(b, s) for key, (b, s) in rolled.items() if s > 0}

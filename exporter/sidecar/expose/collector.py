@@ -115,7 +115,6 @@ class SidecarCollector(Collector):
         self._labels = {spec.name: spec.labels for spec in state.catalog}
 
     def collect(self) -> Iterator[Metric]:
-        self.state.tick()
         ranks = self.state.exposed_ranks()
         rank_labels = {id(r): r.label_dict() for r in ranks}
         yield from self._per_rank(ranks, rank_labels)

@@ -159,7 +159,6 @@ class TextRenderer:
 
     def _render(self, openmetrics: bool) -> bytes:
         state = self.state
-        state.tick()
         ranks = state.exposed_ranks()
         live = {rank.identity for rank in ranks}
         for identity in [i for i in self._ranks if i not in live]:

@@ -371,7 +371,6 @@ class StatusView:
     def document(self) -> v1.StatusDocument:
         """The whole status document, as of now."""
         state = self.state
-        state.tick()
         known, increases = window_increases(state)
         cells = rollup_cells(state)
         totals = {name: self._series_total(entries) for name, entries in cells.items()}

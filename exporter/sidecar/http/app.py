@@ -108,14 +108,13 @@ async def _close(auth: BasicAuth) -> None:
 
 
 async def _housekeeping(app: web.Application) -> AsyncIterator[None]:
-    """Ranks turn stale and expire on time even while nobody scrapes; the bandwidth history is sampled."""
+    """The bandwidth history is sampled even while nobody scrapes (ranks turn stale and expire as they are read)."""
 
     history = app[VIEW].history
 
     async def keep_house() -> None:
         while True:
             await asyncio.sleep(HOUSEKEEPING_SECONDS)
-            app[STATE].tick()
             if history.due(time.monotonic()):
                 history.sample(app[STATE], time.time())
 
@@ -185,7 +184,6 @@ async def _ready(request: web.Request) -> web.Response:
 
 async def _ranks(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    state.tick()
     return web.Response(body=ranks_body(state, request.app[HEALTH]), headers={"Content-Type": "application/json; charset=utf-8"})
 
 

@@ -15,8 +15,8 @@ from exporter.errors import ErrorCode, ProtocolError
 from exporter.protocol.framing import FrameDecoder, encode_message
 from exporter.protocol.messages import Bye, ErrorMessage, Hello, Snapshot, Welcome, message_type, parse_client_message
 from exporter.sidecar.core.health import SidecarHealth
-from exporter.sidecar.core.ranks import RankState
-from exporter.sidecar.core.state import SidecarState
+from exporter.sidecar.core.ranks import Join, RankState
+from exporter.sidecar.core.state import Push, SidecarState
 from exporter.sidecar.ingest.socket_file import (
     SocketIdentity,
     peer_uid,
@@ -218,7 +218,7 @@ class _Connection:
         message = parse_client_message(payload)
         if not isinstance(message, Hello):
             raise ProtocolError(ErrorCode.HELLO_REQUIRED, f"the first frame must be a hello, got {message_type(message)!r}")
-        result = self.state.hello(self, message)
+        result = self.state.join(self, Join.of(message))  # typed once, here at the edge
         self.rank = result.rank
         self.decoder.max_frame_bytes = self.config.max_frame_bytes  # snapshots may now be large
         self._send(Welcome(server=f"hicache-exporter/{__version__}", restart=result.restart, reconnect=result.reconnect))
@@ -232,7 +232,7 @@ class _Connection:
             raise ProtocolError(ErrorCode.MALFORMED_FRAME, "hello may only be the first frame of a connection")
         assert isinstance(message, Snapshot) and self.rank is not None
         self.stats.snapshots_received += 1
-        result = self.state.snapshot(self.rank, message)
+        result = self.state.push(self.rank, Push.of(message))  # typed once, here at the edge
         if result.refused is not None:
             code, text = result.refused
             self.stats.reject(code)

@@ -3,9 +3,9 @@
 An upstream is an engine's `/metrics` URL (text or OpenMetrics, parsed with prometheus_client's
 parsers) or its `PROMETHEUS_MULTIPROC_DIR` (read with prometheus_client's multiprocess reader,
 each process's files apart). Each series of a catalog family belongs to the rank its rank axes
-name (static labels: the rest); the feed turns each rank's series into the protocol's hello and
-snapshots and hands them to the same `SidecarState` that pushed ranks go through, so rollups,
-restarts, staleness and expiry follow one set of rules:
+name (static labels: the rest); the feed turns each rank's series into the core's typed hello
+(`Join`) and snapshots (`Push`), no wire messages, and hands them to the same `SidecarState` doors
+that pushed ranks go through, so rollups, restarts, staleness and expiry follow one set of rules:
 
 * a rank is hello'd once, with an epoch the feed makes; every read is a snapshot with a rising seq;
 * resets are per series, as Prometheus' `increase()` has them: a counter, or a histogram (one
@@ -71,7 +71,6 @@ import hashlib
 import logging
 import math
 import re
-import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -90,13 +89,13 @@ from prometheus_client.samples import Timestamp
 
 from exporter.catalog import Catalog, FamilySpec, MetricType
 from exporter.config import UpstreamConfig
-from exporter.errors import ErrorCode, ProtocolError
-from exporter.labels import MAX_RANK_AXIS, RANK_AXES, RANK_KEYS, rank_axis
-from exporter.protocol.messages import PROTOCOL_VERSION, Hello, RankId, Sample, Snapshot
+from exporter.errors import ErrorCode, LabelError, ProtocolError
+from exporter.labels import MAX_RANK_AXIS, RANK_AXES, RANK_KEYS, rank_axis, split_rank_labels
+from exporter.protocol.messages import RankId, Sample
 from exporter.sidecar.core.health import UpstreamHealth
 from exporter.sidecar.core.keys import static_key
-from exporter.sidecar.core.ranks import RankIdentity, RankState
-from exporter.sidecar.core.state import SidecarState
+from exporter.sidecar.core.ranks import Join, RankIdentity, RankState
+from exporter.sidecar.core.state import Push, SidecarState
 from exporter.sidecar.upstream.files import MERGED, Reading, TooLarge
 from exporter.sidecar.upstream.text import Number, TextLayout
 
@@ -135,10 +134,9 @@ def parse_exposition(text: str, openmetrics: bool) -> list[Metric]:
 # flagged): the ranks' protocol samples, as recipes over the read's samples by number (process
 # after process, family after family, sample after sample). Applying the plan to the values makes
 # the snapshots. A text upstream whose read has the last read's shape (upstream_text.TextLayout)
-# keeps its plan, so such a read costs the values alone, not prometheus_client's parser.
-# measured: 270 ms -> 12.5 ms per read at 64 ranks (8,256 samples; 1.13x -> 0.05x the parser's
-# 240 ms), 1,120 ms -> 49 ms at 256 (python -m bench.proxy, every value moved between reads).
-# A read of a new shape costs about 10 % more than before (the layout is made: 290 ms at 64).
+# keeps its plan, so such a read costs the values alone, not prometheus_client's parser; a read of
+# a new shape costs a little more than a parse (the layout is made).
+# measured payoff: BENCHMARKS.md, The proxy rows.
 
 MonotoneKey = tuple[str, tuple[tuple[str, str], ...], str]  # (family, own labels, bucket bound, "count", "sum" or "")
 Stamp = float | Timestamp | None  # a sample's timestamp, as prometheus_client's parsers give it
@@ -284,25 +282,25 @@ class FeedResult:
 # A text layout holds a few strings per sample line: at most this many sample lines per series
 # the sidecar may hold (max_series_total), far above an engine's (about 4 at 64 ranks).
 LAYOUT_LINES_PER_SERIES = 16
-# ... and is kept between reads, at about 2.4 times the text's size (its lines, and each series'
-# part of them): only for texts up to this size, twice a 256-rank engine's 4.3 MB, so that the
-# largest answer the caps let through (16 MiB) keeps no 40 MB between reads. Larger texts are parsed
-# every time.
+# ... and is kept between reads, at a few times the text's size (its lines, and each series'
+# part of them): only for texts up to this size, about twice a 256-rank engine's answer, so that
+# the largest answer the caps let through (16 MiB) keeps no layout between reads. Larger texts
+# are parsed every time. Measured sizes: BENCHMARKS.md, The proxy under hostile upstreams.
 MAX_LAYOUT_TEXT_BYTES = 8 << 20
 # A read is refused before prometheus_client parses it when it has more sample lines than this
 # many per series the sidecar may hold, plus the samples it may pass through (by default 98,304 +
-# 16,384 = 114,688 lines, 3.5 times a 256-rank engine's 33,000). The parser holds about 400 bytes
-# (short lines) to 1.1 kB (five labels) per sample line at its peak; a 31 MiB body of short lines
-# (3 million lines) held 2.7 GB and blocked the loop for 50 s before.
+# 16,384 = 114,688 lines, 3.5 times a 256-rank engine's 33,000). The parser's peak memory grows
+# with the sample lines, and a body of millions of short lines blocked the loop for tens of seconds
+# before. Measured: BENCHMARKS.md, The proxy under hostile upstreams.
 READ_LINES_PER_SERIES = 4
 # The families one upstream passes through are outside max_series_total: they are kept parsed
-# (about 800 bytes a sample with five labels) and their text once per format, so these caps hold
-# them to about 13 MB + 2 x 2 MiB. A family past them is left out whole (a part of a family would
+# and their text once per format, so these caps bound them (measured: BENCHMARKS.md, The proxy
+# under hostile upstreams). A family past them is left out whole (a part of a family would
 # read as series that vanished). 16,384 is half of a 256-rank engine's whole answer (33,000 lines).
 MAX_PASS_THROUGH_SAMPLES = 16_384
 MAX_PASS_THROUGH_BYTES = 2 << 20  # of exposition text, estimated from the samples' names and labels
-# `apply_async` gives the event loop back after this many series of ranks: at most about 20 ms on
-# this machine (the first read of 1,024 new ranks took 70 ms in one piece; a steady read 1.5 µs a series).
+# `apply_async` gives the event loop back after this many series of ranks, so that a read of many
+# new ranks never holds the loop long (measured payoff: BENCHMARKS.md, The proxy rows).
 APPLY_SLICE_SERIES = 256
 # The names a family's samples and TYPE lines take in the text format and OpenMetrics: a family
 # passed through that writes any of them for a family the sidecar makes is refused.
@@ -399,21 +397,21 @@ class UpstreamFeed:
         values = [s.value for _, _, families in reading for family in families for s in family.samples]
         return TextReading(self.plan(reading), values, (), parsed=True)
 
-    def apply(self, reading: Reading | TextReading, wall: float | None = None) -> FeedResult:
+    def apply(self, reading: Reading | TextReading) -> FeedResult:
         """Apply one read of the upstream: each process's catalog series to its ranks, the rest passed through."""
         if isinstance(reading, TextReading):
-            return self.apply_plan(reading.plan, reading.values, reading.timestamps, reading.parsed, wall)
+            return self.apply_plan(reading.plan, reading.values, reading.timestamps, reading.parsed)
         values = [s.value for _, _, families in reading for family in families for s in family.samples]
-        return self.apply_plan(self.plan(reading), values, None, True, wall)
+        return self.apply_plan(self.plan(reading), values, None, True)
 
-    async def apply_async(self, reading: Reading | TextReading, wall: float | None = None) -> FeedResult:
+    async def apply_async(self, reading: Reading | TextReading) -> FeedResult:
         """`apply`, giving the event loop back after every APPLY_SLICE_SERIES series; the same result
         where nothing else changes the state meanwhile. Give it `read_text`'s or `plan_reading`'s
         result (made off the loop): a directory `Reading` is planned here, on the loop."""
         if not isinstance(reading, TextReading):
             reading = self.plan_reading(reading)
         result = FeedResult()
-        for _ in self._apply_steps(reading.plan, reading.values, reading.timestamps, reading.parsed, wall, result):
+        for _ in self._apply_steps(reading.plan, reading.values, reading.timestamps, reading.parsed, result):
             await asyncio.sleep(0)
         return result
 
@@ -467,7 +465,7 @@ class UpstreamFeed:
                 if family.documentation and family.documentation != MULTIPROCESS_HELP:
                     help_texts[spec.name] = family.documentation
                 for labels, series in _series(spec, family, first, plan.refused, duplicated):
-                    if "attn_cp_size" in labels and _int(labels["attn_cp_size"]) > 1:
+                    if "attn_cp_size" in labels and _int_or_zero(labels["attn_cp_size"]) > 1:
                         cp_size_above_one = True
                     if not all(key in labels for key in RANK_KEYS):
                         plan.unranked.add(spec.name)
@@ -540,21 +538,19 @@ class UpstreamFeed:
 
     def apply_plan(
         self, plan: ReadPlan, values: list[Number], timestamps: Sequence[Stamp] | None, parsed: bool,
-        wall: float | None = None,
     ) -> FeedResult:
         """Apply a read by its plan and its samples' values (and, for families passed through that
         the parser did not make, their timestamps)."""
         result = FeedResult()
-        for _ in self._apply_steps(plan, values, timestamps, parsed, wall, result):
+        for _ in self._apply_steps(plan, values, timestamps, parsed, result):
             pass
         return result
 
     def _apply_steps(
         self, plan: ReadPlan, values: list[Number], timestamps: Sequence[Stamp] | None, parsed: bool,
-        wall: float | None, result: FeedResult,
+        result: FeedResult,
     ) -> Iterator[None]:
         """Apply a read into `result`, pausing (yielding) after every APPLY_SLICE_SERIES series of ranks."""
-        wall = time.time() if wall is None else wall
         self._lines_this_read = self._unlogged_this_read = 0
         result.samples = plan.samples
         result.unranked, result.cp_colliding = set(plan.unranked), set(plan.cp_colliding)
@@ -584,7 +580,7 @@ class UpstreamFeed:
             self._reattach(rank)
             reads = self._samples(rank, values, result)
             if reads:
-                for _ in self._feed(rank, reads, wall, result):  # a rank of many series, a slice at a time
+                for _ in self._feed(rank, reads, result):  # a rank of many series, a slice at a time
                     done = 0
                     yield
             done += len(rank.series)
@@ -612,13 +608,12 @@ class UpstreamFeed:
         rank = entry.rank
         if rank is None or rank.connection is entry.token:
             return
-        if self.state.ranks.get(identity) is not rank or rank.connected:  # forgotten, or held by another
+        if self.state.rank(identity) is not rank or rank.connected:  # forgotten, or held by another
             entry.rank = None  # `_feed` says hello anew
             return
-        hello = Hello(protocol=PROTOCOL_VERSION, epoch=entry.epoch, pid=_int(entry.pid or "0"), rank=plan.rank_id,
-                      labels=plan.static)
+        join = Join(rank=plan.rank_id, labels=plan.static, epoch=entry.epoch, pid=_int_or_zero(entry.pid or "0"))
         try:
-            self.state.hello(entry.token, hello, self.source)
+            self.state.join(entry.token, join, self.source)
         except ProtocolError:
             entry.rank = None  # `_feed` says hello anew, and counts and logs what is wrong with it
 
@@ -634,7 +629,7 @@ class UpstreamFeed:
             if rank is not None and rank.connection is entry.token and (rank.expired or not only_expired):
                 self.state.disconnect(entry.token, rank)
                 departed += 1
-            if rank is None or self.state.ranks.get(identity) is not rank:
+            if rank is None or self.state.rank(identity) is not rank:
                 del self.ranks[identity]
                 self._forget(entry, list(entry.series))
                 if entry.generation:
@@ -716,20 +711,13 @@ class UpstreamFeed:
         return out
 
     def _rank_of(self, labels: dict[str, str], own: tuple[str, ...]) -> tuple[RankId | None, dict[str, str]]:
-        """The rank axes (None where one is no rank number: see labels.rank_axis), and the static labels:
-        neither a rank axis nor one of the family's own labels."""
-        axes: dict[str, int] = {}
-        for key in RANK_AXES:
-            if key in labels:
-                number = rank_axis(labels[key])
-                if number is None:
-                    return None, {}
-                axes[key] = number
+        """The rank axes (None where one is missing or no rank number), and the static labels: the
+        one split of labels.split_rank_labels (neither a rank axis nor one of the family's own labels)."""
         try:
-            rank_id = RankId(**axes)
-        except TypeError:  # a rank key missing
+            axes, static = split_rank_labels(labels, own)
+        except LabelError:  # a rank key missing, or an axis that is no rank number
             return None, {}
-        static = {k: v for k, v in labels.items() if k not in RANK_AXES and k not in own}
+        rank_id = RankId(**axes)
         static.update(self.config.labels)
         return rank_id, static
 
@@ -773,7 +761,7 @@ class UpstreamFeed:
                         "hicache_exporter_upstream_scrape_errors_total", self.health.name, self._unlogged_this_read)
         self._lines_this_read = self._unlogged_this_read = 0
 
-    def _feed(self, plan: _RankPlan, reads: list[_Read], wall: float, result: FeedResult) -> Iterator[None]:
+    def _feed(self, plan: _RankPlan, reads: list[_Read], result: FeedResult) -> Iterator[None]:
         """Feed one rank's reads to the state, in snapshots of at most APPLY_SLICE_SERIES series (a
         snapshot updates only the series it names), pausing (yielding) between them."""
         identity, pid = plan.identity, plan.pid
@@ -802,10 +790,9 @@ class UpstreamFeed:
                 name += f"-{entry.generation}"  # a process's second epoch (a new layout): an epoch never comes back
             entry.pid = pid
             entry.epoch = f"{self.tag}-{name}"[:64]
-            hello = Hello(protocol=PROTOCOL_VERSION, epoch=entry.epoch, pid=_int(pid or "0"), rank=plan.rank_id,
-                          labels=plan.static)
+            join = Join(rank=plan.rank_id, labels=plan.static, epoch=entry.epoch, pid=_int_or_zero(pid or "0"))
             try:
-                entry.rank = self.state.hello(entry.token, hello, self.source).rank
+                entry.rank = self.state.join(entry.token, join, self.source).rank
             except ProtocolError as err:
                 self.health.error(err.code.value, err.message)
                 self._log_once("hello", str(identity), logging.ERROR, "upstream %s: rank refused: %s",
@@ -832,7 +819,7 @@ class UpstreamFeed:
                 wire: list[tuple[float | str, int]] = [*zip(series.bounds, map(int, finite)), ("+Inf", int(count))]
                 samples.append(Sample(series.family, series.labels, buckets=wire, sum=total, count=int(count)))
             entry.seq += 1
-            applied = self.state.snapshot(entry.rank, Snapshot(seq=entry.seq, time=wall, samples=samples, help=plan.helps))
+            applied = self.state.push(entry.rank, Push(seq=entry.seq, samples=samples, help=plan.helps))
             result.rejected += len(applied.rejections)
             for code, message in applied.rejections[:1]:
                 # Keyed by rank and code, not the message: a message quoting a value that moves every
@@ -1029,7 +1016,9 @@ LOG_AGAIN_SECONDS = 3600.0
 MAX_LOG_LINES_PER_READ = 20
 
 
-def _int(value: str) -> int:
+def _int_or_zero(value: str) -> int:
+    """A label's or pid's decimal value, 0 where it is no integer: an attn_cp_size that is none reads
+    as no context parallelism, a pid that is none as pid 0 (unknown)."""
     try:
         return int(value)
     except ValueError:

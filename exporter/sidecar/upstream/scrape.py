@@ -38,7 +38,7 @@ T = TypeVar("T")
 
 
 # An upstream's answer is read up to this size: about 4 times what a 256-rank engine writes
-# (33,000 sample lines, 4.3 MB), as the feed's sample-line cap is, so that a runaway or hostile
+# (BENCHMARKS.md, The proxy rows), as the feed's sample-line cap is, so that a runaway or hostile
 # upstream cannot fill the pod (the answer is held twice at most: its bytes, then its text).
 MAX_BODY_BYTES = 16 << 20
 LOG_EVERY_SECONDS = 60.0  # one log line per upstream and error kind at most this often

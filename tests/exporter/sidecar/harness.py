@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from exporter.catalog import Catalog, FamilySpec, MetricType, Semantics, default_catalog
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode
-from exporter.protocol.messages import BucketBound, Hello, HistogramSample, RankId, Sample, ScalarSample, Snapshot
+from exporter.protocol.messages import BucketBound, HistogramSample, RankId, Sample, ScalarSample, Snapshot
 from exporter.sidecar.core.keys import HistAccumulator, Layout, RollupKey, StaticKey
-from exporter.sidecar.core.ranks import HelloResult, RankState
+from exporter.sidecar.core.ranks import HelloResult, Join, RankState
 from exporter.sidecar.core.state import SidecarState, SnapshotResult
 
 STATIC: dict[str, str] = {"cache_type": "UnifiedRadixCache"}
@@ -62,11 +62,11 @@ class Harness:
         labels: dict[str, str] | None = None, connection: object | None = None, cp: int | None = None,
     ) -> tuple[object, HelloResult]:
         conn = connection if connection is not None else object()
-        msg = Hello(
-            protocol=1, epoch=epoch, pid=4242, rank=RankId(tp_rank=tp, pp_rank=pp, dp_rank=dp, attn_cp_rank=cp),
-            labels=dict(STATIC if labels is None else labels),
+        msg = Join(
+            rank=RankId(tp_rank=tp, pp_rank=pp, dp_rank=dp, attn_cp_rank=cp),
+            labels=dict(STATIC if labels is None else labels), epoch=epoch, pid=4242,
         )
-        return conn, self.state.hello(conn, msg)
+        return conn, self.state.join(conn, msg)
 
     def hello(
         self, tp: int = 0, pp: int = 0, dp: int = 0, epoch: str = "epoch-a",

@@ -8,7 +8,7 @@ import pytest
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode, ProtocolError
 from exporter.protocol.messages import Hello, RankId
-from exporter.sidecar.core.ranks import RankState, RankStatus, exposition_order
+from exporter.sidecar.core.ranks import Join, RankState, RankStatus, exposition_order
 from tests.exporter.sidecar.harness import (
     BYTES,
     STATIC,
@@ -206,15 +206,12 @@ def test_stale_then_expired_transitions() -> None:
     _, rank = h.hello()
     h.push(rank, bytes_(100.0), tokens(40.0))
     h.clock.advance(9.5)
-    h.state.tick()
     assert rank.status is RankStatus.LIVE and rank.live and rank.current
     h.clock.advance(0.5)
-    h.state.tick()
     assert rank.status is RankStatus.STALE
     assert not rank.live and not rank.current
     assert rank in h.state.exposed_ranks()
     h.clock.advance(20.0)
-    h.state.tick()
     assert rank.status is RankStatus.EXPIRED
     assert rank not in h.state.exposed_ranks()
     assert h.counter(BYTES) == 100.0 and h.counter(TOKENS, "kv") == 40.0
@@ -230,7 +227,6 @@ def test_an_ignored_snapshot_does_not_keep_a_rank_fresh() -> None:
     h.push(rank, bytes_(1.0), seq=5)
     h.clock.advance(10.0)
     assert h.push(rank, bytes_(2.0), seq=5).ignored
-    h.state.tick()
     assert rank.status is RankStatus.STALE
 
 
@@ -245,7 +241,6 @@ def test_departed_rank_expires_but_keeps_its_rollup_contribution() -> None:
     for _ in range(4):
         h.clock.advance(9.0)
         h.push(kept, bytes_(1.0 + h.clock.now % 7))
-        h.state.tick()
     assert gone.status is RankStatus.EXPIRED
     assert h.state.exposed_ranks() == [kept]
     assert h.counter(BYTES) >= 101.0
@@ -258,7 +253,6 @@ def test_hello_of_an_expired_rank_brings_it_back() -> None:
     h.push(rank, bytes_(5.0))
     h.state.disconnect(conn, rank)
     h.clock.advance(30.0)
-    h.state.tick()
     assert rank.status is RankStatus.EXPIRED
     _, result = h.hello_result(epoch="one")
     assert result.rank is rank and result.reconnect
@@ -289,12 +283,11 @@ def test_max_ranks_forgets_expired_ranks_but_not_their_rollup_contribution() -> 
     h.state.disconnect(conn, gone)
     h.clock.advance(31.0)
     h.push(kept, bytes_(2.0))
-    h.state.tick()
     assert gone.expired and not kept.expired
-    series_before = h.state.registry.series_count
+    series_before = h.state.series_budget().per_rank
     _, new = h.hello(tp=2)
     assert set(h.state.ranks.values()) == {kept, new}
-    assert h.state.registry.series_count == series_before - 2  # the forgotten rank's series are freed
+    assert h.state.series_budget().per_rank == series_before - 2  # the forgotten rank's series are freed
     assert h.counter(BYTES) == 102.0 and h.counter(TOKENS, "kv") == 70.0
 
 
@@ -302,7 +295,6 @@ def test_max_ranks_keeps_an_expired_rank_that_is_still_connected() -> None:
     h = Harness(ranks_config=RanksConfig(max_ranks=1, stale_after_seconds=10.0, expire_after_seconds=30.0))
     _, silent = h.hello(tp=0)
     h.clock.advance(31.0)
-    h.state.tick()
     assert silent.expired and silent.connected
     with pytest.raises(ProtocolError) as err:
         h.hello(tp=1)
@@ -319,12 +311,10 @@ def test_a_forgotten_rank_reconnecting_in_the_same_epoch_is_not_counted_twice() 
     h.state.disconnect(conn, gone)
     h.clock.advance(31.0)
     h.push(kept, bytes_(5.0))
-    h.state.tick()
     conn_other, other = h.hello(tp=2)  # gone is forgotten to make room
     h.state.disconnect(conn_other, other)
     h.clock.advance(31.0)
     h.push(kept, bytes_(5.0))
-    h.state.tick()
     _, back = h.hello(tp=0, epoch="e")  # the same process and epoch; other is forgotten in turn
     assert back is not gone
     h.push(back, bytes_(110.0), tokens(110.0))
@@ -392,8 +382,8 @@ UPSTREAM = "upstream:engine"
 def _hello_from(h: Harness, source: str, epoch: str, tp: int = 0) -> tuple[object, RankState]:
     """A hello for rank tp/0/0 with the harness' static labels, reported by `source`."""
     conn = object()
-    msg = Hello(protocol=1, epoch=epoch, pid=7, rank=RankId(tp_rank=tp, pp_rank=0, dp_rank=0), labels=STATIC)
-    return conn, h.state.hello(conn, msg, source).rank
+    msg = Join(rank=RankId(tp_rank=tp, pp_rank=0, dp_rank=0), labels=STATIC, epoch=epoch, pid=7)
+    return conn, h.state.join(conn, msg, source).rank
 
 
 def test_an_upstream_cannot_take_a_pushed_rank_over_while_it_restarts(h: Harness) -> None:
@@ -435,15 +425,13 @@ def test_an_expired_identity_is_free_for_another_source() -> None:
     h.push(rank, bytes_(100.0), tokens(10.0))
     h.state.disconnect(conn, rank)
     h.clock.advance(29.0)
-    h.state.tick()
     with pytest.raises(ProtocolError):  # departed, not yet expired: still the upstream's
         h.hello(epoch="pushed")
     h.clock.advance(1.0)
-    h.state.tick()
     assert rank.status is RankStatus.EXPIRED
     _, pushed = h.hello(epoch="pushed")
     assert pushed is not rank and pushed.source == "push" and h.state.ranks[pushed.identity] is pushed
-    assert h.state.registry.series_count == 0  # the upstream's series were freed with it
+    assert h.state.series_budget().per_rank == 0  # the upstream's series were freed with it
     h.push(pushed, bytes_(7.0))
     assert h.counter(BYTES) == 107.0  # the upstream's contribution stays in the rollup
     with pytest.raises(ProtocolError) as err:  # and now the upstream is the outsider
@@ -460,7 +448,6 @@ def test_expired_upstream_identities_make_room_for_pushed_ranks() -> None:
         h.hello(tp=5)
     assert err.value.code is ErrorCode.TOO_MANY_RANKS
     h.clock.advance(30.0)
-    h.state.tick()
     _, pushed = h.hello(tp=5)
     assert list(h.state.ranks.values()) == [pushed] and pushed.source == "push"
 
@@ -472,7 +459,6 @@ def _expire(h: Harness, conn: object, rank: RankState) -> None:
     """`rank`'s source stops reporting it, and it stays silent past expire_after (30 s here)."""
     h.state.disconnect(conn, rank)
     h.clock.advance(30.0)
-    h.state.tick()
 
 
 def test_one_sources_churn_cannot_flush_anothers_memory_of_a_forgotten_identity() -> None:

@@ -154,7 +154,6 @@ def test_hand_over_after_a_replica_ran_ahead_and_left_keeps_the_furthest_value()
     assert h.counter(TOKENS, "kv") == 300.0
     h.state.disconnect(conn0, tp0)
     h.clock.advance(31.0)
-    h.state.tick()
     assert tp0.expired and tp1.expired
     assert h.counter(TOKENS, "kv") == 300.0
     h.hello(tp=0)  # same epoch: a reconnect
@@ -252,7 +251,7 @@ def test_stale_replica_neither_holds_back_nor_adds() -> None:
     h.push(high, tokens(110.0))
     assert h.counter(TOKENS, "kv") == 110.0
     h.clock.advance(5.0)
-    h.state.tick()  # low silent 11 s: stale
+    # low silent 11 s: stale
     assert low.stale and not high.stale
     h.push(high, tokens(130.0))
     assert h.counter(TOKENS, "kv") == 130.0
@@ -413,7 +412,7 @@ def test_per_shard_gauge_rollup_sums_live_ranks(gauge_harness: Harness) -> None:
     h.clock.advance(10.0)
     for rank in (ranks[(0, 0)], ranks[(0, 1)]):
         h.push(rank, shard(5.0))
-    h.state.tick()  # (1, 0) is now stale
+    # (1, 0) is now stale
     assert h.gauges()[key] == 10.0
 
 
@@ -452,7 +451,7 @@ def test_replicated_gauge_skips_replicas_that_are_not_current_or_lack_the_series
     assert h.gauges()[key] == 11.0
     h.clock.advance(10.0)
     h.push(pp1, used(98.0))
-    h.state.tick()  # tp1 and tp2 are stale
+    # tp1 and tp2 are stale
     assert h.gauges()[key] == 98.0
 
 

@@ -265,7 +265,7 @@ def test_series_total_limit_counts_every_ranks_series_and_the_rollups() -> None:
     result = h.push(b, hist(PGS, one_hot(PGS, 0), 1.0), tokens(1.0))  # the histogram (6 buckets: 1) makes it 5
     assert codes(result) == [ErrorCode.SERIES_LIMIT]
     assert set(b.values) == {(PGS, ())}
-    assert h.state.registry.series_count == 3 and h.state.registry.budget.rollup == 2
+    assert h.state.series_budget().per_rank == 3 and h.state.registry.budget.rollup == 2
     assert codes(h.push(a, bytes_(2.0))) == []  # known series still update
 
 
@@ -277,10 +277,10 @@ def test_a_restart_frees_its_epochs_series_but_not_the_rollups() -> None:
     assert codes(h.push(b, bytes_(1.0))) == [ErrorCode.SERIES_LIMIT]
     h.state.disconnect(conn, a)
     h.hello(tp=0, epoch="two")
-    assert h.state.registry.series_count == 0 and h.state.registry.budget.rollup == 2  # rollups keep a's part
+    assert h.state.series_budget().per_rank == 0 and h.state.registry.budget.rollup == 2  # rollups keep a's part
     assert codes(h.push(b, bytes_(1.0))) == []  # its rollup series exists already
     assert codes(h.push(a, bytes_(1.0), tokens(1.0))) == [ErrorCode.SERIES_LIMIT]
-    assert h.state.registry.series_count == 2
+    assert h.state.series_budget().per_rank == 2
 
 
 def test_epoch_churn_with_new_label_values_stays_within_the_total() -> None:

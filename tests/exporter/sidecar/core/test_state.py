@@ -1,21 +1,26 @@
-"""SidecarState as a facade: hello → snapshot (registry → reader → ledger → window) → disconnect → tick.
+"""SidecarState as a facade: hello → snapshot (registry → reader → ledger → window) → disconnect; rank status read from the clock.
 
 The rules themselves are tested per module: test_registry, test_reader, test_ledger, test_window.
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
-from exporter.config import RanksConfig
+from exporter.config import RanksConfig, SidecarConfig
 from exporter.errors import ErrorCode
 from exporter.protocol.framing import encode_message
 from exporter.protocol.messages import Sample, Snapshot, parse_client_message
 from exporter.sidecar.core.health import SidecarHealth
+from exporter.sidecar.core.history import WindowHistory
 from exporter.sidecar.core.ranks import SEQ_JUMP_PER_SECOND, SEQ_JUMP_SLACK, RankStatus
 from exporter.sidecar.core.state import SidecarState, SnapshotResult
 from exporter.sidecar.expose.collector import SidecarCollector
 from exporter.sidecar.expose.render import TextRenderer
+from exporter.sidecar.expose.status import StatusView, rank_rows
 from tests.exporter.sidecar.harness import (
     BYTES,
     DURATION,
@@ -73,7 +78,7 @@ def test_an_ignored_snapshot_changes_nothing(h: Harness) -> None:
     assert len(rank.history) == 1 and rank.snapshots == 1
 
 
-def test_disconnect_tick_and_exposed_ranks_delegate_to_the_registry() -> None:
+def test_disconnect_expiry_and_exposed_ranks_delegate_to_the_registry() -> None:
     h = Harness(ranks_config=RanksConfig(stale_after_seconds=10.0, expire_after_seconds=30.0))
     conn, a = h.hello(tp=1)
     _, b = h.hello(tp=0)
@@ -83,7 +88,6 @@ def test_disconnect_tick_and_exposed_ranks_delegate_to_the_registry() -> None:
     h.state.disconnect(conn, a)
     assert a.status is RankStatus.DEPARTED
     h.clock.advance(30.0)
-    h.state.tick()
     assert a.status is RankStatus.EXPIRED and b.status is RankStatus.EXPIRED
     assert h.state.exposed_ranks() == []
     assert h.counter(BYTES) == 3.0
@@ -265,13 +269,13 @@ def test_the_other_writers_values_count_in_the_series_budget_until_the_epoch_end
     h.state.disconnect(conn, rank)
     conn, _ = _turn(h, "E", bytes_(5.0))
     assert rank.other_writer is not None and rank.other_writer.cost == 2
-    assert h.state.registry.series_count == 3  # the set-aside writer's two and the new writer's one
+    assert h.state.series_budget().per_rank == 3  # the set-aside writer's two and the new writer's one
     h.state.disconnect(conn, rank)
     conn, _ = _turn(h, "E", bytes_(1.0))  # a third writer: the one set aside before is dropped
-    assert h.state.registry.series_count == 2 and rank.other_writer.cost == 1  # type: ignore[union-attr]
+    assert h.state.series_budget().per_rank == 2 and rank.other_writer.cost == 1  # type: ignore[union-attr]
     h.state.disconnect(conn, rank)
     h.hello(epoch="F")  # a restart: the other writer wrote the replaced epoch
-    assert rank.other_writer is None and h.state.registry.series_count == 0
+    assert rank.other_writer is None and h.state.series_budget().per_rank == 0
 
 
 def test_a_writer_that_resumes_its_values_shows_its_own_series_on_metrics(h: Harness) -> None:
@@ -300,3 +304,55 @@ def test_an_impostor_whose_conflicting_snapshot_is_refused_cannot_have_the_rank_
     h.state.disconnect(conn, rank)
     _, result = _turn(h, "E", bytes_(1051.0))
     assert result.conflict is not None and h.counter(BYTES) == 1051.0 and rank.values[(BYTES, ())] == 1051.0
+
+
+# --- reading never changes state (issue 20): status is derived from the clock, never ticked ---
+
+
+def _fingerprint(h: Harness) -> str:
+    """Everything a read could change: every rank's fields and position history, the rollups and the budget."""
+    ranks = [(repr(rank), repr([getattr(rank.history, slot) for slot in WindowHistory.__slots__]))
+             for rank in h.state.known_ranks()]
+    return repr((ranks, h.state.rollup_counters(), h.state.rollup_histograms(), h.state.layout_conflicts(),
+                 h.state.series_budget()))
+
+
+def test_reading_never_changes_state_and_status_follows_the_clock() -> None:
+    h = Harness(ranks_config=RanksConfig(stale_after_seconds=10.0, expire_after_seconds=30.0))
+    collector = SidecarCollector(h.state, SidecarHealth(), "sglang_")
+    renderer = TextRenderer(collector)
+    view = StatusView(SidecarConfig(), h.state, SidecarHealth())
+    conn, a = h.hello(tp=0)
+    _, b = h.hello(tp=1)
+    for step in range(1, 9):  # 80 s of pushes: older history than the window (60 s), which a read must not prune
+        h.clock.advance(10.0)
+        h.push(a, bytes_(100.0 * step), tokens(10.0 * step), hist(DURATION, one_hot(DURATION, 1, step), 0.5 * step))
+        h.push(b, bytes_(90.0 * step), tokens(9.0 * step))
+    h.state.disconnect(conn, a)
+    expected = ((0.0, RankStatus.DEPARTED, RankStatus.LIVE), (10.0, RankStatus.DEPARTED, RankStatus.STALE),
+                (20.0, RankStatus.EXPIRED, RankStatus.EXPIRED))
+    for advance, status_a, status_b in expected:
+        h.clock.advance(advance)
+        before = _fingerprint(h)
+        for _ in range(2):
+            renderer.render()
+            renderer.render(openmetrics=True)
+            list(collector.collect())
+            view.document()
+            rank_rows(h.state)
+            h.state.window_increases(h.state.known_ranks())
+        assert _fingerprint(h) == before
+        assert (a.status, b.status) == (status_a, status_b)
+    assert h.state.exposed_ranks() == []
+    assert h.state.ranks_by_status()[RankStatus.EXPIRED] == 2
+
+
+def test_nothing_outside_the_core_reaches_past_the_facade() -> None:
+    """The facade is the only door: the sources, views and tools ask SidecarState, never its parts."""
+    root = Path(__file__).resolve().parents[4]
+    parts = re.compile(r"(?:state|STATE\])\.(?:registry|ledger|window|reader|ranks)\b")
+    core = root / "exporter" / "sidecar" / "core"
+    found = [f"{path.relative_to(root)}:{number}: {line.strip()}"
+             for top in ("exporter", "bench") for path in sorted((root / top).rglob("*.py")) if core not in path.parents
+             for number, line in enumerate(path.read_text().splitlines(), 1) if parts.search(line)]
+    assert found == []

@@ -39,7 +39,9 @@ def test_increase_is_current_minus_the_last_entry_at_or_before_the_windows_start
     history.record(70.0, {A: 100.0})
     assert history.increases(70.0, {A: 100.0}) == {A: 90.0}  # base: the entry at 0 (start is 10)
     assert history.increases(95.0, {A: 100.0}) == {A: 60.0}  # base: the entry at 30 (start is 35)
-    assert len(history) == 2  # the entry at 0 is pruned: one entry before the window is enough
+    assert len(history) == 3  # a read prunes nothing (reading never changes state)
+    history.record(95.0, {A: 100.0})
+    assert len(history) == 3  # the record pruned the entry at 0: one entry before the window is enough
     assert history.increases(130.0, {A: 100.0}) == {A: 0.0}  # base: the entry at 70
 
 
@@ -168,7 +170,6 @@ def test_an_expired_rank_leaves_the_per_rank_readings_but_not_the_rollup() -> No
     h.state.disconnect(conn, gone)
     h.clock.advance(3.0)
     h.push(kept, *transfer(1000.0, 3.0, 1))
-    h.state.tick()
     assert gone.expired and not kept.expired
     by_rank, rolled, _ = readings(h)
     assert by_rank == {1: pytest.approx(1000.0 / 3.0)}
@@ -286,5 +287,5 @@ def test_spread_of_a_stale_replica_is_not_read() -> None:
     h.clock.advance(10.0)
     h.push(ranks[0], tokens(100.0))
     h.push(ranks[1], tokens(90.0))
-    h.state.tick()  # tp 2, far behind, is stale
+    # tp 2, far behind, is stale
     assert spreads(h) == {(TOKENS, group_key(), ("kv",)): pytest.approx(0.1)}

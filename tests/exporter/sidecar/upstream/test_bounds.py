@@ -62,7 +62,6 @@ def test_identities_a_read_no_longer_lists_depart_expire_and_free_their_slots_fo
     with pytest.raises(ProtocolError, match="max_ranks=4"):
         h.hello(tp=9)  # not yet expired: their slots are still held, as a departed pushed rank's
     h.clock.advance(31)
-    h.state.tick()
     _, rank = h.hello(tp=9)  # expired: forgotten to make room
     assert rank.status is RankStatus.LIVE
     up.apply(read(Engine().text()))
@@ -90,13 +89,11 @@ def test_an_identity_listed_again_after_the_registry_forgot_it_resumes_without_c
     up.apply(read(engine_of(0).text()))
     up.apply(read(Engine().text()))
     h.clock.advance(31)
-    h.state.tick()
     h.hello(tp=7)
     h.state.disconnect(*h.hello(tp=8))  # the registry forgot tp 0 to make room for pushed ranks; one left again
     assert up.apply(read(Engine().text())).ranks == 0 and up.ranks == {}
     assert rollup(h, "load_back_bytes_total") == 100
     h.clock.advance(31)
-    h.state.tick()
     engine = engine_of(0)
     engine.rank(0, moved=10)
     assert up.apply(read(engine.text())).ranks == 1
@@ -118,7 +115,6 @@ def test_new_identities_on_every_read_keep_the_feed_bounded_and_are_fed() -> Non
         assert result.ranks == 4 and live == set(tps)
         assert len(up.ranks) <= 8 and len(h.state.ranks) <= 4
         h.clock.advance(31)
-        h.state.tick()
     assert up.health.errors == {}
 
 
@@ -127,7 +123,7 @@ def test_release_expired_frees_the_slots_of_an_upstream_that_cannot_be_read() ->
     up = feed(h)
     up.apply(read(engine_of(0, 1, 2, 3).text()))
     h.clock.advance(31)
-    h.state.tick()  # no read since: expired, yet still connected
+    # no read since: expired, yet still connected
     assert up.release_expired() == 4
     assert h.hello(tp=9)[1].status is RankStatus.LIVE
 
@@ -255,7 +251,7 @@ async def applied_in_slices(up: UpstreamFeed, text: str) -> tuple[FeedResult, in
     task = asyncio.create_task(ticker())
     await asyncio.sleep(0)
     try:
-        return await up.apply_async(up.read_text(text, False), wall=1.0), turns
+        return await up.apply_async(up.read_text(text, False)), turns
     finally:
         task.cancel()
 
@@ -279,7 +275,7 @@ def test_apply_async_gives_the_loop_back_and_leaves_what_apply_leaves(monkeypatc
                 result, read_turns = asyncio.run(applied_in_slices(up, text))
                 turns += read_turns
             else:
-                result = up.apply(up.read_text(text, False), wall=1.0)
+                result = up.apply(up.read_text(text, False))
         results.append(result)
         states.append(({k: (r.status, dict(r.values)) for k, r in h.state.ranks.items()},
                        dict(h.state.ledger.counters), up.pass_through_text(False)))

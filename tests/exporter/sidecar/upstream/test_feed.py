@@ -109,10 +109,8 @@ def test_an_upstream_that_cannot_be_read_turns_its_ranks_stale_then_expired_and_
     up.apply(read(engine.text()))
     (rank,) = h.state.ranks.values()
     h.clock.advance(11)
-    h.state.tick()
     assert rank.status is RankStatus.STALE
     h.clock.advance(20)
-    h.state.tick()
     assert rank.status is RankStatus.EXPIRED and rollup(h, "load_back_bytes_total") == 100
     engine.rank(0, moved=1)
     up.apply(read(engine.text()))
@@ -260,12 +258,13 @@ class EngineHTTP:
         self.server.server_close()
 
 
-def proxy_config(socket_dir, url: str, **metrics: object):  # type: ignore[no-untyped-def]
+def proxy_config(socket_dir, url: str, read_timeout: float = 0.2, **metrics: object):  # type: ignore[no-untyped-def]
     from exporter.config import config_from_data
 
+    upstream = {"url": url, "interval_seconds": max(0.2, read_timeout), "timeout_seconds": read_timeout}
     return config_from_data({
         "http": {"host": "127.0.0.1", "port": 0}, "ingest": {"socket_path": str(socket_dir / "run" / "m.sock")},
-        "metrics": metrics, "upstreams": [{"url": url, "interval_seconds": 0.2, "timeout_seconds": 0.2}],
+        "metrics": metrics, "upstreams": [upstream],
     }, "test")
 
 
@@ -279,7 +278,8 @@ def test_a_pass_through_family_that_clashes_stops_start_up_with_a_message(socket
     engine.rank(0, tokens=1)
     Counter(name, "a clash", registry=engine.registry).inc()  # the sidecar's rollup, or its own process metrics
     http = EngineHTTP(engine)
-    thread = SidecarThread(proxy_config(socket_dir, http.url))
+    # The start-up read must answer for the clash to show: a loaded machine may take longer than 0.2 s.
+    thread = SidecarThread(proxy_config(socket_dir, http.url, read_timeout=10.0))
     try:
         with pytest.raises(ConfigError, match=rf"{said}'\] are passed through and are also "
                                               "families the sidecar makes"):
@@ -359,8 +359,8 @@ def test_reads_by_their_values_alone_leave_the_state_the_parser_and_the_slow_pat
         except ValueError:
             families = None
         assert (reading is None) == (families is None), "the two ways of reading disagree on whether the text parses"
-        fast_result = None if reading is None else fast.apply(reading, wall=1.0)
-        slow_result = None if families is None else slow.apply([(None, 0.0, families)], wall=1.0)
+        fast_result = None if reading is None else fast.apply(reading)
+        slow_result = None if families is None else slow.apply([(None, 0.0, families)])
         assert _state(fast_h, fast, fast_result) == _state(slow_h, slow, slow_result)
         fast_h.clock.advance(1)
         slow_h.clock.advance(1)
@@ -409,8 +409,8 @@ def test_a_directory_read_without_pass_through_skips_the_merged_reading_and_feed
     assert [pid for pid, _, _ in read_multiprocess_dir(tmp_path)] == ["101", "102", MERGED]
     assert [pid for pid, _, _ in read_multiprocess_dir(tmp_path, merged=False)] == ["101", "102"]
     both, apart = Harness(), Harness()
-    feed(both, pass_through=False).apply(read_multiprocess_dir(tmp_path), wall=1.0)
-    feed(apart, pass_through=False).apply(read_multiprocess_dir(tmp_path, merged=False), wall=1.0)
+    feed(both, pass_through=False).apply(read_multiprocess_dir(tmp_path))
+    feed(apart, pass_through=False).apply(read_multiprocess_dir(tmp_path, merged=False))
     assert rollup(apart, "load_back_bytes_total") == 300 == rollup(both, "load_back_bytes_total")
     assert [r.values for r in apart.state.ranks.values()] == [r.values for r in both.state.ranks.values()]
 
@@ -497,3 +497,11 @@ def test_the_pids_a_rank_replaced_are_remembered_boundedly() -> None:
     assert len(entry.replaced_pids) == upstream_module.REPLACED_PIDS_KEPT
     assert list(entry.replaced_pids)[-1] == "198"
     assert rollup(h, "load_back_bytes_total") == 200 * 10  # each new process counted from zero, as before
+
+
+def test_the_feed_makes_no_wire_messages() -> None:
+    """The feed hands the core typed records (Join, Push): it builds no protocol Hello or Snapshot to reuse the push path."""
+    import exporter.sidecar.upstream.feed as feed_module
+
+    assert not hasattr(feed_module, "Hello") and not hasattr(feed_module, "Snapshot")
+    assert not hasattr(feed_module, "PROTOCOL_VERSION")

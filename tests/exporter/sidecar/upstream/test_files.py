@@ -253,7 +253,7 @@ def test_any_directory_is_read_or_its_bad_files_are_skipped_never_raised(files: 
                     assert _samples(mine) == _samples(MultiProcessCollector.merge([str(root / name)]))
         h = Harness()  # and the feed takes whatever was read
         config = UpstreamConfig.model_validate({"multiprocess_dir": scratch})
-        UpstreamFeed(config, h.state, UpstreamHealth("u", scratch)).apply(out.reading, wall=1.0)
+        UpstreamFeed(config, h.state, UpstreamHealth("u", scratch)).apply(out.reading)
 
 
 def _samples(families: object) -> list[tuple[str, str, float]]:

@@ -246,10 +246,8 @@ def test_the_flapping_gauge_drops_a_series_whose_identity_was_forgotten() -> Non
     up = feed(h)
     _flap(up, h)
     h.clock.advance(11)
-    h.state.tick()
     up.apply(read(counter("load_back_bytes_total", 0, tp="1")))  # tp 0 departs
     h.clock.advance(11)
-    h.state.tick()
     up.apply(read(counter("load_back_bytes_total", 0, tp="2")))  # tp 0 expired: forgotten, its slot tp 2's
     assert up.health.flapping == 0 and [identity[0] for identity in up.ranks] == [1, 2]  # 22 s: no window yet
 

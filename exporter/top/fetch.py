@@ -172,7 +172,7 @@ def fetch_status(target: Target, timeout: float, clock: Callable[[], float] = ti
     if target.ssl_context is not None:
         handlers.append(urllib.request.HTTPSHandler(context=target.ssl_context))
     opener = urllib.request.build_opener(*handlers)
-    # gzip: the document compresses about tenfold, and top polls it over the network (BENCHMARKS.md, status API).
+    # gzip: the document compresses about tenfold, and top polls it over the network (BENCHMARKS.md, Fast paths).
     opener.addheaders = [("User-Agent", f"hicache-exporter-top/{__version__}"), ("Accept", "application/json"),
                          ("Accept-Encoding", "gzip")]
     request = urllib.request.Request(target.status_url)

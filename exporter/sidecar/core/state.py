@@ -1,4 +1,5 @@
-"""The sidecar's state as one facade over its data flow: registry → reader → ledger → window.
+"""The sidecar's state as one facade over its data flow: the rank registry (ranks.py) → the sample reader
+(samples.py) → the rollup ledger (rollups.py) → the series window (history.py, window.py).
 
 Everything here runs on the event loop and does no I/O; time comes from injected clocks.
 """

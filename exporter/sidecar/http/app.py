@@ -1,4 +1,4 @@
-"""The aiohttp application: /metrics, health and readiness, the JSON API (api.py) and the status page (page.py).
+"""The aiohttp application: /metrics, health and readiness, the JSON API (expose/status.py) and the status page (expose/page.py).
 
 Everything that lives as long as the application (the ingest listener, housekeeping) starts
 and stops in its cleanup context, so `AppRunner.setup()` and `cleanup()` are the whole lifecycle.

@@ -14,6 +14,7 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -410,6 +411,28 @@ class RanksResponse(Model):
 
     ranks: list[RankRow]
     upstreams: list[Upstream]
+
+
+# --- reading the document --------------------------------------------------------------------
+
+
+def world_conflicts(doc: StatusDocument, name: Callable[[WorldSizes], str]
+                    ) -> list[tuple[str, bool, dict[str, int]]]:
+    """Each static label set whose groups report a world conflict: its label set id, whether its one
+    world is implausible (`world_implausible`), and how many of its ranks reported each world, the
+    worlds by `name` in first-seen order. One pass over the ranks; the page and `top` word it."""
+    conflicting: dict[str, bool] = {}  # label set -> whether its one world is implausible
+    for group in doc.groups:
+        if group.world_conflict:
+            conflicting[group.label_set] = group.world_implausible
+    counts: dict[str, dict[str, int]] = {key: {} for key in conflicting}
+    label_set_of = {group.id: group.label_set for group in doc.groups}
+    for rank in doc.ranks:
+        key = label_set_of[rank.group]
+        if rank.world is not None and key in counts:
+            world = name(rank.world)
+            counts[key][world] = counts[key].get(world, 0) + 1
+    return [(key, implausible, counts[key]) for key, implausible in conflicting.items()]
 
 
 # --- the schema --------------------------------------------------------------------------------

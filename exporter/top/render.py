@@ -215,29 +215,22 @@ def missing_lines(groups: Sequence[v1.Group], missing_groups: Sequence[v1.Missin
 
 def world_conflicts(doc: v1.StatusDocument) -> list[str]:
     """One warning per static label set whose ranks reported different worlds, or a world larger than the
-    sidecar can hold (`world_implausible`): which worlds, by how many ranks. One pass over the ranks."""
+    sidecar can hold (`world_implausible`): which worlds, by how many ranks."""
     names = Names(doc)
-    conflicting: dict[str, bool] = {}  # label set -> whether its one world is implausible
-    for group in doc.groups:
-        if group.world_conflict:
-            conflicting[group.label_set] = group.world_implausible
-    counts: dict[str, dict[str, int]] = {key: {} for key in conflicting}
-    for rank in doc.ranks:
-        world = rank.world
-        key = names.groups[rank.group].label_set
-        if world is not None and key in counts:
-            name = (f"tp {integer(world.tp_size)} × pp {integer(world.pp_size)} × "
-                    f"dp {integer(world.dp_size)}")
-            counts[key][name] = counts[key].get(name, 0) + 1
+    allowed = doc.sidecar.limits.ranks_allowed
     lines = []
-    for key, implausible in conflicting.items():
-        worlds = ", ".join(f"{name} ({n} rank{'' if n == 1 else 's'})" for name, n in counts[key].items())
+    for key, implausible, counts in v1.world_conflicts(doc, world_name):
+        worlds = ", ".join(f"{name} ({n} rank{'' if n == 1 else 's'})" for name, n in counts.items())
         labels = literal(" ".join(f"{k}={v}" for k, v in names.labels[key].items()) or "no static labels").plain
-        allowed = doc.sidecar.limits.ranks_allowed
         said = (f"report {worlds}, more positions than the {count(allowed)} rank identities this sidecar keeps "
                 "(ranks.max_ranks)" if implausible else f"report different parallel sizes: {worlds}")
         lines.append(f"world conflict: the ranks with {labels} {said}; no missing rank can be worked out for them")
     return lines
+
+
+def world_name(world: v1.WorldSizes) -> str:
+    """`tp 2 × pp 1 × dp 2`: a reported world as the conflict warning names it."""
+    return f"tp {integer(world.tp_size)} × pp {integer(world.pp_size)} × dp {integer(world.dp_size)}"
 
 
 Row = tuple[int, int | None]  # (pp_rank, attn_cp_rank)

@@ -161,22 +161,12 @@ class Names:
 
 def world_conflicts(doc: v1.StatusDocument) -> list[str]:
     """One warning per static label set whose ranks reported different worlds, or a world larger than the
-    sidecar can hold (`world_implausible`): which worlds, by how many ranks. One pass over the ranks."""
+    sidecar can hold (`world_implausible`): which worlds, by how many ranks."""
     names = Names(doc)
-    conflicting: dict[str, bool] = {}  # label set -> whether its one world is implausible
-    for group in doc.groups:
-        if group.world_conflict:
-            conflicting[group.label_set] = group.world_implausible
-    counts: dict[str, dict[str, int]] = {key: {} for key in conflicting}
-    for rank in doc.ranks:
-        key = names.groups[rank.group].label_set
-        if rank.world is not None and key in counts:
-            world = fmt_world(rank.world)
-            counts[key][world] = counts[key].get(world, 0) + 1
     allowed = doc.sidecar.limits.ranks_allowed
     lines = []
-    for key, implausible in conflicting.items():
-        worlds = ", ".join(f"{world} ({n} rank{'' if n == 1 else 's'})" for world, n in counts[key].items())
+    for key, implausible, counts in v1.world_conflicts(doc, fmt_world):
+        worlds = ", ".join(f"{world} ({n} rank{'' if n == 1 else 's'})" for world, n in counts.items())
         said = (f"report {worlds}, more positions than the {fmt_number(allowed)} rank identities this sidecar "
                 "keeps (ranks.max_ranks)" if implausible else f"report different parallel sizes: {worlds}")
         lines.append(f"world conflict: the ranks with {label_text(names.labels[key])} {said}; "

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,18 @@ import pytest
 from exporter.errors import ErrorCode
 from exporter.protocol.framing import encode_frame
 from exporter.protocol.messages import ErrorMessage, Welcome
-from tests.helpers import RawClient, Scrape, SidecarThread, counter, hello, http_get, sidecar_config, snapshot, wait_until
+from tests.helpers import (
+    LOOP_WAIT_SECONDS,
+    RawClient,
+    Scrape,
+    SidecarThread,
+    counter,
+    hello,
+    http_get,
+    sidecar_config,
+    snapshot,
+    wait_until,
+)
 
 GOOD_TOKENS = 4096.0
 GOOD_BYTES = 8388608.0
@@ -292,8 +302,11 @@ def test_partial_frames_of_all_connections_together_are_bounded(socket_dir: Path
             except (BrokenPipeError, ConnectionResetError):
                 pass
             peers.append(peer)
-        wait_until(lambda: running.call(lambda: running.sidecar.ingest.buffered) > 0)  # type: ignore[union-attr]
-        time.sleep(0.3)
+        def settled() -> bool:  # every half frame is either held whole or refused
+            buffered = running.call(lambda: running.sidecar.ingest.buffered)  # type: ignore[union-attr]
+            return (_rejections(running, ErrorCode.FRAME_TOO_LARGE) - 1) + buffered // (600 << 10) == 12
+
+        wait_until(settled, timeout=LOOP_WAIT_SECONDS)
         held = running.call(lambda: running.sidecar.ingest.buffered)  # type: ignore[union-attr]
         assert held <= 4 << 20
         refused = _rejections(running, ErrorCode.FRAME_TOO_LARGE) - 1

@@ -258,7 +258,7 @@ class EngineHTTP:
         self.server.server_close()
 
 
-def proxy_config(socket_dir, url: str, read_timeout: float = 0.2, **metrics: object):  # type: ignore[no-untyped-def]
+def proxy_config(socket_dir, url: str, read_timeout: float = 1.0, **metrics: object):  # type: ignore[no-untyped-def]
     from exporter.config import config_from_data
 
     upstream = {"url": url, "interval_seconds": max(0.2, read_timeout), "timeout_seconds": read_timeout}

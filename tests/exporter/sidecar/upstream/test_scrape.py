@@ -408,8 +408,8 @@ def test_a_hostile_directory_never_stops_the_sidecar_or_another_upstreams_reads(
         "http": {"host": "127.0.0.1", "port": 0}, "ingest": {"socket_path": str(socket_dir / "run" / "m.sock")},
         # Timeouts far above a read's cost: a loaded machine timed a 50 ms one out (`timeout`, then
         # `busy` while that read finished), which is no failure of the sidecar's.
-        "upstreams": [{"name": "hostile", "multiprocess_dir": str(mp), "interval_seconds": 0.5, "timeout_seconds": 0.5},
-                      {"name": "healthy", "url": http.url, "interval_seconds": 0.5, "timeout_seconds": 0.5}],
+        "upstreams": [{"name": "hostile", "multiprocess_dir": str(mp), "interval_seconds": 1.0, "timeout_seconds": 1.0},
+                      {"name": "healthy", "url": http.url, "interval_seconds": 1.0, "timeout_seconds": 1.0}],
     }, "test")
     sidecar = SidecarThread(config).start()
     assert sidecar.sidecar is not None

@@ -1,6 +1,6 @@
 """The rollup ledger: rank positions, replica-group watermarks and the rollups built from them.
 
-The rules (DESIGN section 6), stated once here; whether a family is replicated or per_shard is
+The rules, stated once here (README, "Rollups", says them to users); whether a family is replicated or per_shard is
 `FamilySpec`'s to say, and a rollup series' key is `keys.make_rollup_key` (family, the static
 labels a replica group shares, the family's own label values):
 

@@ -14,8 +14,8 @@ that pushed ranks go through, so rollups, restarts, staleness and expiry follow 
   state never sees a value go down and the positions go on as `increase()` would; the other
   series of the rank, and the rank's epoch, are untouched. When every counter and histogram of a
   rank that had counted anything went down at once (an engine restart), the rank starts a new
-  epoch as well, so that its per-rank series start again from the engine's values (DESIGN
-  section 6); the positions are the same either way. A gauge may go down at any time;
+  epoch as well, so that its per-rank series start again from the engine's values (core/rollups.py
+  states the rules); the positions are the same either way. A gauge may go down at any time;
 * a histogram's sum that falls while its counts do not (a negative observation, which
   prometheus_client takes) holds: later observations add on, a negative increment never enters a
   position. A value no rule allows (NaN, an infinity, a negative counter, a fractional, negative

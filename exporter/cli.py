@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--upstream-multiprocess-dir", action="append", metavar="DIR", default=[],
                        help="proxy a prometheus_client multiprocess directory (the engine's PROMETHEUS_MULTIPROC_DIR, "
                             "shared as a volume; repeatable), each process's files read apart")
+    serve.add_argument("--persistence.file", dest="persistence_file", type=Path, metavar="FILE",
+                       help="keep the rollups' durable state in FILE, so that they continue exactly across restarts "
+                            "of the sidecar (config persistence.file; default: not kept)")
+    serve.add_argument("--persistence.interval", dest="persistence_interval", metavar="DURATION",
+                       help="how often the state file is written, as a Prometheus duration (default 5s; config "
+                            "persistence.interval); it is written once more at SIGTERM")
 
     serve.add_argument("--log-level", choices=LOG_LEVELS, help="override log_level")
 
@@ -211,7 +217,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     host, port, flags = _listen_settings(args)
     config = load_config(args.config, port=port, host=host, socket_path=args.socket,
-                         upstreams=args.upstream, upstream_dirs=args.upstream_multiprocess_dir)
+                         upstreams=args.upstream, upstream_dirs=args.upstream_multiprocess_dir,
+                         persistence_file=args.persistence_file, persistence_interval=args.persistence_interval)
     if args.web_config_file is not None:
         config = apply_web_config(config, args.web_config_file)
     _setup_logging(args.log_level or config.log_level, args.log_format)

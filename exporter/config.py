@@ -167,6 +167,37 @@ class RollupConfig(_Strict):
     window_seconds: float = Field(60.0, gt=0)
 
 
+# Prometheus' duration syntax: units from the largest down, each at most once (`1m30s`, `500ms`, `5s`).
+DURATION_RE = re.compile(r"^(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?$")
+DURATION_UNITS = (365 * 86400.0, 7 * 86400.0, 86400.0, 3600.0, 60.0, 1.0, 0.001)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of a Prometheus duration (`5s`, `1m30s`, `250ms`); ValueError naming the syntax otherwise."""
+    match = DURATION_RE.match(text)
+    if not text or match is None:
+        raise ValueError(f"{text!r} is not a duration like 5s, 1m30s or 500ms (Prometheus' syntax)")
+    return sum(int(n) * unit for n, unit in zip(match.groups(), DURATION_UNITS) if n)
+
+
+class PersistenceConfig(_Strict):
+    """The durable state: where it is kept and how often it is written (no file: nothing is kept)."""
+
+    file: Path | None = None
+    interval: str = "5s"
+
+    @field_validator("interval")
+    @classmethod
+    def _interval_is_a_duration(cls, value: str) -> str:
+        if parse_duration(value) <= 0:
+            raise ValueError(f"{value!r}: the interval must be longer than zero")
+        return value
+
+    @property
+    def interval_seconds(self) -> float:
+        return parse_duration(self.interval)
+
+
 class UpstreamBasicAuth(_Strict):
     """HTTP basic authentication towards an upstream; the password inline or read from a file."""
 
@@ -242,6 +273,7 @@ class SidecarConfig(_Strict):
     metrics: MetricsConfig = MetricsConfig()
     rollup: RollupConfig = RollupConfig()
     upstreams: tuple[UpstreamConfig, ...] = ()
+    persistence: PersistenceConfig = PersistenceConfig()
     log_level: LogLevel = DEFAULT_LOG_LEVEL
 
     @field_validator("upstreams")
@@ -342,6 +374,8 @@ def load_config(
     socket_path: Path | str | None = None,
     upstreams: list[str] | None = None,
     upstream_dirs: list[str] | None = None,
+    persistence_file: Path | str | None = None,
+    persistence_interval: str | None = None,
 ) -> SidecarConfig:
     """Build the config: flags beat environment, which beats the file, which beats defaults.
 
@@ -371,6 +405,10 @@ def load_config(
         flag_layer.setdefault("http", {})["host"] = host
     if socket_path is not None:
         flag_layer.setdefault("ingest", {})["socket_path"] = str(socket_path)
+    if persistence_file is not None:
+        flag_layer.setdefault("persistence", {})["file"] = str(persistence_file)
+    if persistence_interval is not None:
+        flag_layer.setdefault("persistence", {})["interval"] = persistence_interval
     # --upstream and --upstream-multiprocess-dir add upstreams with default settings; one the file
     # already names (same URL or directory) keeps the file's settings.
     given = [dict(u) for u in data.get("upstreams") or []] if isinstance(data.get("upstreams"), list) else None
@@ -390,10 +428,12 @@ def load_config(
 
 # --- where a setting came from, and the exporter-toolkit web config file ---------------------
 
-SETTING_FLAGS = {"http.port": "--port", "http.host": "--host", "ingest.socket_path": "--socket"}
+SETTING_FLAGS = {"http.port": "--port", "http.host": "--host", "ingest.socket_path": "--socket",
+                 "persistence.file": "--persistence.file", "persistence.interval": "--persistence.interval"}
 SETTING_ENV = {"http.port": ENV_PORT, "ingest.socket_path": ENV_SOCKET}
 ERROR_FLAGS = {"http.port": "--port or --web.listen-address", "http.host": "--host or --web.listen-address",
-               "ingest.socket_path": "--socket"}
+               "ingest.socket_path": "--socket", "persistence.file": "--persistence.file",
+               "persistence.interval": "--persistence.interval"}
 
 
 def _lookup(data: Any, key: str) -> tuple[bool, Any]:

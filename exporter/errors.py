@@ -87,3 +87,13 @@ class UnknownFamilyError(HicacheExporterError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class StateFileError(HicacheExporterError):
+    """The durable state file cannot be used; `reason` is the counter's label (corrupt, truncated,
+    version, unreadable, too_large), the message says what was found."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message

@@ -19,6 +19,7 @@ from exporter.config import SidecarConfig
 from exporter.errors import StartupError
 from exporter.sidecar.core.health import SidecarHealth, UpstreamHealth
 from exporter.sidecar.core.state import SidecarState
+from exporter.sidecar.durable.keeper import StateKeeper
 from exporter.sidecar.expose.collector import SidecarCollector
 from exporter.sidecar.expose.render import TextRenderer
 from exporter.sidecar.http.app import build_app
@@ -132,6 +133,10 @@ class Sidecar:
             self.upstreams.append(UpstreamScraper(upstream, feed))
         self.renderer = TextRenderer(collector, pass_through=[u.feed.pass_through_text for u in self.upstreams])
         self.ingest = IngestServer(config.ingest, self.state, self.health)
+        # The durable state loads before any source starts and is saved last, after they stopped.
+        self.keeper = (StateKeeper(config.persistence, self.state, {u.feed.health.name: u.feed for u in self.upstreams},
+                                   self.health.persistence, config.metrics.namespace)
+                       if config.persistence.file is not None else None)
         self._runner: web.AppRunner | None = None
         self.http_port: int | None = None
 
@@ -139,7 +144,10 @@ class Sidecar:
         """Start the ingest listener and housekeeping (the app's cleanup context), then HTTP."""
         tls = self.config.http.tls_server_config
         ssl_context = server_ssl_context(tls) if tls is not None else None  # fail before binding anything
-        app = build_app(self.config, self.state, self.health, self.renderer, (self.ingest.running, running(self.upstreams)))
+        sources = [self.ingest.running, running(self.upstreams)]
+        if self.keeper is not None:
+            sources.insert(0, self.keeper.running)
+        app = build_app(self.config, self.state, self.health, self.renderer, sources)
         http = self.config.http
         # aiohttp's keep-alive timer runs from accept until a request is whole, so it is also the
         # header deadline that keeps idle or dribbling connections from holding descriptors.

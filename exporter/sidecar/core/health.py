@@ -44,6 +44,26 @@ class UpstreamHealth:
         self.last_error = kind if line is None else f"{kind} at line {line}"
 
 
+class PersistenceHealth:
+    """The durable state's file: loads, writes and what they cost (all None or zero without a file)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.load_failures: dict[str, int] = {}  # by reason: corrupt, truncated, version, unreadable, too_large
+        self.write_failures: dict[str, int] = {}  # by reason: no_space, read_only, permission, io
+        self.dropped: dict[str, int] = {}  # series left out at load, by reason: unknown_family, changed_family, limit
+        self.writes = 0
+        self.last_write_wall: float | None = None  # wall-clock time of the last successful write
+        self.last_write_duration: float | None = None  # seconds it took (encode on the loop, write in a thread)
+        self.file_bytes: int | None = None  # size of the last file written or loaded
+        self.load_duration: float | None = None  # seconds the load at start took (read, check, decode, restore)
+        self.loaded_identities = 0  # rank identities taken back at start (the registry's and upstreams')
+
+    @staticmethod
+    def count(table: dict[str, int], reason: str, amount: int = 1) -> None:
+        table[reason] = table.get(reason, 0) + amount
+
+
 class SidecarHealth:
     """The sidecar's own counters, durations and upstream health, written by the event loop and read by the views."""
 
@@ -61,6 +81,7 @@ class SidecarHealth:
         self.ingest_duration = duration_histogram("ingest_duration_seconds")  # one applied snapshot
         self.ingest_listening = False
         self.upstreams: dict[str, UpstreamHealth] = {}  # by name, in config order
+        self.persistence = PersistenceHealth()
 
     def reject(self, code: ErrorCode) -> None:
         self.rejections[code.value] = self.rejections.get(code.value, 0) + 1

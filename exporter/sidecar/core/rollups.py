@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 from exporter.catalog import Catalog, MetricType
 from exporter.sidecar.core.keys import (
@@ -57,10 +58,14 @@ Watermarks = dict[SeriesKey, "RollupCounter | HistAccumulator"]
 class RollupLedger:
     """Rollup counters and histograms, the watermarks of every replica group, and gauge rollups."""
 
-    def __init__(self, catalog: Catalog, budget: SeriesBudget) -> None:
+    def __init__(self, catalog: Catalog, budget: SeriesBudget, wall_clock: Callable[[], float] = time.time) -> None:
         self.budget = budget  # each rollup series created counts against max_series_total (histograms by weight)
+        self.wall_clock = wall_clock
         self.counter_cells: dict[RollupKey, RollupCounter] = {}
         self.histograms: dict[RollupKey, HistAccumulator] = {}
+        # When each rollup counter and histogram began (wall clock): OpenMetrics' `_created`, kept in
+        # the durable state, so that only a true start over reads as a reset.
+        self.created: dict[RollupKey, float] = {}
         self.watermarks: dict[GroupKey, Watermarks] = {}
         self.layout_conflicts: dict[str, int] = {}  # by family: rank series left out of their rollup
         self._gauge_per_shard = {f.name: f.per_shard for f in catalog if f.type is MetricType.GAUGE}
@@ -104,6 +109,7 @@ class RollupLedger:
         cell = self.counter_cells.get(key)
         if cell is None:
             cell = self.counter_cells[key] = RollupCounter()
+            self.created[key] = self.wall_clock()
             self.budget.rollup += 1
         return cell
 
@@ -131,6 +137,7 @@ class RollupLedger:
             acc = self.histograms.get(route.rollup_key)
             if acc is None:
                 acc = self.histograms[route.rollup_key] = HistAccumulator.empty(bounds)
+                self.created[route.rollup_key] = self.wall_clock()
                 self.budget.rollup += histogram_cost(bounds)
             route.histogram = acc
         if acc.bounds is not bounds and acc.bounds != bounds:

@@ -72,11 +72,24 @@ class SidecarState:
         self.catalog = catalog
         self.config = ranks_config or RanksConfig()
         self.clock = clock
+        self._made = (window_seconds, wall_clock)
         self.registry = RankRegistry(catalog, self.config, window_seconds, clock, wall_clock)
         self.reader = SampleReader(catalog, self.config, self.registry)
-        self.ledger = RollupLedger(catalog, self.registry.budget)
+        self.ledger = RollupLedger(catalog, self.registry.budget, wall_clock)
         self.window = SeriesWindow(catalog)
         self.help: dict[str, str] = {}  # HELP texts ranks gave for catalog families, the latest per family
+        # Bumped by every hello, snapshot and disconnect: the durable state is saved only when it moved.
+        self.changes = 0
+
+    def fresh(self) -> SidecarState:
+        """An empty state of the same catalog, limits and clocks (the durable state loads into one)."""
+        window_seconds, wall_clock = self._made
+        return SidecarState(self.catalog, self.config, window_seconds, self.clock, wall_clock)
+
+    def adopt(self, other: SidecarState) -> None:
+        """Take `other`'s ranks, rollups and window whole, in place of this state's (which has seen nothing yet)."""
+        self.registry, self.reader, self.ledger, self.window = other.registry, other.reader, other.ledger, other.window
+        self.changes += 1
 
     @property
     def ranks(self) -> dict[RankIdentity, RankState]:
@@ -86,6 +99,7 @@ class SidecarState:
         """Bind `connection` to the rank identity in `msg`, reported by `source`; raise ProtocolError to refuse it.
 
         The sources' one door for hellos: the listener and the upstream feed each hand a typed `Join`."""
+        self.changes += 1
         return self.registry.join(connection, msg, source)
 
     def hello(self, connection: object, msg: Hello) -> HelloResult:
@@ -94,6 +108,7 @@ class SidecarState:
 
     def disconnect(self, connection: object, rank: RankState) -> None:
         """The connection holding `rank` closed (bye, EOF or error)."""
+        self.changes += 1
         self.registry.disconnect(connection, rank)
 
     def snapshot(self, rank: RankState, msg: Snapshot) -> SnapshotResult:
@@ -105,6 +120,7 @@ class SidecarState:
         refused = self.registry.refusal(rank, msg.seq)
         if refused is not None:
             return SnapshotResult(ignored=True, refused=refused)
+        self.changes += 1
         conflict = self._writer_of(rank, msg) if rank.rejoined else None
         self.registry.accept_snapshot(rank, msg.seq)
         if msg.help:
@@ -185,6 +201,10 @@ class SidecarState:
     def rollup_histograms(self) -> dict[RollupKey, HistAccumulator]:
         """Every rollup histogram."""
         return self.ledger.histograms
+
+    def rollup_created(self) -> dict[RollupKey, float]:
+        """When each rollup counter and histogram began (wall clock; OpenMetrics' `_created`)."""
+        return self.ledger.created
 
     def rollup_gauges(self) -> dict[RollupKey, float]:
         """Every rollup gauge, over the ranks as they are now."""

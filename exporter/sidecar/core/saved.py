@@ -1,0 +1,331 @@
+"""The core's durable state: what the rank registry and the rollup ledger must remember across a restart of
+the sidecar, as plain data to encode (`dump`) and, decoded into the typed records here, to take back (`restore`).
+
+Saved is only what continuity needs (README, "Durable rollups"): per identity its epoch, lifecycle, last
+cumulative values (counters and histograms), positions and bucket positions; per replica group the
+watermarks; the rollup cells with their start times; layout-conflict counts; the identities each source
+forgot. Nothing that is rebuilt (routes, caches, window history, gauges) is. No I/O here: the file is
+the durable layer's (exporter/sidecar/durable).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from exporter.catalog import Catalog, MetricType
+from exporter.sidecar.core.history import WindowHistory
+from exporter.sidecar.core.keys import HistAccumulator, HistValue, RollupCounter, SeriesKey, histogram_cost
+from exporter.sidecar.core.ranks import WINDOW_HISTORY_ENTRIES, RankIdentity, RankState
+from exporter.sidecar.core.state import SidecarState
+
+log = logging.getLogger("hicache_exporter.durable")
+
+Pairs = tuple[tuple[str, str], ...]
+
+
+class SavedValue(msgspec.Struct, array_like=True, frozen=True):
+    """One counter's or histogram's last cumulative value in its rank's epoch."""
+
+    family: str
+    labels: tuple[str, ...]
+    value: float | HistValue
+
+
+class SavedPosition(msgspec.Struct, array_like=True, frozen=True):
+    """One series' position: its values made continuous across the rank's epochs."""
+
+    family: str
+    labels: tuple[str, ...]
+    position: float
+
+
+class SavedBuckets(msgspec.Struct, array_like=True, frozen=True):
+    """A replicated histogram's position by bucket, with its layout and sum."""
+
+    family: str
+    labels: tuple[str, ...]
+    bounds: tuple[float | str, ...]
+    counts: list[int]
+    sum: float
+
+
+class SavedRank(msgspec.Struct, array_like=True, frozen=True):
+    """One rank identity across its epochs."""
+
+    source: str
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    attn_cp_rank: int | None
+    static: Pairs
+    epoch: str
+    pid: int
+    seq: int
+    expired: bool
+    resumed: bool
+    restarts: int
+    reconnects: int
+    snapshots: int
+    epoch_conflicts: int
+    last_push_wall: float | None
+    replaced_epochs: tuple[str, ...]
+    values: list[SavedValue]
+    positions: list[SavedPosition]
+    buckets: list[SavedBuckets]
+
+
+class SavedCell(msgspec.Struct, array_like=True, frozen=True):
+    """One rollup series: its value (a counter's, or a histogram's buckets and sum) and start time."""
+
+    family: str
+    shared: Pairs
+    labels: tuple[str, ...]
+    created: float
+    value: float | HistValue
+
+
+class SavedMark(msgspec.Struct, array_like=True, frozen=True):
+    """One replica group's watermark of one replicated series."""
+
+    dp_rank: int
+    shared: Pairs
+    family: str
+    labels: tuple[str, ...]
+    value: float | HistValue
+
+
+class SavedForgotten(msgspec.Struct, array_like=True, frozen=True):
+    """An identity a source's registry forgot (to make room), with the epoch it had."""
+
+    source: str
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    attn_cp_rank: int
+    static: Pairs
+    epoch: str
+
+
+class SavedFamily(msgspec.Struct, array_like=True, frozen=True):
+    """What a family was when saved: a family whose type, semantics or labels changed starts over."""
+
+    type: str
+    per_shard: bool
+    labels: tuple[str, ...]
+
+
+class SavedCore(msgspec.Struct, array_like=True, frozen=True):
+    """The registry's and ledger's durable state."""
+
+    families: dict[str, SavedFamily]
+    ranks: list[SavedRank]
+    cells: list[SavedCell]
+    marks: list[SavedMark]
+    layout_conflicts: dict[str, int]
+    forgotten: list[SavedForgotten]
+
+
+@dataclass
+class Restored:
+    """What `restore` took back, and what it left out (by reason: series it dropped)."""
+
+    identities: int = 0
+    cells: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    changed: list[str] = field(default_factory=list)  # families whose type, semantics or labels changed
+    unknown: list[str] = field(default_factory=list)  # families the catalog no longer has
+
+    def drop(self, reason: str, count: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + count
+
+
+def _family(spec_type: MetricType, per_shard: bool, labels: tuple[str, ...]) -> tuple[str, bool, tuple[str, ...]]:
+    return (spec_type.value, per_shard, labels)
+
+
+def dump(state: SidecarState) -> tuple[Any, ...]:
+    """The core's durable state as plain tuples, shaped as `SavedCore` (msgspec encodes them as it).
+
+    Runs on the event loop between pushes, so the view is consistent; it copies only numbers and
+    references to immutable values (HistValue, tuples), so encoding it later sees this instant."""
+    registry, ledger = state.registry, state.ledger
+    families = {f.name: _family(f.type, f.per_shard, f.labels) for f in state.catalog}
+    ranks = []
+    for rank in registry.ranks.values():
+        values = rank.values
+        gauges = rank.gauge_keys
+        ranks.append((
+            rank.source, rank.tp_rank, rank.pp_rank, rank.dp_rank, rank.attn_cp_rank, rank.static,
+            rank.epoch, rank.pid, rank.seq, rank.expired, rank.resumed, rank.restarts, rank.reconnects,
+            rank.snapshots, rank.epoch_conflicts, rank.last_push_wall, tuple(rank.replaced_epochs),
+            [(key[0], key[1], value) for key, value in values.items() if key not in gauges],
+            [(key[0], key[1], position) for key, position in rank.positions.items()],
+            [(key[0], key[1], bounds, list(counts), total)
+             for key, (bounds, counts, total) in rank.bucket_positions.items()],
+        ))
+    created = ledger.created
+    cells: list[tuple[Any, ...]] = [(key[0], key[1], key[2], created.get(key, 0.0), cell.value)
+                                    for key, cell in ledger.counter_cells.items()]
+    cells += [(key[0], key[1], key[2], created.get(key, 0.0), HistValue(acc.bounds, tuple(acc.counts), acc.sum))
+              for key, acc in ledger.histograms.items()]
+    marks = []
+    for (dp_rank, shared), group in ledger.watermarks.items():
+        for key, mark in group.items():
+            value = (HistValue(mark.bounds, tuple(mark.counts), mark.sum) if isinstance(mark, HistAccumulator)
+                     else mark.value)
+            marks.append((dp_rank, shared, key[0], key[1], value))
+    forgotten = [(source, *identity, epoch) for source, memory in registry.forgotten.items()
+                 for identity, epoch in memory.items()]
+    return (families, ranks, cells, marks, dict(ledger.layout_conflicts), forgotten)
+
+
+def restore(state: SidecarState, saved: SavedCore) -> Restored:
+    """Take `saved` back into a state that has seen nothing yet: every saved identity known (departed, its
+    stale and expiry timers starting now; expired ones stay expired), every rollup served at once.
+
+    Series of families the catalog no longer has, or whose type, semantics or labels changed, are
+    dropped (counted, logged by name); so are what the state's limits have no room for."""
+    result = Restored()
+    catalog = state.catalog
+    usable = _usable_families(catalog, saved.families, result)
+    registry, ledger, budget = state.registry, state.ledger, state.registry.budget
+    names = {f.name: f.name for f in catalog}  # the catalog's own string objects: keys share them
+
+    def key_of(family: str, labels: tuple[str, ...], reason_counted: bool = True) -> SeriesKey | None:
+        name = usable.get(family)
+        if name is None or len(labels) != len(catalog.get(name).labels):
+            if reason_counted:
+                result.drop("unknown_family" if family not in names else "changed_family")
+            return None
+        return (name, labels)
+
+    now = state.clock()
+    window = registry.window
+    config = registry.config
+    for item in saved.cells:
+        key = key_of(item.family, item.labels)
+        if key is None:
+            continue
+        spec = catalog.get(key[0])
+        rollup_key = (key[0], item.shared, key[1])
+        if isinstance(item.value, HistValue):
+            if spec.type is not MetricType.HISTOGRAM or not _whole(item.value):
+                result.drop("changed_family")
+                continue
+            cost = histogram_cost(item.value.bounds)
+            if not budget.has_room(0, cost):
+                result.drop("limit")
+                continue
+            ledger.histograms[rollup_key] = HistAccumulator(item.value.bounds, list(item.value.counts), item.value.sum)
+            budget.rollup += cost
+        else:
+            if spec.type is not MetricType.COUNTER:
+                result.drop("changed_family")
+                continue
+            if not budget.has_room(0, 1):
+                result.drop("limit")
+                continue
+            ledger.counter_cells[rollup_key] = RollupCounter(item.value)
+            budget.rollup += 1
+        ledger.created[rollup_key] = item.created
+        result.cells += 1
+    for mark in saved.marks:
+        key = key_of(mark.family, mark.labels)
+        if key is None:
+            continue
+        group = ledger.watermarks.setdefault((mark.dp_rank, mark.shared), {})
+        if isinstance(mark.value, HistValue):
+            if catalog.get(key[0]).type is MetricType.HISTOGRAM and _whole(mark.value):
+                group[key] = HistAccumulator(mark.value.bounds, list(mark.value.counts), mark.value.sum)
+        elif catalog.get(key[0]).type is MetricType.COUNTER:
+            group[key] = RollupCounter(mark.value)
+    for family, count in saved.layout_conflicts.items():
+        if family in usable:
+            ledger.layout_conflicts[family] = count
+    for saved_rank in saved.ranks:
+        if len(registry.ranks) >= config.max_ranks:
+            result.drop("limit", len(saved_rank.values) + len(saved_rank.positions))
+            continue
+        identity: RankIdentity = (saved_rank.tp_rank, saved_rank.pp_rank, saved_rank.dp_rank,
+                                  saved_rank.attn_cp_rank or 0, saved_rank.static)
+        if identity in registry.ranks:
+            continue  # listed twice: the first stands
+        rank = RankState(
+            tp_rank=saved_rank.tp_rank, pp_rank=saved_rank.pp_rank, dp_rank=saved_rank.dp_rank, static=saved_rank.static,
+            epoch=saved_rank.epoch, pid=saved_rank.pid, attn_cp_rank=saved_rank.attn_cp_rank, source=saved_rank.source,
+            history=WindowHistory(window, window / WINDOW_HISTORY_ENTRIES), silence=registry.silence,
+            seq=saved_rank.seq, resumed=saved_rank.resumed, restarts=saved_rank.restarts, reconnects=saved_rank.reconnects,
+            snapshots=saved_rank.snapshots, epoch_conflicts=saved_rank.epoch_conflicts, last_push_wall=saved_rank.last_push_wall,
+        )
+        rank.replaced_epochs.extend(saved_rank.replaced_epochs)
+        # Timers restart from the load: departed now (expired ones stay expired); a reconnect's seq
+        # may jump as far as it could have since the load.
+        rank.last_activity = now - config.expire_after_seconds if saved_rank.expired else now
+        rank.last_push = now if saved_rank.seq >= 0 else None
+        for value in saved_rank.values:
+            key = key_of(value.family, value.labels)
+            if key is None:
+                continue
+            histogram = isinstance(value.value, HistValue)
+            spec_type = catalog.get(key[0]).type
+            if histogram != (spec_type is MetricType.HISTOGRAM) or spec_type is MetricType.GAUGE \
+                    or (isinstance(value.value, HistValue) and not _whole(value.value)):
+                result.drop("changed_family")
+                continue
+            cost = histogram_cost(value.value.bounds) if isinstance(value.value, HistValue) else 1
+            if rank.cost + cost > config.max_series_per_rank or not budget.has_room(0, cost):
+                result.drop("limit")
+                continue
+            rank.values[key] = value.value
+            rank.cost += cost
+            budget.per_rank += cost
+        for position in saved_rank.positions:
+            key = key_of(position.family, position.labels, reason_counted=False)
+            if key is not None and catalog.get(key[0]).type is not MetricType.GAUGE:
+                rank.positions[key] = position.position
+        for buckets in saved_rank.buckets:
+            key = key_of(buckets.family, buckets.labels, reason_counted=False)
+            if key is not None and catalog.get(key[0]).type is MetricType.HISTOGRAM \
+                    and len(buckets.counts) == len(buckets.bounds):
+                rank.bucket_positions[key] = (buckets.bounds, list(buckets.counts), buckets.sum)
+        # The window's base: the loaded positions, as of one window ago, so that the first window after
+        # the load reads what moved since the load (never the whole history as a spike).
+        rank.history.record(now - window, rank.positions)
+        registry.ranks[identity] = rank
+        result.identities += 1
+    for entry in saved.forgotten:
+        forgotten_identity: RankIdentity = (entry.tp_rank, entry.pp_rank, entry.dp_rank, entry.attn_cp_rank, entry.static)
+        memory = registry.forgotten.setdefault(entry.source, {})
+        if len(memory) < config.max_ranks and forgotten_identity not in registry.ranks:
+            memory[forgotten_identity] = entry.epoch
+    for family in result.changed:
+        log.warning("durable state: family %s changed its type, semantics or labels since the file was written: "
+                    "its rollups and positions start over", family)
+    if result.unknown:
+        log.warning("durable state: %d families are no longer in the catalog, their series dropped: %s",
+                    len(result.unknown), ", ".join(result.unknown[:20]))
+    return result
+
+
+def _usable_families(catalog: Catalog, saved: dict[str, SavedFamily], result: Restored) -> dict[str, str]:
+    """The saved families that continue (same type, semantics and labels), by name, as the catalog spells them."""
+    usable: dict[str, str] = {}
+    for name, family in saved.items():
+        spec = catalog.find(name)
+        if spec is None:
+            result.unknown.append(name)
+            continue
+        if (family.type, family.per_shard, family.labels) != _family(spec.type, spec.per_shard, spec.labels):
+            result.changed.append(name)
+            continue
+        usable[name] = spec.name
+    return usable
+
+
+def _whole(value: HistValue) -> bool:
+    """A saved histogram that can stand: as many counts as bounds, the last bound "+Inf"."""
+    return bool(value.bounds) and len(value.counts) == len(value.bounds) and value.bounds[-1] == "+Inf"

@@ -1,0 +1,239 @@
+"""The state keeper: loads the durable state at start, saves it at an interval and once more at stop.
+
+The state is dumped and encoded on the event loop (a consistent instant: nothing runs between two
+statements there) and written in a thread of its own, so a slow disk never holds the loop. A file
+that cannot be used, and a directory that cannot be written, never stop the sidecar: each is logged,
+counted (hicache_exporter_persistence_*), and serving goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from exporter.config import PersistenceConfig
+from exporter.errors import StateFileError
+from exporter.sidecar.core import saved as core_saved
+from exporter.sidecar.core.health import PersistenceHealth
+from exporter.sidecar.core.state import SidecarState
+from exporter.sidecar.durable.file import frame, read_file, set_aside, unframe, write_atomic, write_failure_reason
+from exporter.sidecar.upstream import saved as feed_saved
+from exporter.sidecar.upstream.feed import UpstreamFeed
+
+log = logging.getLogger("hicache_exporter.durable")
+T = TypeVar("T")
+# A file may hold this many bytes per unit of the series budget (ranks.max_series_total), once for the
+# ranks and rollups and once per upstream, plus a fixed part: several times what a series takes
+# (docs/reliability.md, "Durable state"), so that a whole file always loads and a foreign one is
+# refused before it is read into memory.
+MAX_BYTES_PER_SERIES = 1024
+MAX_BYTES_FIXED = 1 << 20
+LOG_EVERY_SECONDS = 60.0  # a directory that cannot be written is logged at most this often
+STOP_WRITE_SECONDS = 10.0  # the save at stop waits at most this long for the disk
+
+
+class SavedFile(msgspec.Struct, array_like=True, frozen=True):
+    """The whole file's payload: when and under which namespace it was written, the core's and the upstreams' state."""
+
+    saved_at: float
+    namespace: str
+    core: core_saved.SavedCore
+    upstreams: dict[str, feed_saved.SavedFeed]
+
+
+def max_file_bytes(max_series_total: int, upstreams: int) -> int:
+    """The largest file a sidecar of this budget loads."""
+    return MAX_BYTES_FIXED + MAX_BYTES_PER_SERIES * max_series_total * (1 + upstreams)
+
+
+class StateKeeper:
+    """Loads and saves one sidecar's durable state (its registry, ledger and upstream feeds) in one file."""
+
+    def __init__(
+        self, config: PersistenceConfig, state: SidecarState, feeds: Mapping[str, UpstreamFeed],
+        health: PersistenceHealth, namespace: str,
+    ) -> None:
+        assert config.file is not None
+        self.path: Path = config.file
+        self.interval = config.interval_seconds
+        self.state = state
+        self.feeds = dict(feeds)
+        self.health = health
+        self.namespace = namespace
+        self.max_bytes = max_file_bytes(state.config.max_series_total, len(self.feeds))
+        self._saved_changes: int | None = None  # state.changes as of the last write
+        self._writing = False
+        self._failure_logged = -LOG_EVERY_SECONDS
+        health.enabled = True
+
+    # --- load ---
+
+    def load(self) -> None:
+        """Take the file's state back into the (empty) state and feeds; a file that cannot be used is set aside."""
+        started = time.perf_counter()
+        try:
+            data = read_file(self.path, self.max_bytes)
+            if data is None:
+                log.info("state file %s does not exist yet: starting fresh; it is written every %g s",
+                         self.path, self.interval)
+                return
+            try:
+                saved = msgspec.msgpack.decode(unframe(data), type=SavedFile)
+            except (msgspec.DecodeError, msgspec.ValidationError) as err:
+                raise StateFileError("corrupt", f"its contents do not decode: {err}") from None
+        except StateFileError as err:
+            self._set_aside(err)
+            return
+        if saved.namespace != self.namespace:
+            log.warning("state file %s was written under metrics.namespace %r, this sidecar uses %r: its rollups are "
+                        "other series to Prometheus, so they start over", self.path, saved.namespace, self.namespace)
+            self.health.count(self.health.dropped, "namespace", len(saved.core.cells))
+            return
+        scratch = self.state.fresh()  # taken whole or not at all: a failure leaves the state empty
+        try:
+            restored = core_saved.restore(scratch, saved.core)
+        except Exception as err:  # a file that decodes but holds what no state can (a bug, or a hand-edited file)
+            self._set_aside(StateFileError("corrupt", f"its contents cannot be taken back: {type(err).__name__}: {err}"))
+            return
+        self.state.adopt(scratch)
+        identities = restored.identities
+        for name, feed in self.feeds.items():
+            feed_state = saved.upstreams.get(name)
+            if feed_state is not None:
+                try:
+                    feed_saved.restore(feed, feed_state)
+                except Exception as err:
+                    feed.ranks.clear()
+                    log.error("state file %s: upstream %s's state cannot be taken back (%s: %s); it reads afresh",
+                              self.path, name, type(err).__name__, err)
+        for name in sorted(set(saved.upstreams) - set(self.feeds)):
+            log.info("state file %s: upstream %s is no longer configured; its state is dropped", self.path, name)
+        for reason, count in restored.dropped.items():
+            self.health.count(self.health.dropped, reason, count)
+        health = self.health
+        health.loaded_identities = identities
+        health.file_bytes = len(data)
+        health.load_duration = time.perf_counter() - started
+        age = max(0.0, self.state.wall_time() - saved.saved_at)
+        log.info("state file %s: took back %d rank identities and %d rollup series, written %.1f s ago, in %.0f ms",
+                 self.path, identities, restored.cells, age, health.load_duration * 1000)
+
+    def _set_aside(self, err: StateFileError) -> None:
+        self.health.count(self.health.load_failures, err.reason)
+        try:
+            aside = f"kept aside as {set_aside(self.path)}"
+        except OSError as move:
+            aside = f"and cannot be kept aside ({move.strerror or move})"
+        log.error("state file %s cannot be used (%s: %s); %s; starting fresh", self.path, err.reason, err.message, aside)
+
+    # --- save ---
+
+    def encode(self) -> bytes:
+        """The file's bytes for the state as it is now (on the event loop: a consistent instant)."""
+        payload = msgspec.msgpack.encode((
+            self.state.wall_time(), self.namespace, core_saved.dump(self.state),
+            {name: feed_saved.dump(feed) for name, feed in self.feeds.items()},
+        ))
+        return frame(payload)
+
+    async def save(self, force: bool = False) -> bool:
+        """Write the state if it changed since the last write (or `force`); whether a write succeeded.
+        A write still running (a slow disk) makes this one skip: the next tick writes what is newer."""
+        changes = self.state.changes
+        if self._writing or (not force and changes == self._saved_changes):
+            return False
+        started = time.perf_counter()
+        data = self.encode()
+        encoded = time.perf_counter() - started
+        self._writing = True
+        try:
+            written = await _in_thread(lambda: _timed_write(self.path, data))
+        except OSError as err:
+            self._write_failed(err)
+            return False
+        finally:
+            self._writing = False
+        health = self.health
+        health.writes += 1
+        health.last_write_wall = self.state.wall_time()
+        health.last_write_duration = encoded + written
+        health.file_bytes = len(data)
+        self._saved_changes = changes
+        return True
+
+    def _write_failed(self, err: OSError) -> None:
+        reason = write_failure_reason(err)
+        self.health.count(self.health.write_failures, reason)
+        now = time.monotonic()
+        if now - self._failure_logged >= LOG_EVERY_SECONDS:
+            self._failure_logged = now
+            log.error("state file %s cannot be written (%s: %s); serving goes on, the rollups are not durable until "
+                      "it can (logged at most once a minute; hicache_exporter_persistence_write_failures_total counts)",
+                      self.path, reason, err.strerror or err)
+
+    async def _every_interval(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.save()
+            except Exception:  # never let one bad save end the saving
+                log.exception("state file %s: saving failed", self.path)
+
+    def running(self, _app: object) -> AsyncIterator[None]:
+        """The keeper as a cleanup context of the app: load before the sources start, save after they stop."""
+        return self._running()
+
+    async def _running(self) -> AsyncIterator[None]:
+        self.load()
+        task = asyncio.create_task(self._every_interval(), name="hicache-state-saver")
+        try:
+            yield
+        finally:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            while self._writing:  # a write the cancel caught mid-flight finishes in its thread
+                await asyncio.sleep(0.01)
+            try:
+                await asyncio.wait_for(self.save(force=True), STOP_WRITE_SECONDS)
+            except (asyncio.TimeoutError, Exception) as err:
+                log.error("state file %s: the save at stop did not finish (%s)", self.path, err or type(err).__name__)
+
+
+def _timed_write(path: Path, data: bytes) -> float:
+    started = time.perf_counter()
+    write_atomic(path, data)
+    return time.perf_counter() - started
+
+
+def _in_thread(work: Callable[[], T]) -> asyncio.Future[T]:
+    """`work` on a daemon thread of its own (a disk stuck in fsync holds up no exit), as a future of the loop."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Any, failed: bool) -> None:
+        if not future.done():
+            future.set_exception(outcome) if failed else future.set_result(outcome)
+
+    def run() -> None:
+        outcome: object
+        try:
+            outcome, failed = work(), False
+        except BaseException as err:  # handed to the loop, raised where the future is awaited
+            outcome, failed = err, True
+        try:
+            loop.call_soon_threadsafe(settle, outcome, failed)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for it
+            pass
+
+    threading.Thread(target=run, name="hicache-state-write", daemon=True).start()
+    return future

@@ -80,8 +80,14 @@ def read_file(path: Path, max_bytes: int) -> bytes | None:
 
 
 def set_aside(path: Path, now: float | None = None) -> Path:
-    """Rename a file that cannot be used to `FILE.corrupt-<unix time>`; the new name (OSError where it cannot)."""
-    aside = path.with_name(f"{path.name}.corrupt-{int(time.time() if now is None else now)}")
+    """Rename a file that cannot be used to `FILE.corrupt-<unix time>` (`-<n>` after it when a file set aside in
+    the same second has that name: never over another one); the new name (OSError where it cannot)."""
+    base = f"{path.name}.corrupt-{int(time.time() if now is None else now)}"
+    aside = path.with_name(base)
+    n = 0
+    while os.path.lexists(aside):
+        n += 1
+        aside = path.with_name(f"{base}-{n}")
     os.replace(path, aside)
     return aside
 

@@ -225,3 +225,43 @@ def test_serve_raises_the_soft_open_file_limit_to_the_hard_one() -> None:
             "print(got == now, now[0] > 64)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout.split()
     assert out == ["True", "True"]
+
+
+def test_serve_help_names_the_persistence_flags() -> None:
+    serve = run_cli("serve", "--help")
+    assert serve.returncode == 0
+    assert "--persistence.file FILE" in serve.stdout and "--persistence.interval DURATION" in serve.stdout
+
+
+def test_the_persistence_flags_reach_the_config() -> None:
+    from exporter.cli import build_parser
+    from exporter.config import load_config
+
+    args = build_parser().parse_args(["serve", "--persistence.file", "/state/hicache", "--persistence.interval", "1m30s"])
+    config = load_config(None, env={}, persistence_file=args.persistence_file,
+                         persistence_interval=args.persistence_interval)
+    assert config.persistence.file == Path("/state/hicache") and config.persistence.interval_seconds == 90.0
+
+
+def test_a_bad_persistence_interval_flag_stops_serve_naming_the_flag() -> None:
+    result = run_cli("serve", "--persistence.interval", "5")
+    assert result.returncode == 2
+    assert "persistence.interval" in result.stderr and "from --persistence.interval" in result.stderr
+
+
+def test_serve_writes_the_persistence_file_at_sigterm(socket_dir: Path, tmp_path: Path) -> None:
+    """The flag reaches the running sidecar: with an hour's interval, the one write is the one at SIGTERM."""
+    from exporter.sidecar.durable.file import unframe
+
+    port, state = free_port(), tmp_path / "state"
+    proc = _start_serve("--host", "127.0.0.1", "--port", str(port), "--socket", str(socket_dir / "m.sock"),
+                        "--persistence.file", str(state), "--persistence.interval", "1h")
+    try:
+        wait_ready(proc, lambda: _ready(port))
+        assert not state.exists()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert unframe(state.read_bytes())
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -353,3 +353,70 @@ def test_two_upstreams_with_one_name_are_refused() -> None:
     with pytest.raises(ConfigError, match="two upstreams are named 'e'"):
         config_from_data({"upstreams": [{"name": "e", "url": "http://a/metrics"},
                                         {"name": "e", "url": "http://b/metrics"}]}, "test")
+
+
+# --- persistence (the durable state) ---
+
+
+def test_persistence_is_off_by_default_with_a_five_second_interval() -> None:
+    config = config_from_data({}, "test")
+    assert config.persistence.file is None
+    assert (config.persistence.interval, config.persistence.interval_seconds) == ("5s", 5.0)
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("5s", 5.0), ("1m30s", 90.0), ("250ms", 0.25), ("1h", 3600.0), ("2d", 172800.0), ("1w", 604800.0), ("1y", 31536000.0),
+    ("1h2m3s4ms", 3723.004), ("90s", 90.0),
+])
+def test_persistence_interval_takes_prometheus_durations(text: str, seconds: float) -> None:
+    config = config_from_data({"persistence": {"file": "/state/hicache", "interval": text}}, "test")
+    assert config.persistence.interval_seconds == pytest.approx(seconds, rel=0, abs=1e-9)
+    assert config.persistence.file == Path("/state/hicache")
+
+
+@pytest.mark.parametrize("text, says", [
+    ("5", "'5' is not a duration like 5s, 1m30s or 500ms"),
+    ("", "'' is not a duration"),
+    ("-1s", "'-1s' is not a duration"),
+    ("5x", "'5x' is not a duration"),
+    ("1.5s", "'1.5s' is not a duration"),
+    ("1s1m", "'1s1m' is not a duration"),  # units from the largest down
+    (" 5s", "' 5s' is not a duration"),
+    ("0s", "'0s': the interval must be longer than zero"),
+    ("0ms", "'0ms': the interval must be longer than zero"),
+])
+def test_a_bad_persistence_interval_is_one_problem_line_naming_the_key(text: str, says: str) -> None:
+    message = error_of({"persistence": {"interval": text}})
+    problems = message.splitlines()[1:]
+    assert len(problems) == 1 and problems[0].startswith("  persistence.interval: "), message
+    assert says in problems[0]
+
+
+def test_a_persistence_interval_that_is_a_number_is_refused_naming_the_key() -> None:
+    message = error_of({"persistence": {"interval": 5}})
+    assert re.search(r"^  persistence\.interval: .*string", message, re.MULTILINE), message
+
+
+@pytest.mark.parametrize("data, path, hint", [
+    ({"persistence": {"bogus": 1}}, "persistence.bogus", "known keys: file, interval"),
+    ({"persistence": {"path": "/state"}}, "persistence.path", "known keys: file, interval"),
+    ({"persistence": {"interval_seconds": 5}}, "persistence.interval_seconds", "did you mean `interval`?"),
+])
+def test_unknown_persistence_keys_are_refused(data: dict, path: str, hint: str) -> None:
+    message = error_of(data)
+    assert re.search(rf"^  {re.escape(path)}: unknown key", message, re.MULTILINE), message
+    assert hint in message
+
+
+def test_persistence_flags_beat_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "persistence:\n  file: /from/file\n  interval: 1m\n")
+    config = load_config(path, env={}, persistence_file=tmp_path / "flag-state", persistence_interval="250ms")
+    assert config.persistence.file == tmp_path / "flag-state" and config.persistence.interval_seconds == 0.25
+    from_file = load_config(path, env={})
+    assert from_file.persistence.file == Path("/from/file") and from_file.persistence.interval_seconds == 60.0
+
+
+def test_a_bad_persistence_interval_flag_names_the_flag() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={}, persistence_interval="5")
+    assert re.search(r"^  persistence\.interval: .*from --persistence\.interval\)$", str(info.value), re.MULTILINE)

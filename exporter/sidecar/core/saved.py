@@ -234,7 +234,7 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
         ledger.created[rollup_key] = item.created
         result.cells += 1
     for mark in saved.marks:
-        key = key_of(mark.family, mark.labels)
+        key = key_of(mark.family, mark.labels, reason_counted=False)  # a watermark is no series of its own
         if key is None:
             continue
         group = ledger.watermarks.setdefault((mark.dp_rank, mark.shared), {})
@@ -246,9 +246,14 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
     for family, count in saved.layout_conflicts.items():
         if family in usable:
             ledger.layout_conflicts[family] = count
-    for saved_rank in saved.ranks:
+    left_out: list[SavedRank] = []
+    # Expired identities last: when there are more than max_ranks, they are the ones left out, as
+    # the registry would forget them first.
+    for saved_rank in sorted(saved.ranks, key=lambda r: r.expired):
         if len(registry.ranks) >= config.max_ranks:
-            result.drop("limit", len(saved_rank.values) + len(saved_rank.positions))
+            series = {(v.family, v.labels) for v in saved_rank.values} | {(p.family, p.labels) for p in saved_rank.positions}
+            result.drop("limit", len(series))
+            left_out.append(saved_rank)
             continue
         identity: RankIdentity = (saved_rank.tp_rank, saved_rank.pp_rank, saved_rank.dp_rank,
                                   saved_rank.attn_cp_rank or 0, saved_rank.static)
@@ -302,6 +307,17 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
         memory = registry.forgotten.setdefault(entry.source, {})
         if len(memory) < config.max_ranks and forgotten_identity not in registry.ranks:
             memory[forgotten_identity] = entry.epoch
+    # An identity left out is forgotten as the registry forgets one to make room: its contribution
+    # stays in the rollups, and when it comes back with its epoch its values are baselines (a
+    # per_shard series counted twice otherwise: once in the restored rollup, once from zero).
+    for saved_rank in left_out:
+        left_identity: RankIdentity = (saved_rank.tp_rank, saved_rank.pp_rank, saved_rank.dp_rank,
+                                       saved_rank.attn_cp_rank or 0, saved_rank.static)
+        memory = registry.forgotten.setdefault(saved_rank.source, {})
+        memory.pop(left_identity, None)
+        memory[left_identity] = saved_rank.epoch
+        if len(memory) > config.max_ranks:
+            del memory[next(iter(memory))]
     for family in result.changed:
         log.warning("durable state: family %s changed its type, semantics or labels since the file was written: "
                     "its rollups and positions start over", family)

@@ -69,7 +69,7 @@ class StateKeeper:
         self.namespace = namespace
         self.max_bytes = max_file_bytes(state.config.max_series_total, len(self.feeds))
         self._saved_changes: int | None = None  # state.changes as of the last write
-        self._writing = False
+        self._inflight: asyncio.Future[float] | None = None  # the write whose thread runs now
         self._failure_logged = -LOG_EVERY_SECONDS
         health.enabled = True
 
@@ -145,28 +145,47 @@ class StateKeeper:
 
     async def save(self, force: bool = False) -> bool:
         """Write the state if it changed since the last write (or `force`); whether a write succeeded.
-        A write still running (a slow disk) makes this one skip: the next tick writes what is newer."""
+        A write still running (a slow disk) makes this one skip: the next tick writes what is newer.
+
+        The write is accounted for when its thread ends, not when this call returns: a cancel (the stop
+        cancels the interval's save) leaves the thread writing, and no other write starts beside it
+        (both would write the same temporary file) until it ended."""
         changes = self.state.changes
-        if self._writing or (not force and changes == self._saved_changes):
+        if self._inflight is not None or (not force and changes == self._saved_changes):
             return False
         started = time.perf_counter()
         data = self.encode()
         encoded = time.perf_counter() - started
-        self._writing = True
+        future = self._inflight = _in_thread(lambda: _timed_write(self.path, data))
+        future.add_done_callback(lambda done: self._written(done, changes, encoded, len(data)))
         try:
-            written = await _in_thread(lambda: _timed_write(self.path, data))
-        except OSError as err:
-            self._write_failed(err)
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # counted and logged by _written
             return False
-        finally:
-            self._writing = False
+        return True
+
+    @property
+    def _writing(self) -> bool:
+        return self._inflight is not None
+
+    def _written(self, done: asyncio.Future[float], changes: int, encoded: float, size: int) -> None:
+        """A write's thread ended: count it, as a write or a failure."""
+        self._inflight = None
+        err = None if done.cancelled() else done.exception()
+        if isinstance(err, OSError):
+            self._write_failed(err)
+            return
+        if err is not None or done.cancelled():
+            log.error("state file %s: saving failed (%s)", self.path, err or "cancelled")
+            return
         health = self.health
         health.writes += 1
         health.last_write_wall = self.state.wall_time()
-        health.last_write_duration = encoded + written
-        health.file_bytes = len(data)
+        health.last_write_duration = encoded + done.result()
+        health.file_bytes = size
         self._saved_changes = changes
-        return True
 
     def _write_failed(self, err: OSError) -> None:
         reason = write_failure_reason(err)
@@ -201,12 +220,18 @@ class StateKeeper:
                 await task
             except asyncio.CancelledError:
                 pass
-            while self._writing:  # a write the cancel caught mid-flight finishes in its thread
-                await asyncio.sleep(0.01)
-            try:
-                await asyncio.wait_for(self.save(force=True), STOP_WRITE_SECONDS)
-            except (asyncio.TimeoutError, Exception) as err:
-                log.error("state file %s: the save at stop did not finish (%s)", self.path, err or type(err).__name__)
+            inflight = self._inflight
+            if inflight is not None:  # a write the cancel caught mid-flight finishes in its thread
+                await asyncio.wait({inflight}, timeout=STOP_WRITE_SECONDS)
+            if self._inflight is not None:  # a disk stuck in it: stopping waits no longer
+                log.error("state file %s: a write is still running after %g s; the save at stop is skipped",
+                          self.path, STOP_WRITE_SECONDS)
+            else:
+                try:
+                    await asyncio.wait_for(self.save(force=True), STOP_WRITE_SECONDS)
+                except (asyncio.TimeoutError, Exception) as err:
+                    log.error("state file %s: the save at stop did not finish (%s)", self.path,
+                              err or type(err).__name__)
 
 
 def _timed_write(path: Path, data: bytes) -> float:

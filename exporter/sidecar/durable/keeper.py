@@ -110,9 +110,13 @@ class StateKeeper:
                 try:
                     feed_saved.restore(feed, feed_state)
                 except Exception as err:
-                    feed.ranks.clear()
-                    log.error("state file %s: upstream %s's state cannot be taken back (%s: %s); it reads afresh",
-                              self.path, name, type(err).__name__, err)
+                    # All or nothing: the registry took back this upstream's identities in the epochs the feed
+                    # named them; a feed that forgot them would say hello with an epoch they replaced, and
+                    # be refused (stale_epoch) for as long as the sidecar runs.
+                    self._start_fresh()
+                    self._set_aside(StateFileError(
+                        "corrupt", f"upstream {name}'s state cannot be taken back: {type(err).__name__}: {err}"))
+                    return
         for name in sorted(set(saved.upstreams) - set(self.feeds)):
             log.info("state file %s: upstream %s is no longer configured; its state is dropped", self.path, name)
         for reason, count in restored.dropped.items():
@@ -124,6 +128,15 @@ class StateKeeper:
         age = max(0.0, self.state.wall_time() - saved.saved_at)
         log.info("state file %s: took back %d rank identities and %d rollup series, written %.1f s ago, in %.0f ms",
                  self.path, identities, restored.cells, age, health.load_duration * 1000)
+
+    def _start_fresh(self) -> None:
+        """Forget what a load took back: an empty state, feeds that have read nothing."""
+        self.state.adopt(self.state.fresh())
+        for feed in self.feeds.values():
+            feed.ranks.clear()
+            feed._generations.clear()
+            feed._flapping.clear()
+            feed.health.flapping = 0
 
     def _set_aside(self, err: StateFileError) -> None:
         self.health.count(self.health.load_failures, err.reason)

@@ -488,3 +488,69 @@ def test_a_write_stuck_in_the_disk_does_not_hold_the_stop(
         assert not path.exists()
     finally:
         release.set()
+
+
+# --- the keeper over a state and an upstream feed (fake clocks, no server) ---
+
+
+def feed_keeper(h: Any, up: Any, path: Path) -> StateKeeper:
+    from exporter.config import PersistenceConfig
+
+    return StateKeeper(PersistenceConfig(file=path, interval="1h"), h.state, {up.health.name: up}, PersistenceHealth(),
+                       "sglang_")
+
+
+def test_an_upstream_feeds_state_goes_through_the_file(tmp_path: Path) -> None:
+    from tests.exporter.sidecar.core.test_saved import rollups
+    from tests.exporter.sidecar.harness import Harness
+    from tests.exporter.sidecar.upstream.test_feed import read
+    from tests.exporter.sidecar.upstream.test_saved import engine_restarted_before_the_save, four_ranks, url_feed
+
+    path = tmp_path / "state"
+    h, up, engine = engine_restarted_before_the_save()
+    assert asyncio.run(feed_keeper(h, up, path).save()) is True
+    again = Harness()
+    new_up = url_feed(again)
+    keeper = feed_keeper(again, new_up, path)
+    keeper.load()
+    assert keeper.health.loaded_identities == 4 and keeper.health.load_failures == {}
+    assert rollups(again) == rollups(h)
+    assert {i: e.epoch for i, e in new_up.ranks.items()} == {i: e.epoch for i, e in up.ranks.items()}
+    four_ranks(engine, scale=0.125)
+    for feed in (up, new_up):
+        assert feed.apply(read(engine.text())).resets == 0
+    assert rollups(again) == rollups(h)
+
+
+def test_an_upstream_state_that_cannot_be_taken_back_sets_the_whole_file_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: the feed alone started afresh while the registry kept its ranks in the epochs the feed had named
+    them; the fresh feed's hellos (epoch generation 0, one those ranks had replaced) were refused as stale_epoch
+    for as long as the sidecar ran, and the upstream's ranks never came back."""
+    from tests.exporter.sidecar.harness import Harness
+    from tests.exporter.sidecar.upstream.test_feed import Engine, read, rollup
+    from tests.exporter.sidecar.upstream.test_saved import engine_restarted_before_the_save, four_ranks, url_feed
+
+    path = tmp_path / "state"
+    h, up, _ = engine_restarted_before_the_save()
+    assert asyncio.run(feed_keeper(h, up, path).save()) is True
+    good = path.read_bytes()
+
+    def cannot(*_: object) -> int:
+        raise ValueError("a feed state no feed can hold")
+
+    monkeypatch.setattr(keeper_module.feed_saved, "restore", cannot)
+    again = Harness()
+    new_up = url_feed(again)
+    keeper = feed_keeper(again, new_up, path)
+    keeper.load()
+    assert keeper.health.load_failures == {"corrupt": 1} and keeper.health.loaded_identities == 0
+    assert (again.state.ranks, again.state.ledger.counters, new_up.ranks) == ({}, {}, {})
+    (aside,) = set_aside_files(path)
+    assert aside.read_bytes() == good
+    engine = Engine()  # the upstream's ranks come back, fresh
+    four_ranks(engine)
+    result = new_up.apply(read(engine.text()))
+    assert new_up.health.errors == {} and result.ranks == 4
+    assert rollup(again, "load_back_bytes_total") == 1000 + 1001 + 2000 + 2001

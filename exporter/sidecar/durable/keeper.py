@@ -9,6 +9,7 @@ counted (hicache_exporter_persistence_*), and serving goes on.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from exporter.config import PersistenceConfig
+from exporter.config import PersistenceConfig, RanksConfig
 from exporter.errors import StateFileError
 from exporter.sidecar.core import saved as core_saved
 from exporter.sidecar.core.health import PersistenceHealth
@@ -32,8 +33,11 @@ T = TypeVar("T")
 # A file may hold this many bytes per unit of the series budget (ranks.max_series_total), once for the
 # ranks and rollups and once per upstream, plus a fixed part: several times what a series takes
 # (docs/reliability.md, "Durable state"), so that a whole file always loads and a foreign one is
-# refused before it is read into memory.
+# refused before it is read into memory. Label values come on top, as long as the limits let them be
+# (`max_file_bytes`): a series' family labels are written with its rank value, its position, its
+# group's watermark and its rollup cell, its static labels with the last two.
 MAX_BYTES_PER_SERIES = 1024
+LABEL_NAME_BYTES = 64  # allowed per label for its name and encoding, beside its value
 MAX_BYTES_FIXED = 1 << 20
 LOG_EVERY_SECONDS = 60.0  # a directory that cannot be written is logged at most this often
 STOP_WRITE_SECONDS = 10.0  # the save at stop waits at most this long for the disk
@@ -48,9 +52,16 @@ class SavedFile(msgspec.Struct, array_like=True, frozen=True):
     upstreams: dict[str, feed_saved.SavedFeed]
 
 
-def max_file_bytes(max_series_total: int, upstreams: int) -> int:
-    """The largest file a sidecar of this budget loads."""
-    return MAX_BYTES_FIXED + MAX_BYTES_PER_SERIES * max_series_total * (1 + upstreams)
+def max_file_bytes(limits: RanksConfig, family_labels: int, upstreams: int) -> int:
+    """The largest file a sidecar of these limits loads (and writes): `family_labels` is the most labels a
+    family of its catalog has.
+
+    Before label values were counted, a sidecar whose ranks used long label values (max_label_value_length
+    allows 4096) wrote files its next start refused as too_large, and set aside."""
+    label = limits.max_label_value_length + LABEL_NAME_BYTES
+    per_series = MAX_BYTES_PER_SERIES + (4 * family_labels + 2 * limits.max_static_labels) * label
+    per_rank = 2 * limits.max_static_labels * label  # its identity, and once more among the forgotten ones
+    return MAX_BYTES_FIXED + (per_series * limits.max_series_total + per_rank * limits.max_ranks) * (1 + upstreams)
 
 
 class StateKeeper:
@@ -67,7 +78,8 @@ class StateKeeper:
         self.feeds = dict(feeds)
         self.health = health
         self.namespace = namespace
-        self.max_bytes = max_file_bytes(state.config.max_series_total, len(self.feeds))
+        self.max_bytes = max_file_bytes(state.config, max((len(f.labels) for f in state.catalog), default=0),
+                                        len(self.feeds))
         self._saved_changes: int | None = None  # state.changes as of the last write
         self._inflight: asyncio.Future[float] | None = None  # the write whose thread runs now
         self._failure_logged = -LOG_EVERY_SECONDS
@@ -169,6 +181,10 @@ class StateKeeper:
         started = time.perf_counter()
         data = self.encode()
         encoded = time.perf_counter() - started
+        if len(data) > self.max_bytes:  # the next start would refuse it and set it aside: keep the last one
+            self._write_failed(OSError(errno.EFBIG, f"{len(data)} bytes, more than the {self.max_bytes} a load "
+                                                    "reads (ranks.max_series_total and the label limits)"), "too_large")
+            return False
         future = self._inflight = _in_thread(lambda: _timed_write(self.path, data))
         future.add_done_callback(lambda done: self._written(done, changes, encoded, len(data)))
         try:
@@ -200,8 +216,8 @@ class StateKeeper:
         health.file_bytes = size
         self._saved_changes = changes
 
-    def _write_failed(self, err: OSError) -> None:
-        reason = write_failure_reason(err)
+    def _write_failed(self, err: OSError, reason: str | None = None) -> None:
+        reason = reason or write_failure_reason(err)
         self.health.count(self.health.write_failures, reason)
         now = time.monotonic()
         if now - self._failure_logged >= LOG_EVERY_SECONDS:

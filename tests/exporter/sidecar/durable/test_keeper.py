@@ -22,11 +22,18 @@ from typing import Any, TypeVar
 import msgspec
 import pytest
 
+from exporter.catalog import default_catalog
+from exporter.config import PersistenceConfig, RanksConfig
+from exporter.errors import StateFileError
 from exporter.protocol.messages import HistogramSample, Welcome
 from exporter.sidecar.core.health import PersistenceHealth
 from exporter.sidecar.durable import keeper as keeper_module
 from exporter.sidecar.durable.file import FORMAT_VERSION, HEADER, MAGIC, frame, unframe
 from exporter.sidecar.durable.keeper import SavedFile, StateKeeper
+from tests.exporter.sidecar.core.test_saved import rollups
+from tests.exporter.sidecar.harness import Harness, bytes_, tokens
+from tests.exporter.sidecar.upstream.test_feed import Engine, read, rollup
+from tests.exporter.sidecar.upstream.test_saved import engine_restarted_before_the_save, four_ranks, url_feed
 from tests.helpers import RawClient, SidecarThread, counter, hello, http_get, sidecar_config, snapshot, wait_until
 
 T = TypeVar("T")
@@ -44,8 +51,6 @@ TRUTH = {
 
 def duration(observations: int) -> HistogramSample:
     """`observations` load-backs of 0.5 s each, in the catalog's layout."""
-    from exporter.catalog import default_catalog
-
     bounds = default_catalog().get("load_back_duration_seconds").buckets or ()
     buckets: list[tuple[float | str, int]] = [(b, observations if b >= 0.5 else 0) for b in bounds]
     return HistogramSample(family="load_back_duration_seconds", labels={}, buckets=[*buckets, ("+Inf", observations)],
@@ -112,12 +117,12 @@ def start(socket_dir: Path) -> Iterator[Callable[..., Running]]:
 def push_ranks(running: Running, scale: float = 1.0, epoch: str = "e") -> list[RawClient]:
     """The four ranks push their values (times `scale`) and stay connected; returns once the rollups show them."""
     clients = []
-    for (dp, tp), (moved, tokens, observed) in RANKS.items():
+    for (dp, tp), (moved, kv_tokens, observed) in RANKS.items():
         client = RawClient(running.thread.socket_path)
         client.send(hello(tp=tp, dp=dp, epoch=f"{epoch}-{dp}-{tp}", cache_type="UnifiedRadixCache"))
         assert isinstance(client.recv(), Welcome)
         client.send(snapshot(int(scale * 10), counter("load_back_bytes_total", moved * scale),
-                             counter("load_back_tokens_total", tokens * scale, pool="kv"),
+                             counter("load_back_tokens_total", kv_tokens * scale, pool="kv"),
                              duration(int(observed * scale))))
         clients.append(client)
     expected = {name: value * scale for name, value in TRUTH.items()}
@@ -274,8 +279,6 @@ def test_a_file_that_cannot_be_read_is_unreadable(
 
     def failing_read(at: Path, max_bytes: int) -> bytes | None:
         if at == path:
-            from exporter.errors import StateFileError
-
             raise StateFileError("unreadable", "cannot read it: Input/output error")
         return real_read(at, max_bytes)
 
@@ -290,9 +293,10 @@ def test_a_file_that_cannot_be_read_is_unreadable(
 def test_a_file_larger_than_the_budget_allows_is_too_large(start: Callable[..., Running], tmp_path: Path) -> None:
     path = tmp_path / "state"
     tight = {"max_series_total": 64}
-    limit = keeper_module.max_file_bytes(64, 0)
+    limit = keeper_module.max_file_bytes(RanksConfig(**tight), max(len(f.labels) for f in default_catalog()), 0)
     path.write_bytes(b"\x00" * (limit + 1))
     running = start(path, ranks=tight)
+    assert running.keeper.max_bytes == limit
     running.serves()
     assert running.health.load_failures == {"too_large": 1}
     assert len(set_aside_files(path)) == 1
@@ -494,18 +498,11 @@ def test_a_write_stuck_in_the_disk_does_not_hold_the_stop(
 
 
 def feed_keeper(h: Any, up: Any, path: Path) -> StateKeeper:
-    from exporter.config import PersistenceConfig
-
     return StateKeeper(PersistenceConfig(file=path, interval="1h"), h.state, {up.health.name: up}, PersistenceHealth(),
                        "sglang_")
 
 
 def test_an_upstream_feeds_state_goes_through_the_file(tmp_path: Path) -> None:
-    from tests.exporter.sidecar.core.test_saved import rollups
-    from tests.exporter.sidecar.harness import Harness
-    from tests.exporter.sidecar.upstream.test_feed import read
-    from tests.exporter.sidecar.upstream.test_saved import engine_restarted_before_the_save, four_ranks, url_feed
-
     path = tmp_path / "state"
     h, up, engine = engine_restarted_before_the_save()
     assert asyncio.run(feed_keeper(h, up, path).save()) is True
@@ -528,10 +525,6 @@ def test_an_upstream_state_that_cannot_be_taken_back_sets_the_whole_file_aside(
     """Before: the feed alone started afresh while the registry kept its ranks in the epochs the feed had named
     them; the fresh feed's hellos (epoch generation 0, one those ranks had replaced) were refused as stale_epoch
     for as long as the sidecar ran, and the upstream's ranks never came back."""
-    from tests.exporter.sidecar.harness import Harness
-    from tests.exporter.sidecar.upstream.test_feed import Engine, read, rollup
-    from tests.exporter.sidecar.upstream.test_saved import engine_restarted_before_the_save, four_ranks, url_feed
-
     path = tmp_path / "state"
     h, up, _ = engine_restarted_before_the_save()
     assert asyncio.run(feed_keeper(h, up, path).save()) is True
@@ -554,3 +547,44 @@ def test_an_upstream_state_that_cannot_be_taken_back_sets_the_whole_file_aside(
     result = new_up.apply(read(engine.text()))
     assert new_up.health.errors == {} and result.ranks == 4
     assert rollup(again, "load_back_bytes_total") == 1000 + 1001 + 2000 + 2001
+
+
+def long_labelled_state(h: Any) -> None:
+    """Two replicas of one group, eight static labels and thirty pools, every value 4096 characters long."""
+    static = {f"s{i}": chr(ord("a") + i) * 4096 for i in range(8)}
+    for tp in (0, 1):
+        _, rank = h.hello(tp=tp, labels=static)
+        h.push(rank, *[tokens(float(i + tp), pool=f"{i:02d}" + "p" * 4094) for i in range(30)])
+
+
+def test_a_file_of_long_label_values_loads_back(tmp_path: Path) -> None:
+    """Before: the bound counted 1024 bytes a series whatever its labels; this file (2.8 MB, 90 series)
+    was refused as too_large by the next start and set aside."""
+    limits = RanksConfig(max_label_value_length=4096, max_series_total=256)
+    path = tmp_path / "state"
+    h = Harness(ranks_config=limits)
+    long_labelled_state(h)
+    up_none: dict[str, Any] = {}
+    first = StateKeeper(PersistenceConfig(file=path), h.state, up_none, PersistenceHealth(), "sglang_")
+    assert asyncio.run(first.save()) is True
+    assert path.stat().st_size > (1 << 20) + 1024 * 256  # past the bound before
+    again = Harness(ranks_config=limits)
+    second = StateKeeper(PersistenceConfig(file=path), again.state, up_none, PersistenceHealth(), "sglang_")
+    second.load()
+    assert second.health.load_failures == {} and second.health.loaded_identities == 2
+    assert rollups(again) == rollups(h) and len(rollups(again)[0]) == 30
+
+
+def test_a_state_larger_than_a_load_reads_is_not_written_and_the_last_file_stays(tmp_path: Path) -> None:
+    path = tmp_path / "state"
+    h = Harness()
+    _, rank = h.hello()
+    h.push(rank, bytes_(5.0))
+    keeper = StateKeeper(PersistenceConfig(file=path), h.state, {}, PersistenceHealth(), "sglang_")
+    assert asyncio.run(keeper.save()) is True
+    written = path.read_bytes()
+    h.push(rank, bytes_(6.0))
+    keeper.max_bytes = len(written) - 1  # as if the state had grown past what a load reads
+    assert asyncio.run(keeper.save()) is False
+    assert keeper.health.write_failures == {"too_large": 1} and keeper.health.writes == 1
+    assert path.read_bytes() == written

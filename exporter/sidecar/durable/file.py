@@ -62,7 +62,12 @@ def read_file(path: Path, max_bytes: int) -> bytes | None:
         if info.st_size > max_bytes:
             raise StateFileError("too_large", f"{info.st_size} bytes, more than the {max_bytes} the series budget "
                                  "allows (ranks.max_series_total)")
-        chunks, left = [], max_bytes + 1
+        # The magic first: a file that is not ours (a path given by mistake) is refused before it is read
+        # into memory, however large the bound.
+        head = os.read(fd, len(MAGIC))
+        if len(head) == len(MAGIC) and head != MAGIC:
+            raise StateFileError("corrupt", "not a hicache-exporter state file (its first bytes are not the magic)")
+        chunks, left = [head], max_bytes + 1 - len(head)
         while left > 0:
             chunk = os.read(fd, min(left, 1 << 20))
             if not chunk:

@@ -253,3 +253,31 @@ def test_two_files_set_aside_in_the_same_second_are_both_kept(tmp_path: Path) ->
     second = set_aside(path, now=1_764_400_123.5)
     assert (first.name, second.name) == ("state.corrupt-1764400123", "state.corrupt-1764400123-1")
     assert first.read_bytes() == b"first bad" and second.read_bytes() == b"second bad"
+
+
+def test_a_foreign_file_is_refused_by_its_first_bytes_without_reading_it_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = tmp_path / "state"
+    path.write_bytes(b"\x7fELF" + b"\x00" * (4 << 20))  # a binary given as the state file by mistake
+    read: list[int] = []
+    real_read = os.read
+
+    def counting(fd: int, n: int) -> bytes:
+        data = real_read(fd, n)
+        read.append(len(data))
+        return data
+
+    monkeypatch.setattr(file_module.os, "read", counting)
+    with pytest.raises(StateFileError) as info:
+        read_file(path, 64 << 20)
+    assert info.value.reason == "corrupt" and "not a hicache-exporter state file" in info.value.message
+    assert sum(read) == len(MAGIC)
+
+
+def test_a_file_shorter_than_the_magic_reads_whole_for_unframe_to_call_it_truncated(tmp_path: Path) -> None:
+    path = tmp_path / "state"
+    path.write_bytes(MAGIC[:5])
+    data = read_file(path, 1 << 20)
+    assert data == MAGIC[:5]
+    assert reason_of(data).reason == "truncated"

@@ -361,3 +361,17 @@ def test_a_series_budget_too_small_for_the_rollups_drops_them_as_limit() -> None
     assert result.dropped["limit"] > 0
     assert restored.state.series_budget().rollup + restored.state.series_budget().per_rank <= 3
 
+
+
+def test_the_first_window_after_a_restore_reads_what_moved_since_the_load_not_the_whole_history() -> None:
+    saved_from, restored = Harness(ranks_config=LIMITS), Harness(ranks_config=LIMITS)
+    build(saved_from)
+    round_trip(saved_from, restored)
+    world = World(restored)
+    world.hello((0, 0), "e-0-0")
+    restored.clock.advance(5.0)
+    world.push((0, 0), bytes_(11.0 + 5), duration(0, 3, 0.003))
+    rank = world.rank((0, 0))
+    increases = restored.state.window_increases([rank])[id(rank)]
+    assert increases[(BYTES, ())] == 5.0 and increases[(DURATION, ())] == pytest.approx(0.003 - 0.001)
+    assert increases[(TOKENS, ("kv",))] == 0.0

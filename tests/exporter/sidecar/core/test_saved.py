@@ -12,12 +12,19 @@ from collections.abc import Callable
 
 import msgspec
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from exporter.catalog import Catalog, MetricType, Semantics, default_catalog
-from exporter.config import RanksConfig
+from exporter.config import RanksConfig, SidecarConfig
+from exporter.errors import ProtocolError
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.keys import RollupCounter, RollupKey
 from exporter.sidecar.core.ranks import RankIdentity, RankState, RankStatus
 from exporter.sidecar.core.saved import Restored, SavedCore, dump, restore
+from exporter.sidecar.expose.collector import SidecarCollector
+from exporter.sidecar.expose.render import TextRenderer
+from exporter.sidecar.expose.status import StatusView
 from tests.exporter.sidecar.harness import (
     BYTES,
     DROPPED,
@@ -375,3 +382,77 @@ def test_the_first_window_after_a_restore_reads_what_moved_since_the_load_not_th
     increases = restored.state.window_increases([rank])[id(rank)]
     assert increases[(BYTES, ())] == 5.0 and increases[(DURATION, ())] == pytest.approx(0.003 - 0.001)
     assert increases[(TOKENS, ("kv",))] == 0.0
+
+
+# --- a file that decodes but holds nonsense (hand-edited, or written by a buggy sidecar) ---
+
+
+def _leaves(value: object, path: tuple = ()) -> list[tuple[tuple, object]]:
+    """Every number and string inside nested lists and dicts, with its path."""
+    if isinstance(value, dict):
+        return [leaf for key, item in value.items() for leaf in _leaves(item, (*path, key))]
+    if isinstance(value, list | tuple):
+        return [leaf for i, item in enumerate(value) for leaf in _leaves(item, (*path, i))]
+    return [(path, value)] if isinstance(value, int | float | str) and not isinstance(value, bool) else []
+
+
+def _replaced(value: object, path: tuple, new: object) -> object:
+    if not path:
+        return new
+    head, rest = path[0], path[1:]
+    if isinstance(value, dict):
+        return {k: (_replaced(v, rest, new) if k == head else v) for k, v in value.items()}
+    assert isinstance(value, list | tuple)
+    return [(_replaced(v, rest, new) if i == head else v) for i, v in enumerate(value)]
+
+
+NUMBERS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**63), 2**64 - 1),
+                    st.sampled_from([0, -1, 1 << 40]))
+STRINGS = st.one_of(st.sampled_from(["", "+Inf", "-Inf", "NaN", "x", BYTES, TOKENS, PGS, DURATION, "kv", "e-0-0"]),
+                    st.text(max_size=8))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_restored_state_of_edited_values_never_fails_a_render_or_a_push(data: st.DataObject) -> None:
+    """Whatever a file that decodes holds, `restore` takes it back or raises (the keeper then sets the file
+    aside); what it took back renders and takes pushes without an error."""
+    saved_from = Harness(ranks_config=LIMITS)
+    build(saved_from)
+    plain = msgspec.to_builtins(msgspec.msgpack.decode(msgspec.msgpack.encode(dump(saved_from.state))))
+    leaves = _leaves(plain)
+    for _ in range(data.draw(st.integers(1, 4), label="edits")):
+        path, old = data.draw(st.sampled_from(leaves), label="where")
+        new = data.draw(STRINGS if isinstance(old, str) else NUMBERS, label="value")
+        plain = _replaced(plain, path, new)
+    try:
+        saved = msgspec.convert(plain, SavedCore)
+    except msgspec.ValidationError:
+        event("refused by the decode")
+        return  # the keeper's decode refuses it: corrupt
+    restored = Harness(ranks_config=LIMITS)
+    try:
+        restore(restored.state, saved)
+    except Exception as err:
+        event(f"refused by restore: {type(err).__name__}")
+        return  # the keeper sets the file aside: corrupt
+    event("taken back")
+    renderer = TextRenderer(SidecarCollector(restored.state, SidecarHealth(), "sglang_"))
+    view = StatusView(SidecarConfig(), restored.state, SidecarHealth())
+    renderer.render()
+    renderer.render(openmetrics=True)
+    view.document()
+    world = World(restored)
+    for place in PLACES:
+        rank = restored.state.rank(identity(*place))
+        try:
+            world.hello(place, rank.epoch if rank is not None else "fresh")
+        except ProtocolError:
+            continue
+        rank = world.rank(place)
+        restored.push(rank, bytes_(1e6), tokens(1e6), pgs([1] * len(one_hot(PGS, 0)), 1.0), duration(0, 1, 0.5),
+                      seq=rank.seq + 1 if rank.seq < 2**62 else 1)
+    restored.clock.advance(40.0)
+    renderer.render()
+    renderer.render(openmetrics=True)
+    view.document()

@@ -588,3 +588,35 @@ def test_a_state_larger_than_a_load_reads_is_not_written_and_the_last_file_stays
     assert asyncio.run(keeper.save()) is False
     assert keeper.health.write_failures == {"too_large": 1} and keeper.health.writes == 1
     assert path.read_bytes() == written
+
+
+def test_a_sidecar_started_with_a_changed_catalog_drops_and_restarts_those_families(
+    start: Callable[..., Running], tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The file written under the packaged catalog, loaded under one without load_back_bytes_total and with
+    load_back_tokens_total per_shard (it was replicated)."""
+    import yaml
+
+    from exporter.defaults import default_path
+
+    path = tmp_path / "state"
+    good_file(start, path)
+    catalog = yaml.safe_load(default_path("catalog.yaml").read_text())
+    families = [f for f in catalog["families"] if f["name"] != "load_back_bytes_total"]
+    for family in families:
+        if family["name"] == "load_back_tokens_total":
+            family["semantics"] = "per_shard"
+    catalog["families"] = families
+    changed = tmp_path / "catalog.yaml"
+    changed.write_text(yaml.safe_dump(catalog))
+    with caplog.at_level(logging.WARNING, "hicache_exporter.durable"):
+        running = start(path, metrics={"catalog": str(changed)})
+    running.serves()
+    assert running.health.dropped == {"unknown_family": 1 + 4, "changed_family": 1 + 4}
+    assert running.health.load_failures == {} and running.health.loaded_identities == 4
+    served = running.rollups()
+    assert served == {"sglang_rollup_load_back_duration_seconds_count": TRUTH[ROLLUPS[2]],
+                      "sglang_rollup_load_back_duration_seconds_sum": TRUTH[ROLLUPS[3]]}
+    lines = [r.getMessage() for r in caplog.records if r.name == "hicache_exporter.durable"]
+    assert any("family load_back_tokens_total changed its type, semantics or labels" in line for line in lines)
+    assert any("no longer in the catalog" in line and "load_back_bytes_total" in line for line in lines)

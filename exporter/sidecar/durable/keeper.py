@@ -197,6 +197,7 @@ class StateKeeper:
 
     @property
     def _writing(self) -> bool:
+        """Whether a write's thread runs now."""
         return self._inflight is not None
 
     def _written(self, done: asyncio.Future[float], changes: int, encoded: float, size: int) -> None:

@@ -24,7 +24,6 @@ import pytest
 
 from exporter.catalog import default_catalog
 from exporter.config import PersistenceConfig, RanksConfig
-from exporter.errors import StateFileError
 from exporter.protocol.messages import HistogramSample, Welcome
 from exporter.sidecar.core.health import PersistenceHealth
 from exporter.sidecar.durable import keeper as keeper_module
@@ -272,17 +271,17 @@ def test_a_directory_in_place_of_the_file_is_unreadable_kept_aside_and_replaced(
 def test_a_file_that_cannot_be_read_is_unreadable(
     start: Callable[..., Running], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The tests run as root (modes do not refuse): the read's OSError is injected."""
+    """The tests run as root (modes do not refuse): the open's OSError is injected, for this path only."""
     path = tmp_path / "state"
     good = good_file(start, path)
-    real_read = keeper_module.read_file
+    real_open = os.open
 
-    def failing_read(at: Path, max_bytes: int) -> bytes | None:
-        if at == path:
-            raise StateFileError("unreadable", "cannot read it: Input/output error")
-        return real_read(at, max_bytes)
+    def refusing_open(at: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if Path(at) == path and not flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(errno.EACCES, "Permission denied", str(at))
+        return real_open(at, flags, *args, **kwargs)
 
-    monkeypatch.setattr(keeper_module, "read_file", failing_read)
+    monkeypatch.setattr(os, "open", refusing_open)
     running = start(path)
     running.serves()
     assert running.health.load_failures == {"unreadable": 1} and running.rollups() == {}

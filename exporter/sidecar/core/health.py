@@ -50,7 +50,7 @@ class PersistenceHealth:
     def __init__(self) -> None:
         self.enabled = False
         self.load_failures: dict[str, int] = {}  # by reason: corrupt, truncated, version, unreadable, too_large
-        self.write_failures: dict[str, int] = {}  # by reason: no_space, read_only, permission, io
+        self.write_failures: dict[str, int] = {}  # by reason: no_space, read_only, permission, no_directory, too_large, io
         self.dropped: dict[str, int] = {}  # series left out at load, by reason: unknown_family, changed_family, limit
         self.writes = 0
         self.last_write_wall: float | None = None  # wall-clock time of the last successful write

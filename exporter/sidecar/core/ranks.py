@@ -112,6 +112,9 @@ class RankState:
     # another source took the identity over): its per_shard rollups already hold what it pushed
     # before, so its first values this epoch are baselines.
     resumed: bool = False
+    # Taken back from the durable state and not pushed since: its per-rank series wait for its next
+    # push (they would read lower than what was shown before a crash; absent is not a reset).
+    restored: bool = False
     restarts: int = 0
     reconnects: int = 0
     last_activity: float = 0.0  # monotonic time of the last hello or snapshot
@@ -468,6 +471,7 @@ class RankRegistry:
         rank.seq = seq
         rank.connection_seq = seq
         rank.rejoined = False
+        rank.restored = False
         rank.pushed = True
         rank.last_activity = self.clock()  # live again: not stale, not expired
         rank.last_push_wall = self.wall_clock()
@@ -475,8 +479,9 @@ class RankRegistry:
         rank.snapshots += 1
 
     def exposed_ranks(self) -> list[RankState]:
-        """Ranks whose per-rank series are on /metrics (all but expired), in exposition order."""
-        return sorted((r for r in self.ranks.values() if not r.expired), key=exposition_order)
+        """Ranks whose per-rank series are on /metrics (all but expired ones, and restored ones until they
+        push), in exposition order."""
+        return sorted((r for r in self.ranks.values() if not r.expired and not r.restored), key=exposition_order)
 
     def groups(self) -> dict[GroupKey, list[RankState]]:
         """Known ranks by replica group, each group in replica order."""

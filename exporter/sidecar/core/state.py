@@ -30,6 +30,8 @@ from exporter.sidecar.core.rollups import RollupLedger
 from exporter.sidecar.core.samples import Rejection, SampleReader, below
 from exporter.sidecar.core.window import Bandwidth, SeriesWindow
 
+Rollups = tuple[dict[RollupKey, float], dict[RollupKey, HistAccumulator]]  # rollup counters and histograms
+
 
 @dataclass(slots=True)
 class Push:
@@ -78,8 +80,13 @@ class SidecarState:
         self.ledger = RollupLedger(catalog, self.registry.budget, wall_clock)
         self.window = SeriesWindow(catalog)
         self.help: dict[str, str] = {}  # HELP texts ranks gave for catalog families, the latest per family
-        # Bumped by every hello, snapshot and disconnect: the durable state is saved only when it moved.
+        # Bumped by every hello and disconnect, and every snapshot that moved a value: the durable
+        # state is saved only when it moved.
         self.changes = 0
+        # With a durable state, the rollup counters and histograms shown are those of the last save
+        # (the keeper shows each save's once written): a sidecar killed at any instant then never
+        # comes back lower than a value it showed. None: no durable state, the live values are shown.
+        self._shown: Rollups | None = None
 
     def fresh(self) -> SidecarState:
         """An empty state of the same catalog, limits and clocks (the durable state loads into one)."""
@@ -120,7 +127,7 @@ class SidecarState:
         refused = self.registry.refusal(rank, msg.seq)
         if refused is not None:
             return SnapshotResult(ignored=True, refused=refused)
-        self.changes += 1
+        version = rank.version
         conflict = self._writer_of(rank, msg) if rank.rejoined else None
         self.registry.accept_snapshot(rank, msg.seq)
         if msg.help:
@@ -128,6 +135,8 @@ class SidecarState:
         updates, rejections = self.reader.read(rank, msg.samples)
         self.ledger.apply(rank, updates)
         rank.history.record(rank.last_activity, rank.positions)
+        if rank.version != version:  # values moved: the durable state has something new to save
+            self.changes += 1
         return SnapshotResult(applied=len(msg.samples) - len(rejections), rejections=rejections, conflict=conflict)
 
     def _writer_of(self, rank: RankState, msg: Push) -> Rejection | None:
@@ -195,12 +204,21 @@ class SidecarState:
         return self.registry.groups()
 
     def rollup_counters(self) -> dict[RollupKey, float]:
-        """Every rollup counter's value."""
-        return self.ledger.counters
+        """Every rollup counter's value, as shown (`show_rollups`)."""
+        return self.ledger.counters if self._shown is None else self._shown[0]
 
     def rollup_histograms(self) -> dict[RollupKey, HistAccumulator]:
-        """Every rollup histogram."""
-        return self.ledger.histograms
+        """Every rollup histogram, as shown (`show_rollups`)."""
+        return self.ledger.histograms if self._shown is None else self._shown[1]
+
+    def rollup_snapshot(self) -> Rollups:
+        """A copy of the rollup counters and histograms as they are now."""
+        return self.ledger.counters, {key: HistAccumulator(acc.bounds, list(acc.counts), acc.sum)
+                                      for key, acc in self.ledger.histograms.items()}
+
+    def show_rollups(self, rollups: Rollups) -> None:
+        """Show `rollups` (a `rollup_snapshot` the durable state has saved) in place of the live values."""
+        self._shown = rollups
 
     def rollup_created(self) -> dict[RollupKey, float]:
         """When each rollup counter and histogram began (wall clock; OpenMetrics' `_created`)."""

@@ -23,7 +23,7 @@ from exporter.config import PersistenceConfig, RanksConfig
 from exporter.errors import StateFileError
 from exporter.sidecar.core import saved as core_saved
 from exporter.sidecar.core.health import PersistenceHealth
-from exporter.sidecar.core.state import SidecarState
+from exporter.sidecar.core.state import Rollups, SidecarState
 from exporter.sidecar.durable.file import frame, read_file, set_aside, unframe, write_atomic, write_failure_reason
 from exporter.sidecar.upstream import saved as feed_saved
 from exporter.sidecar.upstream.feed import UpstreamFeed
@@ -88,7 +88,12 @@ class StateKeeper:
     # --- load ---
 
     def load(self) -> None:
-        """Take the file's state back into the (empty) state and feeds; a file that cannot be used is set aside."""
+        """Take the file's state back into the (empty) state and feeds; a file that cannot be used is set aside.
+        The rollups shown from here on are the loaded ones (none on a fresh start), then each save's."""
+        self._load()
+        self.state.show_rollups(self.state.rollup_snapshot())
+
+    def _load(self) -> None:
         started = time.perf_counter()
         try:
             data = read_file(self.path, self.max_bytes)
@@ -180,13 +185,15 @@ class StateKeeper:
             return False
         started = time.perf_counter()
         data = self.encode()
+        shown = self.state.rollup_snapshot()  # the same instant as the bytes: shown once they are on disk
         encoded = time.perf_counter() - started
         if len(data) > self.max_bytes:  # the next start would refuse it and set it aside: keep the last one
             self._write_failed(OSError(errno.EFBIG, f"{len(data)} bytes, more than the {self.max_bytes} a load "
                                                     "reads (ranks.max_series_total and the label limits)"), "too_large")
+            self.state.show_rollups(shown)  # not durable now, but never frozen: serving goes on
             return False
         future = self._inflight = _in_thread(lambda: _timed_write(self.path, data))
-        future.add_done_callback(lambda done: self._written(done, changes, encoded, len(data)))
+        future.add_done_callback(lambda done: self._written(done, changes, encoded, len(data), shown))
         try:
             await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -200,9 +207,11 @@ class StateKeeper:
         """Whether a write's thread runs now."""
         return self._inflight is not None
 
-    def _written(self, done: asyncio.Future[float], changes: int, encoded: float, size: int) -> None:
-        """A write's thread ended: count it, as a write or a failure."""
+    def _written(self, done: asyncio.Future[float], changes: int, encoded: float, size: int, shown: Rollups) -> None:
+        """A write's thread ended: count it, as a write or a failure, and show the rollups it saved (after a
+        failure too: the rollups are then not durable, counted and logged, but never frozen)."""
         self._inflight = None
+        self.state.show_rollups(shown)
         err = None if done.cancelled() else done.exception()
         if isinstance(err, OSError):
             self._write_failed(err)

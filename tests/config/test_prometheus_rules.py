@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 RULES_DIR = REPO / "config" / "prometheus"
 RECORDING = RULES_DIR / "recording_rules.yml"
 ALERTING = RULES_DIR / "alerting_rules.yml"
-TEST_FILES = [RULES_DIR / "tests" / "recording_rules_test.yml", RULES_DIR / "tests" / "alerting_rules_test.yml"]
+TEST_FILES = [RULES_DIR / "tests" / "recording_rules_test.yml", RULES_DIR / "tests" / "alerting_rules_test.yml",
+              RULES_DIR / "tests" / "sidecar_restart_test.yml"]  # increase() of a rollup across a sidecar restart
 
 NAMESPACES = [DEFAULT_NAMESPACE, "sglang:"]
 SELF_PREFIX = "hicache_exporter_"
@@ -109,6 +110,10 @@ def test_promtool_check_rules(ns: str, rule_files: dict[str, tuple[Path, Path]])
     for path in rule_files[ns]:
         result = run_promtool("check", "rules", str(path))
         assert "SUCCESS" in result.stdout
+
+
+def test_every_promtool_test_file_is_run() -> None:
+    assert sorted(TEST_FILES) == sorted((RULES_DIR / "tests").glob("*.yml"))
 
 
 @pytest.mark.parametrize("path", TEST_FILES, ids=lambda p: p.name)

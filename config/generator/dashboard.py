@@ -224,6 +224,15 @@ def pod_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
         [(f"hicache_exporter_upstream_up{{{POD}}}", "up {{upstream}}"),
          (f"sum by (upstream, kind) (rate(hicache_exporter_upstream_scrape_errors_total{{{POD}}}[{RATE}]))",
           "errors/s {{upstream}} {{kind}}")]))
+    panels.append(_timeseries(
+        "State file", "For a sidecar with --persistence.file: successful writes per second (one every "
+        "persistence.interval while the state changes), failed writes per second by reason "
+        "(HiCacheExporterStateNotSaved fires on them), and the rank identities its process took back from the "
+        "file at start (above 0: its restarts need no guard). Empty for a sidecar without a state file.",
+        [(f"rate(hicache_exporter_persistence_writes_total{{{POD}}}[{RATE}])", "writes/s"),
+         (f"sum by (reason) (rate(hicache_exporter_persistence_write_failures_total{{{POD}}}[{RATE}]))",
+          "write failures/s {{reason}}"),
+         (f"hicache_exporter_persistence_loaded_identities{{{POD}}}", "identities loaded at start")]))
     return panels
 
 

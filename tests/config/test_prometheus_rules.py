@@ -223,8 +223,10 @@ def test_rules_reference_only_catalog_families_and_self_metrics(ns: str, rule_fi
 @pytest.mark.parametrize("ns", NAMESPACES)
 def test_rules_select_names_and_labels_a_real_sidecar_serves(ns: str, socket_dir: Path,
                                                              rule_files: dict[str, tuple[Path, Path]]) -> None:
-    """The series and label values the rules select are what /metrics really exposes, in each namespace."""
-    sidecar = SidecarThread(sidecar_config(socket_dir / "metrics.sock", metrics={"namespace": ns})).start()
+    """The series and label values the rules select are what /metrics really exposes, in each namespace
+    (a sidecar with a state file, as every generated pod runs it: its persistence families are served)."""
+    sidecar = SidecarThread(sidecar_config(socket_dir / "metrics.sock", metrics={"namespace": ns},
+                                           persistence={"file": str(socket_dir / "state")})).start()
     try:
         client = RawClient(sidecar.socket_path)
         try:

@@ -4,6 +4,7 @@ them, and only by a sidecar that has a state file."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
@@ -13,7 +14,18 @@ from exporter.sidecar.expose.collector import SidecarCollector
 from exporter.sidecar.expose.families import SELF, SELF_FAMILIES
 from exporter.sidecar.expose.render import TextRenderer
 from tests.exporter.sidecar.harness import Harness
-from tests.helpers import LOOP_WAIT_SECONDS, Scrape, SidecarThread, http_get, sidecar_config
+from tests.helpers import (
+    LOOP_WAIT_SECONDS,
+    RawClient,
+    Scrape,
+    SidecarThread,
+    counter,
+    hello,
+    http_get,
+    sidecar_config,
+    snapshot,
+    wait_until,
+)
 
 PERSISTENCE = sorted(name for name in SELF_FAMILIES if name.startswith(SELF + "persistence_"))
 
@@ -100,3 +112,49 @@ def test_a_real_sidecar_counts_a_corrupt_file_and_its_writes(tmp_path: Path) -> 
         assert SELF + "persistence_writes" in names and SELF + "persistence_load_failures" in names
     finally:
         sidecar.stop()
+
+
+def test_the_status_document_tells_the_same_as_the_self_metrics(tmp_path: Path) -> None:
+    """/api/v1/status's sidecar.persistence: schema-valid, and its numbers are the persistence families'
+    on /metrics; null for a sidecar without a state file."""
+    from tests.exporter.sidecar.expose.test_status import assert_valid
+
+    state_file = tmp_path / "state"
+    config = sidecar_config(tmp_path / "ingest.sock", persistence={"file": str(state_file), "interval": "1h"})
+    first = SidecarThread(config).start()
+    try:
+        client = RawClient(first.socket_path)
+        try:
+            client.send(hello(tp=0, cache_type="HiRadixCache"))
+            assert client.recv() is not None
+            client.send(snapshot(1, counter("load_back_bytes_total", 4096)))
+            wait_until(lambda: bool(first.scrape().find("sglang_rollup_load_back_bytes_total")))
+        finally:
+            client.close()
+        document = json.loads(http_get(first.url + "/api/v1/status")[1])
+        assert_valid("status", document)
+        assert document["sidecar"]["persistence"] == {
+            "file": str(state_file), "interval_seconds": 3600.0, "loaded_identities": 0, "load_duration_seconds": None,
+            "load_failures": {}, "dropped_series": {}, "writes": 0, "last_write_time": None,
+            "last_write_duration_seconds": None, "write_failures": {}, "file_bytes": None}
+    finally:
+        first.stop()  # the save at stop
+    second = SidecarThread(config).start()
+    try:
+        document = json.loads(http_get(second.url + "/api/v1/status")[1])
+        assert_valid("status", document)
+        saving = document["sidecar"]["persistence"]
+        values = samples(second.scrape())
+        assert saving["loaded_identities"] == values[(SELF + "persistence_loaded_identities", ())] == 1
+        assert saving["file_bytes"] == values[(SELF + "persistence_file_bytes", ())] == state_file.stat().st_size
+        assert saving["load_duration_seconds"] == values[(SELF + "persistence_load_duration_seconds", ())]
+        assert saving["writes"] == 0 and saving["load_failures"] == {} and saving["dropped_series"] == {}
+    finally:
+        second.stop()
+    plain = SidecarThread(sidecar_config(tmp_path / "plain.sock")).start()
+    try:
+        document = json.loads(http_get(plain.url + "/api/v1/status")[1])
+        assert_valid("status", document)
+        assert document["sidecar"]["persistence"] is None
+    finally:
+        plain.stop()

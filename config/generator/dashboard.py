@@ -4,8 +4,14 @@ The rule (README, "Which series to read"): one pod, its sidecar's rollups; a fle
 spanning pods, the `cluster:` recording rules. So the dashboard has exactly two kinds of rows:
 fleet rows, whose cache panels read only recording rules (never a sidecar rollup, never a
 per-rank series), and pod rows, whose every series is selected by `instance="$instance"`, a
-single-valued variable, so nothing there is ever summed over pods. A pod row's rate of a
-rollup leaves out the windows that span a sidecar restart (`RESTART_GUARD`).
+single-valued variable, so nothing there is ever summed over pods.
+
+A pod row's rate of a rollup reads straight through a restart of a sidecar that went on from its
+state file (`--persistence.file`; every generated pod has one), and leaves out the windows that
+span a restart of one that did not (`RESTART_GUARD`): a sidecar without a state file, or one whose
+file could not be used, starts its rollups over. Which of the two it was, the sidecar says itself
+(`hicache_exporter_persistence_loaded_identities` above 0), so one dashboard serves both kinds of
+deployment, with no variable to set (docs/kubernetes.md, "Rules, alerts and the dashboard").
 """
 
 from __future__ import annotations
@@ -21,18 +27,25 @@ POD = 'instance="$instance"'
 RANKS = 'instance="$instance", dp_rank=~"$dp_rank"'
 RATE = "$__rate_interval"
 
-# A sidecar restart (OOM kill, upgrade: it is a native sidecar, restartPolicy Always) starts its
-# rollups again from the sum of the ranks' current epochs, which is lower than its last value if
-# a rank restarted before: Prometheus reads a counter reset and counts the whole new value, a
-# phantom spike. The sidecar's own process collector (prometheus_client, same /metrics, so the
+# A sidecar restart without its state (no --persistence.file, or a file that could not be used)
+# starts its rollups again from the sum of the ranks' current epochs, which is lower than its last
+# value if a rank restarted before: Prometheus reads a counter reset and counts the whole new value,
+# a phantom spike. The sidecar's own process collector (prometheus_client, same /metrics, so the
 # same job and instance) gives its start time; a rate window in which that start time changed
 # holds samples of both processes, and is left out. Same range as the rate, so exactly the
 # windows that span a restart go: no gap after a first start, and no rollup rate at all if
 # process_start_time_seconds is not scraped (a metric_relabel_configs dropping process_*).
+# A sidecar that took its ranks back from its state file goes on where it was: no reset, so the
+# guard lets every window through (`or` its loaded identities, above 0 only after such a load;
+# tests/config/test_restart_guard.py holds both cases).
 SIDECAR_START = "process_start_time_seconds"
-RESTART_NOTE = ("The rollup line is left out for one rate window after a sidecar restart, when its rollups may "
-                "drop once (a false counter reset); the per-rank lines and the fleet rows are exact across it.")
-RESTART_GUARD = f"and on (job, instance) (changes({SIDECAR_START}{{{POD}}}[{RATE}]) == 0)"
+STATE_LOADED = f"hicache_exporter_persistence_loaded_identities{{{POD}}} > 0"
+RESTART_NOTE = ("A restart of a sidecar without its state file (or whose file could not be used) may drop its "
+                "rollups once (a false counter reset): the rollup line is then left out for one rate window. "
+                "A sidecar that went on from its state file reads through its restarts. The per-rank lines and "
+                "the fleet rows are exact across both.")
+RESTART_GUARD = (f"and on (job, instance) (changes({SIDECAR_START}{{{POD}}}[{RATE}]) == 0 "
+                 f"or on (job, instance) {STATE_LOADED})")
 
 # The four transfer tiers: (bytes family, tokens family, label).
 TIERS = (
@@ -47,7 +60,8 @@ POD_ROW_PREFIX = "Pod"
 
 
 def pod_rollup_rate(ns: str, family: str, function: str = "rate") -> str:
-    """`rate()` (or `increase()`) of one pod's rollup, blank in every window that spans a sidecar restart."""
+    """`rate()` (or `increase()`) of one pod's rollup, blank in every window that spans a restart of a
+    sidecar that did not go on from its state file."""
     return f"{function}({ns}rollup_{family}{{{POD}}}[{RATE}]) {RESTART_GUARD}"
 
 
@@ -210,6 +224,15 @@ def pod_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
         [(f"hicache_exporter_upstream_up{{{POD}}}", "up {{upstream}}"),
          (f"sum by (upstream, kind) (rate(hicache_exporter_upstream_scrape_errors_total{{{POD}}}[{RATE}]))",
           "errors/s {{upstream}} {{kind}}")]))
+    panels.append(_timeseries(
+        "State file", "For a sidecar with --persistence.file: successful writes per second (one every "
+        "persistence.interval while the state changes), failed writes per second by reason "
+        "(HiCacheExporterStateNotSaved fires on them), and the rank identities its process took back from the "
+        "file at start (above 0: its restarts need no guard). Empty for a sidecar without a state file.",
+        [(f"rate(hicache_exporter_persistence_writes_total{{{POD}}}[{RATE}])", "writes/s"),
+         (f"sum by (reason) (rate(hicache_exporter_persistence_write_failures_total{{{POD}}}[{RATE}]))",
+          "write failures/s {{reason}}"),
+         (f"hicache_exporter_persistence_loaded_identities{{{POD}}}", "identities loaded at start")]))
     return panels
 
 

@@ -27,6 +27,15 @@ SOCKET = f"{SOCKET_DIR}/metrics.sock"
 CONFIG_DIR = "/etc/hicache-exporter"
 CLIENT_DIR = "/opt/hicache-exporter"
 MULTIPROC_DIR = "/prometheus-multiproc"
+STATE_DIR = "/var/lib/hicache-exporter"
+STATE_FILE = f"{STATE_DIR}/state"  # the sidecar's --persistence.file
+# The state file is bounded by the series budget (exporter/sidecar/durable/keeper.py max_file_bytes:
+# 1 MiB + 1 KiB per series of ranks.max_series_total, once more per upstream: 49 MiB for a proxy at the
+# default 24,576); a write holds it twice (the temporary file, then the rename), and a file that could
+# not be used is kept aside beside it. Going over an emptyDir's sizeLimit evicts the whole pod, GPUs and
+# all, so the limit is far above that.
+STATE_SIZE_LIMIT = "512Mi"
+STATE_CLAIM_SIZE = "1Gi"
 HF_HOME = "/root/.cache/huggingface"
 APP = "sglang-hicache"  # the pod label the PodMonitor selects
 NAME_LABEL = "app.kubernetes.io/name"
@@ -130,17 +139,21 @@ def sidecar(args: list[str], liveness: bool = True, mounts: list[dict[str, Any]]
             {SIDECAR_MEMORY_LIMIT}; raise both together. If the pod must be Guaranteed QoS (static CPU manager
             for the GPUs), set limits equal to requests in every container.
             """): {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": SIDECAR_MEMORY_LIMIT}},
-        Key("securityContext", "Restricted: the sidecar writes only its socket, in the emptyDir."): restricted(),
+        Key("securityContext", "Restricted: the sidecar writes only its socket and its state file, each in its "
+                               "emptyDir."): restricted(),
         "volumeMounts": [
             {"name": "hicache-socket", "mountPath": SOCKET_DIR},
             {"name": "exporter-config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {Key("name", "--persistence.file's directory: the rollups' state, kept across restarts of the sidecar."):
+             "hicache-state", "mountPath": STATE_DIR},
             *(mounts or []),
         ],
     }
 
 
 def serve_args(*extra: str) -> list[str]:
-    return ["serve", "--config", f"{CONFIG_DIR}/sidecar.yaml", *extra]
+    """`serve` with the config file and the state file (written every 5 s when it changed, and at SIGTERM)."""
+    return ["serve", "--config", f"{CONFIG_DIR}/sidecar.yaml", "--persistence.file", STATE_FILE, *extra]
 
 
 # --- the engine -------------------------------------------------------------------------------
@@ -212,6 +225,15 @@ def volumes(config_name: str, *extra: dict[str, Any]) -> list[dict[str, Any]]:
             disk, and a node-local tmpfs never outlives the pod, so no stale socket of an earlier pod lingers.
             """): "hicache-socket", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
         {"name": "exporter-config", "configMap": {"name": config_name}},
+        {Key("name", f"""
+            The sidecar's state (--persistence.file {STATE_FILE}): its rollups' history, so that a restart
+            of the sidecar container (OOM kill, crash, failed liveness probe) goes on from where it was,
+            exactly. An emptyDir outlives container restarts, not the pod: a new pod (a rollout, a
+            reschedule, a deletion) starts its rollups over (docs/kubernetes.md). On disk, not in memory:
+            tmpfs pages would count against the sidecar's memory limit. fsGroup 65532 makes it writable
+            for the sidecar. sizeLimit: several times the largest file the sidecar writes (going over
+            evicts the pod).
+            """): "hicache-state", "emptyDir": {"sizeLimit": STATE_SIZE_LIMIT}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
         {Key("name", "config/k8s/model-cache.yaml: the Hugging Face cache, kept across pod restarts."): "model-cache",
          "persistentVolumeClaim": {"claimName": "sglang-model-cache"}},
@@ -378,7 +400,26 @@ def lws_example(ns: str) -> list[dict[str, Any]]:
                     containers' restarts): hence no livenessProbe on the sidecar here, and a memory limit
                     above its worst case.
                     """): "RecreateGroupOnPodRestart",
-                "leaderTemplate": template("leader", """
+                Key("leaderTemplate", f"""
+                    The sidecars' state is in an emptyDir (hicache-state), which RecreateGroupOnPodRestart
+                    loses with any restart in the group (a new pod), the sidecar's own included. To keep it
+                    across those and across rescheduling, give each pod a PersistentVolumeClaim instead: a
+                    claim takes precedence over the template's volume of the same name, and each pod keeps its
+                    own across recreations. Your LWS CRD must have the field (kubectl explain
+                    leaderworkerset.spec.leaderWorkerTemplate.volumeClaimTemplates). Uncomment:
+
+                    | volumeClaimTemplates:
+                    |   - metadata:
+                    |       name: hicache-state
+                    |     spec:
+                    |       accessModes: ["ReadWriteOnce"]
+                    |       resources:
+                    |         requests:
+                    |           storage: {STATE_CLAIM_SIZE}
+                    | persistentVolumeClaimRetentionPolicy:
+                    |   whenDeleted: Delete
+                    |   whenScaled: Delete
+                    """): template("leader", """
                     Node rank 0: the scheduler ranks tp 0-7 and the HTTP server. LWS sets LWS_LEADER_ADDRESS,
                     LWS_GROUP_SIZE and LWS_WORKER_INDEX in every container, and Kubernetes expands $(VAR) in
                     args from them.

@@ -278,6 +278,28 @@ def alerting_groups(ns: str) -> list[dict[str, Any]]:
                         "replicas of the same dp groups."),
                 },
             },
+            {
+                Key("alert", """
+                    The sidecar cannot write its state file (--persistence.file): a full or read-only disk,
+                    a directory it may not write. Serving goes on, but its rollups are durable only up to
+                    its last successful write: a restart from here on goes back to it. A write is tried
+                    every persistence.interval (5 s) while the state changes, so a lasting failure keeps
+                    the counter rising; a sidecar whose ranks are idle tries nothing and stays quiet.
+                    """): "HiCacheExporterStateNotSaved",
+                "expr": 'sum by (namespace, pod, instance, reason) '
+                        '(increase(hicache_exporter_persistence_write_failures_total[10m])) > 0',
+                "for": "10m",
+                "labels": {"severity": "warning"},
+                "annotations": {
+                    "summary": "hicache-exporter on {{ $labels.pod }} cannot write its state file ({{ $labels.reason }})",
+                    "description": Folded(
+                        "The sidecar at {{ $labels.instance }} (pod {{ $labels.namespace }}/{{ $labels.pod }}) "
+                        "has failed to write its state file ({{ $labels.reason }}) for 10 minutes. It serves on, "
+                        "but a restart of it would take back only its last successful write "
+                        "(hicache_exporter_persistence_last_write_timestamp_seconds). The sidecar logs name "
+                        "the file and the error, once a minute."),
+                },
+            },
         ],
     }]
 

@@ -55,7 +55,8 @@ class Folded(str):
 
 
 def comment_lines(text: str, indent: int) -> list[str]:
-    """`text` as `#` lines at `indent`: paragraphs wrapped at WIDTH, lines starting with two spaces kept."""
+    """`text` as `#` lines at `indent`: paragraphs wrapped at WIDTH, lines starting with two spaces kept,
+    lines starting with `| ` kept without it (commented-out YAML at the key's own indentation)."""
     pad = " " * indent
     out: list[str] = []
     paragraph: list[str] = []
@@ -72,6 +73,9 @@ def comment_lines(text: str, indent: int) -> list[str]:
         if not line.strip():
             flush()
             out.append(pad + "#")
+        elif line.startswith("| "):  # commented-out YAML: deleting the `# ` leaves it at the key's indentation
+            flush()
+            out.append(pad + "# " + line[2:])
         elif line.startswith("  "):  # preformatted (a command, a table row): kept as written
             flush()
             out.append(pad + "# " + line)

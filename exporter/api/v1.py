@@ -87,8 +87,24 @@ class Limits(Model):
     window_seconds: Seconds
 
 
+class Persistence(Model):
+    """The state file (--persistence.file): what the load at start took back, and how the writes go."""
+
+    file: str
+    interval_seconds: Seconds
+    loaded_identities: Annotated[Count, Meta(description="rank identities taken back at start; 0: started fresh")]
+    load_duration_seconds: Annotated[float | None, Meta(description="null: nothing was loaded")]
+    load_failures: Annotated[CountsByName, Meta(description="by reason: files set aside at start")]
+    dropped_series: Annotated[CountsByName, Meta(description="by reason: series of the file left out at load")]
+    writes: Count
+    last_write_time: Annotated[UnixTime | None, Meta(description="null: not written yet")]
+    last_write_duration_seconds: Annotated[float | None, Meta(description="null: not written yet")]
+    write_failures: Annotated[CountsByName, Meta(description="by reason")]
+    file_bytes: Annotated[Count | None, Meta(description="the file last written or loaded; null: neither yet")]
+
+
 class Sidecar(Model):
-    """The sidecar itself: build, uptime, ingest traffic, rejections and limits."""
+    """The sidecar itself: build, uptime, ingest traffic, rejections, limits and its state file."""
 
     version: str
     revision: Annotated[str, Meta(description='git commit, or "unknown"')]
@@ -110,6 +126,7 @@ class Sidecar(Model):
     rollup_layout_conflicts: Annotated[CountsByName, Meta(
         description="by family: rank histogram series left out of their rollup (bucket layout differs)")]
     limits: Limits
+    persistence: Annotated[Persistence | None, Meta(description="null: no state file (--persistence.file)")] = None
 
 
 # --- ranks, groups and the layout their worlds expect ------------------------------------------

@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 RULES_DIR = REPO / "config" / "prometheus"
 RECORDING = RULES_DIR / "recording_rules.yml"
 ALERTING = RULES_DIR / "alerting_rules.yml"
-TEST_FILES = [RULES_DIR / "tests" / "recording_rules_test.yml", RULES_DIR / "tests" / "alerting_rules_test.yml"]
+TEST_FILES = [RULES_DIR / "tests" / "recording_rules_test.yml", RULES_DIR / "tests" / "alerting_rules_test.yml",
+              RULES_DIR / "tests" / "sidecar_restart_test.yml"]  # increase() of a rollup across a sidecar restart
 
 NAMESPACES = [DEFAULT_NAMESPACE, "sglang:"]
 SELF_PREFIX = "hicache_exporter_"
@@ -109,6 +110,10 @@ def test_promtool_check_rules(ns: str, rule_files: dict[str, tuple[Path, Path]])
     for path in rule_files[ns]:
         result = run_promtool("check", "rules", str(path))
         assert "SUCCESS" in result.stdout
+
+
+def test_every_promtool_test_file_is_run() -> None:
+    assert sorted(TEST_FILES) == sorted((RULES_DIR / "tests").glob("*.yml"))
 
 
 @pytest.mark.parametrize("path", TEST_FILES, ids=lambda p: p.name)
@@ -218,8 +223,10 @@ def test_rules_reference_only_catalog_families_and_self_metrics(ns: str, rule_fi
 @pytest.mark.parametrize("ns", NAMESPACES)
 def test_rules_select_names_and_labels_a_real_sidecar_serves(ns: str, socket_dir: Path,
                                                              rule_files: dict[str, tuple[Path, Path]]) -> None:
-    """The series and label values the rules select are what /metrics really exposes, in each namespace."""
-    sidecar = SidecarThread(sidecar_config(socket_dir / "metrics.sock", metrics={"namespace": ns})).start()
+    """The series and label values the rules select are what /metrics really exposes, in each namespace
+    (a sidecar with a state file, as every generated pod runs it: its persistence families are served)."""
+    sidecar = SidecarThread(sidecar_config(socket_dir / "metrics.sock", metrics={"namespace": ns},
+                                           persistence={"file": str(socket_dir / "state")})).start()
     try:
         client = RawClient(sidecar.socket_path)
         try:

@@ -183,7 +183,8 @@ def exported_names(ns: str = DEFAULT_NAMESPACE) -> frozenset[str]:
 
 @cache
 def collector_names(ns: str = DEFAULT_NAMESPACE, prefix: str = "") -> frozenset[str]:
-    """Sample names the real collector (exporter/sidecar/expose/collector.py) declares, on a sidecar with one upstream."""
+    """Sample names the real collector (exporter/sidecar/expose/collector.py) declares, on a sidecar with one
+    upstream and a state file."""
     from exporter.catalog import default_catalog
     from exporter.config import SidecarConfig
     from exporter.sidecar.core.health import SidecarHealth, UpstreamHealth
@@ -197,6 +198,7 @@ def collector_names(ns: str = DEFAULT_NAMESPACE, prefix: str = "") -> frozenset[
     upstream = UpstreamHealth("engine", "http://127.0.0.1:30000/metrics")
     upstream.last_scrape_wall, upstream.last_duration, upstream.errors = 1.0, 0.1, {"connect": 1}
     stats.upstreams["engine"] = upstream
+    stats.persistence.enabled = True  # --persistence.file, as every generated pod has: its families are declared
     names: set[str] = set()
     for metric in SidecarCollector(state, stats, ns).collect():
         if not metric.name.startswith(prefix):

@@ -372,6 +372,34 @@ class TestPod:
         for url in upstreams:
             assert url == "http://127.0.0.1:30000/metrics"
 
+    def test_sidecar_keeps_its_state_in_an_emptydir_it_can_write(self, where: str, template: dict[str, Any],
+                                                                   docs: list[dict[str, Any]]) -> None:
+        """--persistence.file names a file in a disk-backed emptyDir mounted read-write in the sidecar only,
+        group-owned by fsGroup 65532 (the sidecar's uid and gid; its root filesystem is read-only)."""
+        from exporter.cli import build_parser
+
+        spec = template["spec"]
+        sidecar = exporter_container(spec)
+        args = build_parser().parse_args(sidecar["args"])
+        assert args.persistence_file == Path("/var/lib/hicache-exporter/state")
+        assert args.persistence_interval is None, "the default, 5s"
+        directory = str(args.persistence_file.parent)
+        (mount,) = [m for m in sidecar["volumeMounts"] if m["mountPath"] == directory]
+        assert not mount.get("readOnly") and "subPath" not in mount
+        volume = {v["name"]: v for v in spec["volumes"]}[mount["name"]]
+        assert set(volume) == {"name", "emptyDir"}, "an emptyDir: kept across container restarts"
+        assert "medium" not in volume["emptyDir"], "on disk: tmpfs would count against the sidecar's memory limit"
+        # Far above the largest file (twice during a write): going over the limit evicts the pod.
+        from exporter.config import SidecarConfig
+        from exporter.sidecar.durable.keeper import max_file_bytes
+
+        largest = max_file_bytes(SidecarConfig().ranks.max_series_total, len(args.upstream or []) + len(
+            args.upstream_multiprocess_dir or []))
+        assert quantity_bytes(volume["emptyDir"]["sizeLimit"]) >= 4 * largest
+        assert spec["securityContext"]["fsGroup"] == sidecar["securityContext"]["runAsGroup"] == UID
+        for container in spec["containers"] + [c for c in spec.get("initContainers", []) if c is not sidecar]:
+            assert mount["name"] not in {m["name"] for m in container.get("volumeMounts", [])}, container["name"]
+
     def test_labels_match_the_selectors(self, where: str, template: dict[str, Any], docs: list[dict[str, Any]]) -> None:
         labels = template["metadata"]["labels"]
         monitor = by_kind(generated(DEFAULT_NAMESPACE)["podmonitor.yaml"], "PodMonitor")
@@ -544,7 +572,8 @@ def test_multiprocess_dir_patch_shares_the_engines_directory() -> None:
     assert sidecar_mount["name"] == engine_mount["name"]
     volume = next(v for v in spec["volumes"] if v["name"] == engine_mount["name"])
     assert "emptyDir" in volume
-    assert len(sidecar["volumeMounts"]) == 3, "merged into the sidecar's mounts, not replacing them"
+    assert [m["name"] for m in sidecar["volumeMounts"]] == [  # merged into the sidecar's mounts, not replacing them
+        "hicache-socket", "exporter-config", "hicache-state", "prometheus-multiproc"]
 
 
 def test_strategic_merge_merges_keyed_lists_and_replaces_others() -> None:
@@ -574,6 +603,39 @@ def test_lws_runs_one_server_over_two_pods_with_a_sidecar_each() -> None:
         tp = int(argv[argv.index("--tp-size") + 1])
         gpus += engine["resources"]["limits"]["nvidia.com/gpu"]
     assert tp == gpus == 16, "one TP group over both pods"
+
+
+def uncommented_claims(text: str) -> dict[str, Any]:
+    """The commented-out volumeClaimTemplates option of lws.yaml, uncommented as its comment says, as data."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "# volumeClaimTemplates:")
+    indent = lines[start].index("#")
+    block = []
+    for line in lines[start:]:
+        if not line.startswith(" " * indent + "# "):
+            break
+        block.append(line[:indent] + line[indent + 2:])
+    return yaml.safe_load("\n".join(block))
+
+
+def test_lws_states_pvc_option_is_a_valid_leaderworkerset_claiming_the_state_volume() -> None:
+    """Uncommented, the option validates against the LWS CRD schema and claims exactly the state volume
+    of both pod templates (a claim takes precedence over the template's volume of the same name)."""
+    text = outputs(DEFAULT_NAMESPACE)["k8s/lws.yaml"]
+    option = uncommented_claims(text)
+    assert set(option) == {"volumeClaimTemplates", "persistentVolumeClaimRetentionPolicy"}
+    lws = by_kind(generated(DEFAULT_NAMESPACE)["lws.yaml"], "LeaderWorkerSet")
+    with_claims = copy.deepcopy(lws)
+    with_claims["spec"]["leaderWorkerTemplate"].update(option)
+    validate_lws(with_claims)
+    (claim,) = option["volumeClaimTemplates"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        spec = lws["spec"]["leaderWorkerTemplate"][role]["spec"]
+        args = exporter_container(spec)["args"]
+        directory = str(PurePosixPath(args[args.index("--persistence.file") + 1]).parent)
+        (mount,) = [m for m in exporter_container(spec)["volumeMounts"] if m["mountPath"] == directory]
+        assert mount["name"] == claim["metadata"]["name"] and mount["name"] in {v["name"] for v in spec["volumes"]}
 
 
 def test_pod_monitor_names_the_server_for_the_cross_pod_rules() -> None:

@@ -59,8 +59,11 @@ def le_values(bounds: Layout) -> tuple[str, ...]:
     return tuple(b if isinstance(b, str) else floatToGoString(b) for b in bounds)
 
 
-def add_value(metric: Metric, labels: dict[str, str], value: float | HistValue | HistAccumulator) -> None:
-    """The samples of one series: a counter's `_total`, a gauge, or a histogram's buckets, count and sum."""
+def add_value(
+    metric: Metric, labels: dict[str, str], value: float | HistValue | HistAccumulator, created: float | None = None,
+) -> None:
+    """The samples of one series: a counter's `_total`, a gauge, or a histogram's buckets, count and sum;
+    then its `_created` if given (last of the series, where OpenMetrics wants it)."""
     name = metric.name
     if isinstance(value, (HistValue, HistAccumulator)):
         for bound, count in zip(le_values(value.bounds), value.counts):
@@ -69,6 +72,8 @@ def add_value(metric: Metric, labels: dict[str, str], value: float | HistValue |
         metric.add_sample(name + "_sum", labels, float(value.sum))
     else:
         metric.add_sample(value_sample_name(name, metric.type), labels, float(value))
+    if created is not None:
+        metric.add_sample(name + "_created", labels, created)
 
 
 def _labels(names: tuple[str, ...], values: LabelValues, base: dict[str, str]) -> dict[str, str]:
@@ -151,11 +156,15 @@ class SidecarCollector(Collector):
         yield from metrics.values()
 
     def _rollups(self) -> Iterator[Metric]:
+        """Rollup series; counters and histograms with their start time as `_created`, which the
+        OpenMetrics exposition shows and the 0.0.4 one leaves out (render.format_metric). Per-rank
+        series have none: theirs would change with every epoch, which is no reset of the series."""
         by_family = rollup_cells(self.state)
+        created = self.state.rollup_created()  # gauges have no entry
         for name, family in self.families.rollup.items():
             metric = new_metric(family)
-            for (_, static, values), value in by_family.get(name, ()):
-                add_value(metric, _labels(self._labels[name], values, dict(static)), value)
+            for key, value in by_family.get(name, ()):
+                add_value(metric, _labels(self._labels[name], key[2], dict(key[1])), value, created.get(key))
             yield metric
 
     def _bandwidth(
@@ -230,12 +239,29 @@ class SidecarCollector(Collector):
                 add_value(metric["upstream_unranked_families"], {**labels, "family": family}, 1.0)
             for family in sorted(upstream.cp_colliding):
                 add_value(metric["upstream_cp_colliding_families"], {**labels, "family": family}, 1.0)
+        saving = health.persistence
+        if saving.enabled:
+            for table, name in ((saving.load_failures, "persistence_load_failures"),
+                                (saving.write_failures, "persistence_write_failures"),
+                                (saving.dropped, "persistence_dropped_series")):
+                for reason, count in sorted(table.items()):
+                    add_value(metric[name], {"reason": reason}, count)
+            add_value(metric["persistence_writes"], {}, saving.writes)
+            add_value(metric["persistence_loaded_identities"], {}, saving.loaded_identities)
+            readings: tuple[tuple[str, float | None], ...] = (
+                ("persistence_last_write_timestamp_seconds", saving.last_write_wall),
+                ("persistence_write_duration_seconds", saving.last_write_duration),
+                ("persistence_file_bytes", saving.file_bytes),
+                ("persistence_load_duration_seconds", saving.load_duration))
+            for name, reading in readings:
+                if reading is not None:  # not written, or nothing loaded, yet
+                    add_value(metric[name], {}, reading)
         _durations(metric["scrape_duration_seconds"], health.scrape_duration)
         _durations(metric["ingest_duration_seconds"], health.ingest_duration)
-        if health.upstreams:
-            yield from metric.values()
-        else:  # a sidecar without upstreams shows no empty proxy families
-            yield from (m for name, m in metric.items() if not name.startswith("upstream_"))
+        # A sidecar without upstreams, or without a state file, shows no empty families of either.
+        hidden: tuple[str, ...] = () if health.upstreams else ("upstream_",)
+        hidden += () if saving.enabled else ("persistence_",)
+        yield from (m for name, m in metric.items() if not name.startswith(hidden))  # startswith(()) is False
 
 
 def _durations(metric: Metric, histogram: Histogram) -> None:

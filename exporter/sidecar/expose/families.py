@@ -67,6 +67,21 @@ SELF_FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family(SELF + "upstream_series_flapping", "gauge",
            "Series of the upstream that went down more than twice within 5 minutes (two engines behind one URL, "
            "or a broken engine): they count only above their highest value."),
+    Family(SELF + "persistence_load_failures", "counter",
+           "State files that could not be used at start (set aside as FILE.corrupt-<time>; the sidecar started fresh), "
+           "by reason."),
+    Family(SELF + "persistence_write_failures", "counter", "Writes of the state file that failed, by reason."),
+    Family(SELF + "persistence_dropped_series", "counter",
+           "Series of the state file left out at load (the catalog or namespace changed, or a limit), by reason."),
+    Family(SELF + "persistence_writes", "counter", "Successful writes of the state file."),
+    Family(SELF + "persistence_last_write_timestamp_seconds", "gauge",
+           "Wall-clock time of the last successful write of the state file (written only when the state changed)."),
+    Family(SELF + "persistence_write_duration_seconds", "gauge",
+           "Seconds the last successful write took (encoding on the event loop, then the atomic write)."),
+    Family(SELF + "persistence_file_bytes", "gauge", "Size of the state file last written or loaded."),
+    Family(SELF + "persistence_load_duration_seconds", "gauge",
+           "Seconds the load of the state file at start took (read, check, decode, take back)."),
+    Family(SELF + "persistence_loaded_identities", "gauge", "Rank identities taken back from the state file at start."),
     Family(SELF + "scrape_duration_seconds", "histogram", "Time to render /metrics."),
     Family(SELF + "ingest_duration_seconds", "histogram", "Time to apply one snapshot."),
 )}

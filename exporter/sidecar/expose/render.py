@@ -65,9 +65,13 @@ class LabelTexts:
 
 
 def format_metric(metric: Metric, openmetrics: bool, label_texts: Callable[[dict[str, str]], str] = label_text) -> str:
-    """One collector Metric, header and samples."""
+    """One collector Metric, header and samples; its `_created` samples only in OpenMetrics (the
+    0.0.4 text format has no place for them)."""
     lines = [header(metric.name, metric.type, metric.documentation, openmetrics)]
+    created = "" if openmetrics else metric.name + "_created"
     for sample in metric.samples:
+        if sample.name == created:
+            continue
         labels = label_texts(sample.labels) if sample.labels else ""
         value = spell_value(sample.value)
         lines.append(f"{sample.name}{{{labels}}} {value}\n" if labels else f"{sample.name} {value}\n")

@@ -434,6 +434,26 @@ class StatusView:
                 expire_after_seconds=state.config.expire_after_seconds,
                 window_seconds=state.window_seconds,
             ),
+            persistence=self._persistence(),
+        )
+
+    def _persistence(self) -> v1.Persistence | None:
+        """The state file's loads and writes; None without one."""
+        saving, config = self.stats.persistence, self.config.persistence
+        if not saving.enabled or config.file is None:
+            return None
+        return v1.Persistence(
+            file=str(config.file),
+            interval_seconds=config.interval_seconds,
+            loaded_identities=saving.loaded_identities,
+            load_duration_seconds=saving.load_duration,
+            load_failures=dict(sorted(saving.load_failures.items())),
+            dropped_series=dict(sorted(saving.dropped.items())),
+            writes=saving.writes,
+            last_write_time=saving.last_write_wall,
+            last_write_duration_seconds=saving.last_write_duration,
+            write_failures=dict(sorted(saving.write_failures.items())),
+            file_bytes=saving.file_bytes,
         )
 
     def _ranks(self, known: list[RankState], ids: DocumentIds) -> list[v1.Rank]:
@@ -656,7 +676,9 @@ class EncodedStatus:
 
     def _change_token(self) -> tuple[int, ...]:
         stats = self.view.stats
+        saving = stats.persistence
         return (stats.frames_received, stats.connections_accepted, stats.connections_open,
+                saving.writes, sum(saving.write_failures.values()),
                 *(health.scrapes for health in stats.upstreams.values()))
 
     def body(self, gzipped: bool) -> bytes:

@@ -138,14 +138,15 @@ def test_rollups_only_shows_no_per_rank_catalog_series_and_both_renderers_agree(
     """per_rank_series: false leaves out every per-rank series derived from the catalog (the
     per-rank bandwidth too); the sidecar's own per-rank health (rank_up, ...) stays."""
     from prometheus_client import CollectorRegistry
-    from prometheus_client.exposition import generate_latest
+
+    from tests.exporter.sidecar.expose.test_render import reference_004  # the library's, less its `_created` gauges
 
     renderer, stats = golden_state()
     collector = SidecarCollector(renderer.state, stats, "sglang_", per_rank_series=False)
     fast = Scrape(TextRenderer(collector).render().decode())
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    reference = Scrape(generate_latest(registry).decode())
+    reference = Scrape(reference_004(registry))
     for scrape in (fast, reference):
         ranked = {s.name for s in scrape.samples if "tp_rank" in s.labels}
         assert ranked == {"hicache_exporter_rank_up", "hicache_exporter_rank_last_push_timestamp_seconds",

@@ -42,6 +42,19 @@ def _samples(families: object) -> dict[tuple[str, frozenset[tuple[str, str]]], f
     return out
 
 
+def reference_004(registry: CollectorRegistry) -> str:
+    """prometheus_client's 0.0.4 exposition without its `<name>_created` gauges. The 0.0.4 text
+    format has no `_created` sample, so the library writes each counter's and histogram's as a
+    gauge family of its own after it; the sidecar leaves them out of that format (shown in
+    OpenMetrics only), and so does the reference here. Only rollup counters and histograms have one."""
+    text = generate_latest(registry).decode()
+    created = {f.name for f in parse_text(text) if f.name.endswith("_created")}
+    assert all(name.startswith(("sglang_rollup_", "sglang:rollup_")) for name in created), created
+    kept = [line for line in text.splitlines(keepends=True)
+            if (line.split(" ")[2] if line.startswith("#") else line.split("{")[0].split(" ")[0]) not in created]
+    return "".join(kept)
+
+
 def _same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys(), (sorted(a.keys() - b.keys())[:5], sorted(b.keys() - a.keys())[:5])
     for key, value in a.items():
@@ -81,7 +94,7 @@ def test_text_renderer_gives_exactly_prometheus_clients_samples(populated: tuple
     registry.register(collector)
     renderer = TextRenderer(collector)
     fast = renderer.render().decode()
-    reference = generate_latest(registry).decode()
+    reference = reference_004(registry)
     _same(_samples(parse_text(fast)), _samples(parse_text(reference)))
     # Family headers match too (names and types).
     headers = lambda text: sorted(line for line in text.splitlines() if line.startswith("#"))  # noqa: E731
@@ -137,7 +150,7 @@ def test_renderer_matches_prometheus_client_with_several_bucket_layouts() -> Non
     renderer, _ = golden_state()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(renderer.collector)
-    reference = generate_latest(registry).decode()
+    reference = reference_004(registry)
     ours = renderer.render().decode()
     _same(_samples(parse_text(ours)), _samples(parse_text(reference)))
     assert 'le="0.5"' in ours and 'le="0.009"' in ours
@@ -226,7 +239,7 @@ def test_a_rank_with_any_values_renders_the_reference_samples(scalars: list[floa
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     ours = _samples(parse_text(TextRenderer(collector).render().decode()))
-    reference = _samples(parse_text(generate_latest(registry).decode()))
+    reference = _samples(parse_text(reference_004(registry)))
     assert ours.keys() == reference.keys()
     per_rank = [key for key in ours if 'tp_rank' in dict(key[1]) and not key[0].startswith("hicache_exporter_")]
     assert per_rank

@@ -2,6 +2,10 @@
 SIGKILL and started again on its state file mid-run, and `increase()` of a rollup over a window
 holding the restart equals the truth, with no restart guard in the query.
 
+The window also holds a restart of a whole dp group (new epochs) before the kill, whose ended
+epochs only the file brings back, and a scrape of the new sidecar before any rank is back (the
+ranks reach it only once Prometheus has scraped it).
+
 How the truth is made exact: increase() extrapolates from the first and last samples in the range to
 the range's edges, so over an arbitrary window it is the samples' rise times a factor a little above
 one. Here the window is chosen from the samples themselves: it ends at a sample's timestamp (the
@@ -10,11 +14,13 @@ Prometheus 2.x), so there is nothing to extrapolate and increase() is exactly th
 the first, plus whatever it reads as counter resets. The ranks' values stand still around both
 samples, so those samples' values are known from what the ranks pushed, and the truth is the
 rise of those values. A sidecar that came back lower (absent rollups, or rollups started over)
-would add a reset: increase() would read more than the truth, and resets() would not be 0.
+would add a reset: increase() would read more than the truth, and resets() would not be 0; one
+that came back without them would leave successful scrapes without the rollup (count_over_time).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,18 +35,20 @@ from tests.exporter.sidecar.durable.restart_support import (
     SidecarProcess,
     close_all,
     per_rank,
+    ranks_by_state,
     reroute,
     rollups,
     truth,
     wait_saved_values,
 )
-from tests.helpers import free_port, wait_until
+from tests.helpers import free_port, http_get, wait_until
 
 TOKENS = "sglang_rollup_load_back_tokens_total"
 BYTES = "sglang_rollup_load_back_bytes_total"
 COUNT = "sglang_rollup_load_back_duration_seconds_count"
 SERIES = (TOKENS, BYTES, COUNT)
 # (tp, dp) -> tokens per step, bytes per step, seconds per observation: skewed replicas.
+RESTARTED_DP0 = {(0, 0): (2, 1024, 0.0625), (1, 0): (9, 512, 0.25)}  # the skew turned round
 STEPS = {(0, 0): (7, 4096, 0.25), (1, 0): (5, 2048, 0.0625), (0, 1): (3, 4097, 0.25), (1, 1): (11, 2049, 0.0625)}
 
 
@@ -109,6 +117,13 @@ def test_increase_over_a_window_holding_a_sidecar_sigkill_equals_the_truth_with_
     first = scraped(prom, sidecar, ranks)  # the window starts at these samples
     start = by_name(truth(ranks.values()))
 
+    # dp group 0 restarts as a whole (new epochs): from now on the rollups hold counts of ended epochs,
+    # which only the file brings back (a sidecar without it would start lower: a reset).
+    for tp in (0, 1):
+        ranks[(tp, 0)].current.client.close()
+    wait_until(lambda: ranks_by_state(sidecar.scrape() or "").get("departed") == 2, WAIT)
+    for key, steps in RESTARTED_DP0.items():
+        ranks[key].begin(*steps)
     # Counting goes on; the values stand still once the file holds them, and the sidecar is killed.
     step(ranks, 5)
     scraped(prom, sidecar, ranks)
@@ -129,9 +144,13 @@ def test_increase_over_a_window_holding_a_sidecar_sigkill_equals_the_truth_with_
     last = scraped(prom, sidecar, ranks)  # the window ends at these samples
     end = by_name(truth(ranks.values()))
 
+    version = json.loads(http_get(prom.url + "/api/v1/status/buildinfo")[1])["data"]["version"]
+    assert version.startswith("2."), f"Prometheus {version}: the window below relies on 2.x's ranges, closed at both ends"
     for name in SERIES:
         window = f"{last[name] - first[name]}ms"
         at = last[name] / 1000
+        # Every scrape that succeeded in the window has the rollup: it was never absent.
+        assert prom.scalar(f"count_over_time({name}[{window}])", at) == prom.scalar(f"sum_over_time(up[{window}])", at)
         # The restart is inside the window, and so is a scrape of the new sidecar before any rank was back.
         assert prom.scalar(f'min_over_time(up{{job="hicache"}}[{window}])', at) == 0
         assert prom.scalar(f'min_over_time(hicache_exporter_ranks{{state="live"}}[{window}])', at) == 0

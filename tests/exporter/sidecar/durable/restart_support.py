@@ -136,8 +136,7 @@ def saved_rank_values(state: SavedFile) -> dict[tuple[int, int, str], dict[str, 
     for rank in state.core.ranks:
         values = out.setdefault((rank.tp_rank, rank.dp_rank, rank.epoch), {})
         for value in rank.values:
-            values[value.family] = float(sum(value.value.counts[-1:]) if isinstance(value.value, HistValue)
-                                         else value.value)
+            values[value.family] = float(value.value.counts[-1] if isinstance(value.value, HistValue) else value.value)
     return out
 
 
@@ -151,8 +150,7 @@ def saved_rollups(state: SavedFile) -> dict[str, float | tuple[tuple[int, ...], 
 
 
 def wait_saved(path: Path, ranks: dict[tuple[int, int], dict[str, float]]) -> None:
-    """Until the state file holds, for each (tp, dp), these last values of its current epoch (of any epoch
-    the file names for the rank: the file is checked below against the truth, which tells epochs apart)."""
+    """Until the state file holds these last values for each (tp, dp) (of the one epoch it keeps per rank)."""
 
     def holds() -> bool:
         state = saved(path)

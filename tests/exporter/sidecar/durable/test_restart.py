@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import generate_latest
 
 from tests.exporter.sidecar.durable.restart_support import (
+    HISTOGRAM_BOUNDS,
     WAIT,
     Load,
     PushedRank,
@@ -50,6 +51,7 @@ from tests.integrations.support import run_processes
 
 TOKENS = "sglang_load_back_tokens_total"
 BYTES = "sglang_load_back_bytes_total"
+HISTOGRAM_ROLLUP = "sglang_rollup_load_back_duration_seconds"
 
 
 @pytest.fixture
@@ -113,10 +115,13 @@ def test_pushed_rollups_survive_a_sigkill_never_absent_never_lower_then_exact(
     assert before == expected
     state = saved(sidecar.state_file)
     assert state is not None
-    cells = saved_rollups(state)
-    assert cells["load_back_tokens_total"] == expected[
-        ("sglang_rollup_load_back_tokens_total", (("cache_type", "HiRadixCache"), ("pool", "kv")))]
-    assert cells["load_back_bytes_total"] == expected[("sglang_rollup_load_back_bytes_total", (("cache_type", "HiRadixCache"),))]
+    cells = saved_rollups(state)  # the file's rollups are the truth too
+    cache = (("cache_type", "HiRadixCache"),)
+    assert cells["load_back_tokens_total"] == expected[("sglang_rollup_load_back_tokens_total", (*cache, ("pool", "kv")))]
+    assert cells["load_back_bytes_total"] == expected[("sglang_rollup_load_back_bytes_total", cache)]
+    les = ("+Inf" if bound == float("inf") else repr(bound) for bound in HISTOGRAM_BOUNDS)
+    buckets = tuple(int(expected[(f"{HISTOGRAM_ROLLUP}_bucket", (*cache, ("le", le)))]) for le in les)
+    assert cells["load_back_duration_seconds"] == (buckets, expected[(f"{HISTOGRAM_ROLLUP}_sum", cache)])
 
     # SIGKILL while every client is connected and pushing; one rank's process "restarts" while the
     # sidecar is down (its old epoch never says goodbye: its last saved values are its last values).

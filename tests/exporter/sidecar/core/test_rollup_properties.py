@@ -234,6 +234,7 @@ class Save:
     data: bytes
     procs: list[SavedProc]
     rollups: tuple[dict[RollupKey, float], dict[RollupKey, list[float]]]
+    created: dict[RollupKey, float]
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -374,7 +375,7 @@ class LedgerMachine(RuleBasedStateMachine):
         """The sidecar saves its durable state (encoded as the state file's core part)."""
         data = msgspec.msgpack.encode(core_saved.dump(self.state))
         procs = [SavedProc(p.epoch_no, dict(p.reported), {f: list(v) for f, v in p.earlier.items()}) for p in self.procs]
-        self.last_save = Save(data, procs, self._rollups())
+        self.last_save = Save(data, procs, self._rollups(), dict(self.state.ledger.created))
 
     @precondition(lambda self: self.last_save is not None)
     @rule(data=st.data())
@@ -388,6 +389,7 @@ class LedgerMachine(RuleBasedStateMachine):
         assert restored.dropped == {} and restored.identities == len(self.procs), restored
         # Never absent, never lower than the file: the saved rollups are served before any rank is back.
         assert self._rollups() == save.rollups
+        assert self.state.ledger.created == save.created  # their start times too: no reset to Prometheus
         self.previous = save.rollups
         connected = []
         for p, was in zip(self.procs, save.procs):

@@ -14,9 +14,11 @@ Benchmarks, in order (each module also runs alone: `python -m bench.<name> --hel
   memory     sidecar RSS holding 256 ranks x the full catalog
   proxy_memory  sidecar peak RSS under the worst upstream answers the proxy's caps allow
   freshness  increment-to-/metrics latency at the 1 s push interval
+  persistence  CPU per save of the durable state, its file's bytes per series, and start-to-ready on a
+             file, at 64 and 256 ranks (vs pickle of the same state; vs the same start without a file)
   transfer   cache_core page copies vs a plain torch copy (bench/transfer.py)
 
-Bounded: about 4 minutes on 2 cores (well under a minute with --quick). Progress goes to stderr.
+Bounded: about 4.5 minutes on 2 cores (well under a minute with --quick). Progress goes to stderr.
 Goals not met are reported, not fatal; the exit status is 1 only when a benchmark failed to run.
 """
 
@@ -39,9 +41,10 @@ from bench.common import REPO_ROOT
 from bench.report import markdown_table, print_table, row
 
 RESULTS = REPO_ROOT / "bench" / "results"
-ORDER = ("hotpath", "scrape", "ingest", "proxy", "status_api", "memory", "proxy_memory", "freshness", "transfer")
+ORDER = ("hotpath", "scrape", "ingest", "proxy", "status_api", "memory", "proxy_memory", "freshness", "persistence",
+         "transfer")
 
-# Parameters per profile: the full run fits in about 4 minutes on 2 cores; quick is a sanity pass;
+# Parameters per profile: the full run fits in about 4.5 minutes on 2 cores; quick is a sanity pass;
 # smoke is what the test suite runs (tiny, seconds).
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "full": {
@@ -53,6 +56,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "memory": {"ranks": 256, "rounds": 62, "period": 0.25, "scrapes": 2},
         "proxy_memory": {"reads": 3},
         "freshness": {"samples": 30, "interval": 1.0, "background_ranks": 7, "pipeline_samples": 10},
+        "persistence": {"ranks": (64, 256), "saves": 20, "starts": 3},
         "transfer": {"pages": 64, "repeats": 20},
     },
     "quick": {
@@ -64,6 +68,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "memory": {"ranks": 256, "rounds": 8, "period": 0.1, "scrapes": 1},
         "proxy_memory": {"reads": 2},
         "freshness": {"samples": 8, "interval": 1.0, "background_ranks": 0, "pipeline_samples": 3},
+        "persistence": {"ranks": (256,), "saves": 5, "starts": 1},
         "transfer": {"pages": 16, "repeats": 5},
     },
     "smoke": {
@@ -75,6 +80,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "memory": {"ranks": 4, "rounds": 3, "period": 0.05, "scrapes": 1},
         "proxy_memory": {"reads": 1, "cases": ("floods", "ranks"), "body_bytes": 100_000},
         "freshness": {"samples": 2, "interval": 0.2, "background_ranks": 1, "pipeline_samples": 2},
+        "persistence": {"ranks": (4,), "saves": 2, "starts": 1, "goal_ranks": 4},
         "transfer": {"pages": 4, "repeats": 2},
     },
 }
@@ -106,11 +112,11 @@ def transfer_run(pages: int = 64, repeats: int = 20, progress: bool = True) -> l
 
 
 def _runners() -> dict[str, Callable[..., list[dict[str, Any]]]]:
-    from bench import freshness, hotpath, ingest, memory, proxy, proxy_memory, scrape, status_api
+    from bench import freshness, hotpath, ingest, memory, persistence, proxy, proxy_memory, scrape, status_api
 
     return {"hotpath": hotpath.run, "scrape": scrape.run, "ingest": ingest.run, "proxy": proxy.run,
             "status_api": status_api.run, "memory": memory.run, "proxy_memory": proxy_memory.run,
-            "freshness": freshness.run, "transfer": transfer_run}
+            "freshness": freshness.run, "persistence": persistence.run, "transfer": transfer_run}
 
 
 def run_benchmarks(profile: str = "full", only: tuple[str, ...] = ORDER, progress: bool = True

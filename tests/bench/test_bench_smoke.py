@@ -143,3 +143,24 @@ def test_instruction_workload_refuses_a_count_its_setup_cannot_hold(capsys: pyte
     with pytest.raises(SystemExit) as info:
         instructions.main(["render", "6", "--ranks", "4"])
     assert info.value.code == 2 and "count is at most 5" in capsys.readouterr().err
+
+
+def test_persistence_saves_a_file_that_a_serve_process_loads() -> None:
+    """bench/persistence.py times saves of a real state, sizes its file by the state's series, and starts a
+    real `serve` on that file (it fails unless the process lists every rank of the file)."""
+    from exporter.sidecar.durable.keeper import MAX_BYTES_PER_SERIES
+
+    from bench import persistence
+
+    state = persistence.build_state(4)
+    budget = state.registry.budget
+    rows = {r["name"].split(",")[0].split(" on ")[0]: r for r in persistence.run((4,), saves=2, starts=1, goal_ranks=4,
+                                                                                 progress=False)}
+    assert set(rows) == {"persistence: CPU per save (encode + atomic write)", "persistence: file bytes per series",
+                         "persistence: start to ready"}
+    size = rows["persistence: file bytes per series"]
+    assert size["series"] == budget.per_rank + budget.rollup and size["ranks"] == 4
+    assert size["value"] == size["file_bytes"] / size["series"] <= MAX_BYTES_PER_SERIES
+    # The same state encodes to as many bytes here (the same seeds; times are 8-byte floats, epochs 16 hex digits).
+    assert len(persistence.keeper_for(state, persistence.Path("unused")).encode()) == size["file_bytes"]
+    assert all(r["goal"] is not None and isinstance(r["met"], bool) for r in rows.values())

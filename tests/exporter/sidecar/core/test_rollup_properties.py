@@ -6,17 +6,31 @@ every live replica counts (a replicated counter and a replicated histogram); eac
 moves its own bytes (a per_shard counter and histogram). Replicas push at different instants
 and name any subset of their series; ranks disconnect, reconnect, restart gracefully (a last
 push first) or crash (unpushed counts lost), whole groups crash, and time passes (stale,
-expired). After every step:
+expired). The sidecar saves its durable state (core/saved.py's `dump`, encoded as the state
+file encodes it) and restarts from the last save: a fresh SidecarState takes the saved bytes
+back (`restore`), everything not yet saved forgotten; the connected ranks say hello again with
+their epochs, and some of them push their cumulative values at once, the others at their next
+push. After every step:
 
-(a) rollups never decrease (counters, and every histogram bucket and sum);
+(a) no rollup decreases while one sidecar lives (counters, and every histogram bucket and sum);
+    a restart serves exactly the saved rollups before any rank is back; and at a settled point
+    (every rank has pushed again each series it ever pushed in its epoch) no rollup is below the
+    highest value it ever had, across restarts, less the one loss (below) incurred since;
 (b) the per_shard rollup is the sum over every rank ever seen of its position: the sum over
-    its epochs of the last value each epoch reported;
+    its epochs of the last value each epoch reported to the sidecar (to the sidecar before a
+    restart only as far as its last save);
 (c) the replicated rollup is, summed over groups, the furthest position of the group's
     replicas (bucket by bucket for the histogram), and never more than the group's logical
     count;
 (d) at a settled point, where each group has a replica that never restarted and pushed after
     the group's last work, the replicated rollup is that replica's per-rank value, summed over
-    groups: exactly the logical count.
+    groups: exactly the logical count;
+(e) at a settled point, the per_shard rollups are the truth, the sum over every rank of the
+    last value each of its epochs pushed to any sidecar, less the one loss: what an epoch
+    pushed after the sidecar's last save, when the rank started a new epoch before pushing it
+    to the restarted sidecar (after the save and before the restart, or after the restart
+    before it pushed again). The model counts that loss where it happens; without such an
+    interleaving it is zero and the rollups are the truth exactly.
 
 The runs are derandomized, so the suite is deterministic.
 """
@@ -26,6 +40,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -33,6 +48,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from exporter.catalog import default_catalog
 from exporter.config import RanksConfig
 from exporter.protocol.messages import Hello, HistogramSample, RankId, ScalarSample, Snapshot
+from exporter.sidecar.core import saved as core_saved
 from exporter.sidecar.core.keys import RollupKey
 from exporter.sidecar.core.ranks import RankState
 from exporter.sidecar.core.state import SidecarState
@@ -41,6 +57,7 @@ BYTES = "load_back_bytes_total"  # per_shard counter
 TOKENS = "load_back_tokens_total"  # replicated counter, pool=kv
 DURATION = "load_back_duration_seconds"  # per_shard histogram
 PGS = "prefetch_pgs"  # replicated histogram
+FAMILIES = (BYTES, DURATION, PGS, TOKENS)
 
 CATALOG = default_catalog()
 STATIC = {"cache_type": "UnifiedRadixCache"}
@@ -94,6 +111,21 @@ class Histo:
         return list(itertools.accumulate(self.counts))
 
 
+def _flat(value: object) -> list[float]:
+    """A reported value as the ledger holds it: a counter's value, or a histogram's cumulative buckets, then its sum."""
+    if isinstance(value, Histo):
+        return [*map(float, value.cumulative()), value.sum]
+    return [float(value)]  # type: ignore[arg-type]
+
+
+def _plus(a: list[float], b: list[float]) -> list[float]:
+    return [x + y for x, y in zip(a, b)]
+
+
+def _minus(a: list[float], b: list[float]) -> list[float]:
+    return [x - y for x, y in zip(a, b)]
+
+
 @dataclass
 class Group:
     """A replica group's logical work: what every live replica of it counts."""
@@ -119,9 +151,15 @@ class Proc:
     pgs_start: Histo = field(default_factory=lambda: Histo([0] * N_PGS))
     bytes: int = 0  # its own shard's bytes this epoch
     duration: Histo = field(default_factory=lambda: Histo([0] * N_DURATION))
-    # Last value reported per series in this epoch, and the sum of earlier epochs' last values.
+    # Last value reported per series in this epoch, and the sum of earlier epochs' last values,
+    # as the sidecar holds them (a sidecar restart takes them back to its last save).
     reported: dict[str, object] = field(default_factory=dict)
     earlier: dict[str, list[float]] = field(default_factory=dict)
+    # The same as the rank pushed them, to whichever sidecar: the truth no restart of the sidecar forgets.
+    pushed: dict[str, object] = field(default_factory=dict)
+    truth_earlier: dict[str, list[float]] = field(default_factory=dict)
+    # The one loss, per series: what ended epochs pushed that no sidecar kept (truth_earlier - earlier).
+    lost: dict[str, list[float]] = field(default_factory=dict)
     pushed_after_work: bool = False
 
     @property
@@ -137,18 +175,28 @@ class Proc:
 
     def position(self, family: str) -> list[float]:
         """The model's position: earlier epochs' last values plus this epoch's (per cumulative bucket, then sum)."""
-        width = {BYTES: 1, TOKENS: 1, DURATION: N_DURATION + 1, PGS: N_PGS + 1}[family]
-        total = list(self.earlier.get(family, [0.0] * width))
-        last = self.reported.get(family)
-        if last is not None:
-            flat = [float(last)] if isinstance(last, int) else [*map(float, last.cumulative()), last.sum]  # type: ignore[attr-defined]
-            total = [a + b for a, b in zip(total, flat)]
-        return total
+        return _position(self.earlier, self.reported, family)
+
+    def truth(self, family: str) -> list[float]:
+        """The position had every push reached a sidecar that never forgot it."""
+        return _position(self.truth_earlier, self.pushed, family)
+
+    def loss(self, family: str) -> list[float]:
+        return list(self.lost.get(family, _zero(family)))
+
+    def settled(self) -> bool:
+        """Whether the sidecar holds every value this epoch pushed (none forgotten by a restart of it)."""
+        return self.reported == self.pushed
 
     def new_epoch(self, group: Group) -> None:
-        for family in (BYTES, TOKENS, DURATION, PGS):
+        for family in FAMILIES:
+            # What this epoch pushed to a sidecar that restarted since, and did not push again, is lost.
+            forgotten = _minus(_flat_or_zero(self.pushed, family), _flat_or_zero(self.reported, family))
+            self.lost[family] = _plus(self.loss(family), forgotten)
             self.earlier[family] = self.position(family)
+            self.truth_earlier[family] = self.truth(family)
         self.reported = {}
+        self.pushed = {}
         self.epoch_no += 1
         self.seq = 0
         self.restarted = True
@@ -157,19 +205,59 @@ class Proc:
         self.pushed_after_work = False
 
 
+def _zero(family: str) -> list[float]:
+    return [0.0] * {BYTES: 1, TOKENS: 1, DURATION: N_DURATION + 1, PGS: N_PGS + 1}[family]
+
+
+def _flat_or_zero(reported: dict[str, object], family: str) -> list[float]:
+    last = reported.get(family)
+    return _zero(family) if last is None else _flat(last)
+
+
+def _position(earlier: dict[str, list[float]], reported: dict[str, object], family: str) -> list[float]:
+    return _plus(earlier.get(family, _zero(family)), _flat_or_zero(reported, family))
+
+
+@dataclass(frozen=True)
+class SavedProc:
+    """What the sidecar's last save held of one rank, in the model's terms."""
+
+    epoch_no: int
+    reported: dict[str, object]
+    earlier: dict[str, list[float]]
+
+
+@dataclass(frozen=True)
+class Save:
+    """The sidecar's last save: the file's core part, and what the model expects it to bring back."""
+
+    data: bytes
+    procs: list[SavedProc]
+    rollups: tuple[dict[RollupKey, float], dict[RollupKey, list[float]]]
+    created: dict[RollupKey, float]
+
+
 class LedgerMachine(RuleBasedStateMachine):
     """Random pushes, departures, restarts and time against SidecarState; the ledger's rules checked."""
 
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        self.state = SidecarState(
-            CATALOG, ranks_config=RanksConfig(stale_after_seconds=STALE_AFTER, expire_after_seconds=EXPIRE_AFTER),
-            clock=self.clock, wall_clock=lambda: 1_764_400_000.0 + self.clock.now,
-        )
+        self.state = self._new_state()
         self.groups = {dp: Group() for dp in GROUPS}
         self.procs = [Proc(tp, pp, dp) for dp in GROUPS for tp, pp in REPLICAS]
         self.previous: tuple[dict[RollupKey, float], dict[RollupKey, list[float]]] = ({}, {})
+        self.last_save: Save | None = None
+        # Per rollup, the highest value it ever had plus the loss counted by then: at a settled
+        # point the value plus the loss counted by now is at least that (a).
+        self.ceiling: dict[RollupKey, list[float]] = {}
+
+    def _new_state(self) -> SidecarState:
+        """A sidecar process's state: the same catalog, limits and clocks every time."""
+        return SidecarState(
+            CATALOG, ranks_config=RanksConfig(stale_after_seconds=STALE_AFTER, expire_after_seconds=EXPIRE_AFTER),
+            clock=self.clock, wall_clock=lambda: 1_764_400_000.0 + self.clock.now,
+        )
 
     # --- helpers ---
 
@@ -195,6 +283,7 @@ class LedgerMachine(RuleBasedStateMachine):
             else:
                 samples.append(ScalarSample(family, float(value), {"pool": "kv"} if family == TOKENS else {}))  # type: ignore[arg-type]
             p.reported[family] = value
+            p.pushed[family] = value
         p.seq += 1
         result = self.state.snapshot(p.rank, Snapshot(seq=p.seq, time=self.clock.now, samples=samples))
         assert not result.ignored and result.rejections == [], result.rejections
@@ -281,6 +370,56 @@ class LedgerMachine(RuleBasedStateMachine):
         """Time passes: silent ranks turn stale, then expire (derived from the clock when read)."""
         self.clock.now += seconds
 
+    @rule()
+    def save_state(self) -> None:
+        """The sidecar saves its durable state (encoded as the state file's core part)."""
+        data = msgspec.msgpack.encode(core_saved.dump(self.state))
+        procs = [SavedProc(p.epoch_no, dict(p.reported), {f: list(v) for f, v in p.earlier.items()}) for p in self.procs]
+        self.last_save = Save(data, procs, self._rollups(), dict(self.state.ledger.created))
+
+    @precondition(lambda self: self.last_save is not None)
+    @rule(data=st.data())
+    def sidecar_restarts(self, data: st.DataObject) -> None:
+        """The sidecar restarts from its last save, forgetting what came after it; the connected ranks say
+        hello again (same epoch), and some push their cumulative values at once, the others later."""
+        save = self.last_save
+        assert save is not None
+        self.state = self._new_state()
+        restored = core_saved.restore(self.state, msgspec.msgpack.decode(save.data, type=core_saved.SavedCore))
+        assert restored.dropped == {} and restored.identities == len(self.procs), restored
+        # Never absent, never lower than the file: the saved rollups are served before any rank is back.
+        assert self._rollups() == save.rollups
+        assert self.state.ledger.created == save.created  # their start times too: no reset to Prometheus
+        self.previous = save.rollups
+        connected = []
+        for p, was in zip(self.procs, save.procs):
+            if p.epoch_no == was.epoch_no:
+                p.reported, p.earlier = dict(was.reported), {f: list(v) for f, v in was.earlier.items()}
+            else:
+                # It started a new epoch after the save: the restored identity ends at its saved position,
+                # and what its ended epochs moved after the save is the one loss.
+                saved_position = {f: _position(was.earlier, was.reported, f) for f in FAMILIES}
+                for f in FAMILIES:
+                    p.lost[f] = _plus(p.loss(f), _minus(p.earlier.get(f, _zero(f)), saved_position[f]))
+                p.earlier, p.reported = saved_position, {}
+            p.pushed_after_work = False
+            if p.conn is not None:
+                connected.append(p)
+            p.conn, p.rank = None, None
+        for p in connected:
+            self._hello(p)
+        for p in connected:
+            if data.draw(st.booleans(), label=f"rank {(p.tp, p.pp, p.dp)} pushes at once"):
+                self._push(p, FAMILIES)
+
+    @rule()
+    def every_rank_pushes(self) -> None:
+        """Every rank is back and pushes all its series: a settled point, after a restart of the sidecar too."""
+        for p in self.procs:
+            if p.conn is None:
+                self._hello(p)
+            self._push(p, FAMILIES)
+
     # --- invariants ---
 
     def _rollups(self) -> tuple[dict[RollupKey, float], dict[RollupKey, list[float]]]:
@@ -297,6 +436,25 @@ class LedgerMachine(RuleBasedStateMachine):
         for key, old in old_histograms.items():
             assert all(new >= was for new, was in zip(histograms[key], old)), (key, old, histograms[key])
         self.previous = (counters, histograms)
+
+    @invariant()
+    def settled_rollups_never_below_their_highest(self) -> None:
+        """(a), across restarts of the sidecar: at a settled point, at least the highest value less the loss since."""
+        counters, histograms = self._rollups()
+        now = {**{k: [v] for k, v in counters.items()}, **histograms}
+        keys = set(now) | set(self.ceiling)  # a rollup a restart forgot, and no rank pushed since, reads as zero
+        with_loss = {key: _plus(now.get(key, _zero(key[0])), self._loss(key[0])) for key in keys}
+        if all(p.settled() for p in self.procs):
+            for key, ceiling in self.ceiling.items():
+                assert all(a >= b for a, b in zip(with_loss[key], ceiling)), (key, ceiling, with_loss[key])
+        for key, value in with_loss.items():
+            self.ceiling[key] = [max(a, b) for a, b in zip(value, self.ceiling.get(key, value))]
+
+    def _loss(self, family: str) -> list[float]:
+        loss = _zero(family)
+        for p in self.procs:
+            loss = _plus(loss, p.loss(family))
+        return loss
 
     @invariant()
     def per_shard_rollup_is_the_sum_of_positions(self) -> None:
@@ -329,6 +487,18 @@ class LedgerMachine(RuleBasedStateMachine):
         per_rank = [w.rank.values[(TOKENS, ("kv",))] for w in witnesses if w.rank is not None]
         rollup = self.state.ledger.counters[ROLLUP[TOKENS]]
         assert rollup == sum(per_rank) == sum(g.tokens for g in self.groups.values())
+
+    @invariant()
+    def settled_per_shard_rollups_are_the_truth_less_the_one_loss(self) -> None:
+        """(e)"""
+        if not all(p.settled() for p in self.procs):
+            return
+        counters, histograms = self._rollups()
+        truth = [sum(p.truth(BYTES)[0] for p in self.procs)]
+        assert [counters.get(ROLLUP[BYTES], 0.0)] == _minus(truth, self._loss(BYTES))
+        if ROLLUP[DURATION] in histograms:
+            truth = [sum(col) for col in zip(*(p.truth(DURATION) for p in self.procs))]
+            assert histograms[ROLLUP[DURATION]] == _minus(truth, self._loss(DURATION))
 
 
 TestLedgerProperties = LedgerMachine.TestCase

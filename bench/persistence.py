@@ -107,10 +107,11 @@ def measure_saves(state: SidecarState, saves: int, directory: Path) -> dict[str,
         cpu, anchor = _cpu(lambda: pickle.dumps(core_saved.dump(state), protocol=5))
         anchor_cpu.append(cpu + _cpu(lambda anchor=anchor: write_atomic(anchor_path, anchor))[0])
     per_save = [a + b for a, b in zip(encode_cpu, write_cpu)]
-    series = state.registry.budget.per_rank + state.registry.budget.rollup
+    budget = state.series_budget()
+    series = budget.per_rank + budget.rollup
     load_cpu, loaded = _cpu(lambda: _load(state, keeper.path))
-    if len(loaded.ranks) != len(state.ranks):
-        raise RuntimeError(f"the file of {len(state.ranks)} ranks loaded {len(loaded.ranks)}")
+    if loaded.rank_count() != state.rank_count():
+        raise RuntimeError(f"the file of {state.rank_count()} ranks loaded {loaded.rank_count()}")
     # What encoding and loading hold for a moment on top of the state (tracemalloc's peak; untimed).
     tracemalloc.start()
     keeper.encode()

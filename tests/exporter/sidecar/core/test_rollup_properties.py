@@ -251,6 +251,10 @@ class LedgerMachine(RuleBasedStateMachine):
         # Per rollup, the highest value it ever had plus the loss counted by then: at a settled
         # point the value plus the loss counted by now is at least that (a).
         self.ceiling: dict[RollupKey, list[float]] = {}
+        # What /metrics shows with a state file: the rollups of the last save (none before the first),
+        # as the keeper shows them (StateKeeper.load, then each write).
+        self.state.show_rollups(({}, {}))
+        self.shown: tuple[dict[RollupKey, float], dict[RollupKey, list[float]]] = ({}, {})
 
     def _new_state(self) -> SidecarState:
         """A sidecar process's state: the same catalog, limits and clocks every time."""
@@ -376,6 +380,7 @@ class LedgerMachine(RuleBasedStateMachine):
         data = msgspec.msgpack.encode(core_saved.dump(self.state))
         procs = [SavedProc(p.epoch_no, dict(p.reported), {f: list(v) for f, v in p.earlier.items()}) for p in self.procs]
         self.last_save = Save(data, procs, self._rollups(), dict(self.state.ledger.created))
+        self.state.show_rollups(self.state.rollup_snapshot())  # on disk now: shown
 
     @precondition(lambda self: self.last_save is not None)
     @rule(data=st.data())
@@ -390,6 +395,7 @@ class LedgerMachine(RuleBasedStateMachine):
         # Never absent, never lower than the file: the saved rollups are served before any rank is back.
         assert self._rollups() == save.rollups
         assert self.state.ledger.created == save.created  # their start times too: no reset to Prometheus
+        self.state.show_rollups(self.state.rollup_snapshot())  # the loaded rollups, shown at once
         self.previous = save.rollups
         connected = []
         for p, was in zip(self.procs, save.procs):
@@ -436,6 +442,19 @@ class LedgerMachine(RuleBasedStateMachine):
         for key, old in old_histograms.items():
             assert all(new >= was for new, was in zip(histograms[key], old)), (key, old, histograms[key])
         self.previous = (counters, histograms)
+
+    @invariant()
+    def shown_rollups_never_decrease(self) -> None:
+        """What /metrics shows with a state file never falls, across every restart of the sidecar, with no
+        allowance for the one loss (it is what the last save holds, and a restart starts from it)."""
+        counters = dict(self.state.rollup_counters())
+        histograms = {k: [*v.counts, v.sum] for k, v in self.state.rollup_histograms().items()}
+        old_counters, old_histograms = self.shown
+        for key, value in old_counters.items():
+            assert counters.get(key, -1.0) >= value, (key, value, counters.get(key))
+        for key, old in old_histograms.items():
+            assert key in histograms and all(new >= was for new, was in zip(histograms[key], old)), (key, old)
+        self.shown = (counters, histograms)
 
     @invariant()
     def settled_rollups_never_below_their_highest(self) -> None:

@@ -212,7 +212,8 @@ def test_grid_shows_every_rank_live_and_refreshes(fed: tuple[SidecarThread, Rank
         assert load_back[0] == "load_back" and load_back[1] == "L2 → L1" and load_back[4] != "idle"
         reasons = watched.page.locator("#reasons-body").inner_text()
         assert "storage_prefetch_unfulfilled_tokens_total" in reasons and "host_capacity" in reasons
-        assert "no rejections" in watched.page.locator("#health-body").inner_text()
+        health = watched.page.locator("#health-body").inner_text()
+        assert "no rejections" in health and "not kept (--persistence.file)" in health  # status.js: stateFile
         watched.screenshot("grid-live")
         assert watched.errors == [] and watched.dialogs == []  # nothing the CSP blocked, no script error
     finally:

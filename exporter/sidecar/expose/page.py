@@ -313,6 +313,16 @@ def spread(doc: v1.StatusDocument) -> str:
     return note + _table(("group", "max spread", "widest series", ""), rows, "no group has two current replicas", 4)
 
 
+def state_file(p: v1.Persistence | None) -> str:
+    """The state file's line: where, how often, what the start took back and what failed (status.js: stateFile)."""
+    if p is None:
+        return "not kept (--persistence.file)"
+    failed = sum(p.write_failures.values())
+    line = (f"{p.file}: {fmt_number(p.writes)} writes, every {fmt_seconds(p.interval_seconds)}; "
+            f"{p.loaded_identities} rank identities taken back at start")
+    return line + (f"; {fmt_number(failed)} writes failed" if failed else "")
+
+
 def health(doc: v1.StatusDocument) -> str:
     s = doc.sidecar
     limits = s.limits
@@ -331,6 +341,7 @@ def health(doc: v1.StatusDocument) -> str:
         ("rank identities", f"{limits.ranks_known} of {limits.ranks_allowed}"),
         ("stale / expired after",
          f"{fmt_seconds(limits.stale_after_seconds)} / {fmt_seconds(limits.expire_after_seconds)}"),
+        ("state file", state_file(s.persistence)),
     )
     table = _table(("", ""), (_row(k, v) for k, v in items), "", 2)
     rejected = sorted(((n, c) for n, c in s.rejections.items() if c), key=lambda item: (-item[1], item[0]))

@@ -321,6 +321,15 @@
     return [note, table(["group", "max spread", "widest series", ""], rows, "no group has two current replicas", 4)];
   }
 
+  // The state file's line (page.py: state_file).
+  function stateFile(p) {
+    if (p === null || p === undefined) return "not kept (--persistence.file)";
+    const failed = Object.values(p.write_failures).reduce((a, b) => a + b, 0);
+    const line = `${p.file}: ${fmtNumber(p.writes)} writes, every ${fmtSeconds(p.interval_seconds)}; ` +
+      `${p.loaded_identities} rank identities taken back at start`;
+    return line + (failed ? `; ${fmtNumber(failed)} writes failed` : "");
+  }
+
   function health(doc) {
     const s = doc.sidecar;
     const limits = s.limits;
@@ -337,6 +346,7 @@
         `(${fmtNumber(limits.series_rank)} rank, ${fmtNumber(limits.series_rollup)} rollup)`],
       ["rank identities", `${limits.ranks_known} of ${limits.ranks_allowed}`],
       ["stale / expired after", `${fmtSeconds(limits.stale_after_seconds)} / ${fmtSeconds(limits.expire_after_seconds)}`],
+      ["state file", stateFile(s.persistence)],
     ];
     const rejected = Object.entries(s.rejections).filter(([, n]) => n > 0)
       .sort((a, b) => b[1] - a[1] || (a[0] < b[0] ? -1 : 1));

@@ -28,6 +28,7 @@ from exporter.client import RankClient
 from exporter.config import RanksConfig, SidecarConfig, config_from_data
 from exporter.protocol.messages import Hello, RankId, World
 from exporter.sidecar.core.health import SidecarHealth
+from exporter.sidecar.expose import page
 from exporter.sidecar.expose import status as api
 from exporter.sidecar.expose.collector import window_increases
 from exporter.sidecar.expose.page import Names, render_page, sparkline_path
@@ -695,3 +696,14 @@ def test_an_id_reads_back_as_its_identity(identity: tuple[Any, ...]) -> None:
     tp, pp, dp, cp, labels = identity
     static = tuple(sorted(labels.items()))
     assert parse_id(api.identity_text(tp, pp, dp, cp, static)) == (tp, pp, dp, cp, static)
+
+
+def test_the_state_file_line_says_where_how_often_what_was_taken_back_and_what_failed() -> None:
+    persistence = v1.Persistence(
+        file="/var/lib/hicache-exporter/state", interval_seconds=5.0, loaded_identities=8, load_duration_seconds=0.02,
+        load_failures={}, dropped_series={}, writes=1234, last_write_time=1_764_400_000.0,
+        last_write_duration_seconds=0.01, write_failures={"no_space": 2, "io": 1}, file_bytes=30_000)
+    assert page.state_file(None) == "not kept (--persistence.file)"
+    assert page.state_file(persistence) == ("/var/lib/hicache-exporter/state: 1,234 writes, every 5.0 s; "
+                                            "8 rank identities taken back at start; 3 writes failed")
+    assert page.state_file(msgspec.structs.replace(persistence, write_failures={})).endswith("taken back at start")

@@ -149,6 +149,27 @@ def saved_rollups(state: SavedFile) -> dict[str, float | tuple[tuple[int, ...], 
     return out
 
 
+def saved_as_scraped(state: SavedFile) -> dict[Key, float]:
+    """The file's rollups of the pushed ranks' families as a scrape shows them (`rollups`)."""
+    cells = saved_rollups(state)
+    cache = (("cache_type", CACHE),)
+    histogram = cells[HISTOGRAM]
+    tokens, moved = cells["load_back_tokens_total"], cells["load_back_bytes_total"]
+    assert isinstance(histogram, tuple) and isinstance(tokens, float) and isinstance(moved, float)
+    counts, total = histogram
+    name = f"{ROLLUP}{HISTOGRAM}"
+    out: dict[Key, float] = {
+        (f"{ROLLUP}load_back_tokens_total", (*cache, ("pool", "kv"))): tokens,
+        (f"{ROLLUP}load_back_bytes_total", cache): moved,
+        (f"{name}_count", cache): float(counts[-1]),  # the buckets are cumulative: +Inf's is the count
+        (f"{name}_sum", cache): total,
+    }
+    for bound, count in zip(HISTOGRAM_BOUNDS, counts, strict=True):
+        le = "+Inf" if bound == float("inf") else repr(bound)
+        out[(f"{name}_bucket", (("cache_type", CACHE), ("le", le)))] = float(count)
+    return out
+
+
 def wait_saved(path: Path, ranks: dict[tuple[int, int], dict[str, float]]) -> None:
     """Until the state file holds these last values for each (tp, dp) (of the one epoch it keeps per rank)."""
 

@@ -29,12 +29,12 @@ CLIENT_DIR = "/opt/hicache-exporter"
 MULTIPROC_DIR = "/prometheus-multiproc"
 STATE_DIR = "/var/lib/hicache-exporter"
 STATE_FILE = f"{STATE_DIR}/state"  # the sidecar's --persistence.file
-# The state file is bounded by the series budget (exporter/sidecar/durable/keeper.py max_file_bytes:
-# 1 MiB + 1 KiB per series of ranks.max_series_total, once more per upstream: 49 MiB for a proxy at the
-# default 24,576); a write holds it twice (the temporary file, then the rename), and a file that could
-# not be used is kept aside beside it. Going over an emptyDir's sizeLimit evicts the whole pod, GPUs and
-# all, so the limit is far above that.
-STATE_SIZE_LIMIT = "512Mi"
+# The state file is bounded by the series budget and the label limits (exporter/sidecar/durable/keeper.py
+# max_file_bytes: at the defaults 136 MiB for a pushed pod, 271 MiB for a proxy of one upstream); a write
+# holds it twice (the temporary file, then the rename), and a file that could not be used is kept aside
+# beside it. Going over an emptyDir's sizeLimit evicts the whole pod, GPUs and all, so the limit is far
+# above that (tests/deploy/test_k8s.py: at least four times the pod's bound).
+STATE_SIZE_LIMIT = "2Gi"
 STATE_CLAIM_SIZE = "1Gi"
 HF_HOME = "/root/.cache/huggingface"
 APP = "sglang-hicache"  # the pod label the PodMonitor selects

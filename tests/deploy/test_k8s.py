@@ -389,13 +389,17 @@ class TestPod:
         volume = {v["name"]: v for v in spec["volumes"]}[mount["name"]]
         assert set(volume) == {"name", "emptyDir"}, "an emptyDir: kept across container restarts"
         assert "medium" not in volume["emptyDir"], "on disk: tmpfs would count against the sidecar's memory limit"
-        # Far above the largest file (twice during a write): going over the limit evicts the pod.
-        from exporter.config import SidecarConfig
+        # Far above the largest file this sidecar writes (its limits, its catalog's widest family, its
+        # upstreams: the keeper's own bound), twice during a write: going over the limit evicts the pod.
+        from exporter.catalog import load_catalog
         from exporter.sidecar.durable.keeper import max_file_bytes
 
-        largest = max_file_bytes(SidecarConfig().ranks.max_series_total, len(args.upstream or []) + len(
-            args.upstream_multiprocess_dir or []))
-        assert quantity_bytes(volume["emptyDir"]["sizeLimit"]) >= 4 * largest
+        config = sidecar_config(template, docs)
+        upstreams = ({u.url or str(u.multiprocess_dir) for u in config.upstreams} | set(args.upstream or [])
+                     | set(args.upstream_multiprocess_dir or []))
+        catalog = load_catalog(config.metrics.catalog)
+        largest = max_file_bytes(config.ranks, max((len(f.labels) for f in catalog), default=0), len(upstreams))
+        assert quantity_bytes(volume["emptyDir"]["sizeLimit"]) >= 4 * largest, f"{largest} bytes at most"
         assert spec["securityContext"]["fsGroup"] == sidecar["securityContext"]["runAsGroup"] == UID
         for container in spec["containers"] + [c for c in spec.get("initContainers", []) if c is not sidecar]:
             assert mount["name"] not in {m["name"] for m in container.get("volumeMounts", [])}, container["name"]

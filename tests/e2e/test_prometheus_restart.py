@@ -13,9 +13,17 @@ evaluation time) and starts at an earlier sample's timestamp (the range is close
 Prometheus 2.x), so there is nothing to extrapolate and increase() is exactly the last sample less
 the first, plus whatever it reads as counter resets. The ranks' values stand still around both
 samples, so those samples' values are known from what the ranks pushed, and the truth is the
-rise of those values. A sidecar that came back lower (absent rollups, or rollups started over)
-would add a reset: increase() would read more than the truth, and resets() would not be 0; one
-that came back without them would leave successful scrapes without the rollup (count_over_time).
+rise of those values.
+
+With a state file the sidecar shows the rollups as of its last save (a SIGKILL then never brings
+back lower than a scrape saw), so they lag the ranks by up to the persistence interval (200 ms
+here) plus a write: each settled point is found by polling until the sidecar shows, and then
+Prometheus holds, the true values, never by waiting a fixed time. Scrapes in between read lagging
+values, which only rise: the window's endpoints stay exact.
+
+A sidecar that came back lower (absent rollups, or rollups started over) would add a reset:
+increase() would read more than the truth, and resets() would not be 0; one that came back
+without them would leave successful scrapes without the rollup (count_over_time).
 """
 
 from __future__ import annotations
@@ -85,9 +93,9 @@ def scraped(prom: Prometheus, sidecar: SidecarProcess, ranks: dict[tuple[int, in
     """Once the sidecar serves every rank's values, wait until Prometheus holds a sample of each rollup at its
     true value; those samples' timestamps (ms)."""
     want = by_name(truth(ranks.values()))
+    # The ranks' own series are live; the rollups are the last save's (every 200 ms): polled until a save has them.
     wait_until(lambda: per_rank(sidecar.scrape() or "", "sglang_load_back_tokens_total") == {
-        k: float(r.current.tokens) for k, r in ranks.items()}, WAIT)
-    assert by_name(rollups(sidecar.scrape() or "")) == want
+        k: float(r.current.tokens) for k, r in ranks.items()} and by_name(rollups(sidecar.scrape() or "")) == want, WAIT)
     found: dict[str, int] = {}
 
     def holds() -> bool:

@@ -149,6 +149,27 @@ def saved_rollups(state: SavedFile) -> dict[str, float | tuple[tuple[int, ...], 
     return out
 
 
+def saved_as_scraped(state: SavedFile) -> dict[Key, float]:
+    """The file's rollups of the pushed ranks' families as a scrape shows them (`rollups`)."""
+    cells = saved_rollups(state)
+    cache = (("cache_type", CACHE),)
+    histogram = cells[HISTOGRAM]
+    tokens, moved = cells["load_back_tokens_total"], cells["load_back_bytes_total"]
+    assert isinstance(histogram, tuple) and isinstance(tokens, float) and isinstance(moved, float)
+    counts, total = histogram
+    name = f"{ROLLUP}{HISTOGRAM}"
+    out: dict[Key, float] = {
+        (f"{ROLLUP}load_back_tokens_total", (*cache, ("pool", "kv"))): tokens,
+        (f"{ROLLUP}load_back_bytes_total", cache): moved,
+        (f"{name}_count", cache): float(counts[-1]),  # the buckets are cumulative: +Inf's is the count
+        (f"{name}_sum", cache): total,
+    }
+    for bound, count in zip(HISTOGRAM_BOUNDS, counts, strict=True):
+        le = "+Inf" if bound == float("inf") else repr(bound)
+        out[(f"{name}_bucket", (("cache_type", CACHE), ("le", le)))] = float(count)
+    return out
+
+
 def wait_saved(path: Path, ranks: dict[tuple[int, int], dict[str, float]]) -> None:
     """Until the state file holds these last values for each (tp, dp) (of the one epoch it keeps per rank)."""
 
@@ -214,14 +235,25 @@ class Epoch:
     bytes_step: int
     seconds: float  # one observation of this value per step (a power of two: sums stay exact)
     steps: int = 0
+    # An epoch that ended while the sidecar was down counts as far as the sidecar's file holds it: its
+    # tokens, bytes, observations and their sum there (what it moved after the last save is lost).
+    kept: tuple[float, float, int, float] | None = None
 
     @property
-    def tokens(self) -> int:
-        return self.steps * self.tokens_step
+    def tokens(self) -> float:
+        return self.steps * self.tokens_step if self.kept is None else self.kept[0]
 
     @property
-    def bytes(self) -> int:
-        return self.steps * self.bytes_step
+    def bytes(self) -> float:
+        return self.steps * self.bytes_step if self.kept is None else self.kept[1]
+
+    @property
+    def observations(self) -> int:
+        return self.steps if self.kept is None else self.kept[2]
+
+    @property
+    def seconds_sum(self) -> float:
+        return self.steps * self.seconds if self.kept is None else self.kept[3]
 
 
 @dataclass
@@ -272,13 +304,14 @@ def truth(ranks: Iterable[PushedRank]) -> dict[Key, float]:
             sum(max(r.position("tokens") for r in ranks if r.dp == g) for g in groups),
         ("sglang_rollup_load_back_bytes_total", cache): sum(r.position("bytes") for r in ranks),
     }
-    observations = [(e.seconds, e.steps) for r in ranks for e in r.epochs]
+    epochs = [e for r in ranks for e in r.epochs]
     name = f"{ROLLUP}{HISTOGRAM}"
-    out[(f"{name}_count", cache)] = float(sum(n for _, n in observations))
-    out[(f"{name}_sum", cache)] = float(sum(s * n for s, n in observations))
+    out[(f"{name}_count", cache)] = float(sum(e.observations for e in epochs))
+    out[(f"{name}_sum", cache)] = float(sum(e.seconds_sum for e in epochs))
     for bound in HISTOGRAM_BOUNDS:
         le = "+Inf" if bound == float("inf") else repr(bound)
-        out[(f"{name}_bucket", (("cache_type", CACHE), ("le", le)))] = float(sum(n for s, n in observations if s <= bound))
+        out[(f"{name}_bucket", (("cache_type", CACHE), ("le", le)))] = float(
+            sum(e.observations for e in epochs if e.seconds <= bound))
     return out
 
 
@@ -329,6 +362,18 @@ class Load:
         self._stop.set()
         self._running.set()
         self._thread.join(WAIT)
+
+
+def keep_saved(rank: PushedRank, state: SavedFile) -> None:
+    """The rank's current epoch ends while the sidecar is down: it counts as far as the file holds it (its
+    client is closed; the file's values are read per series, a push may have caught a step half made)."""
+    rank.current.client.close()
+    epoch = rank.current.client.epoch
+    (saved_rank,) = [r for r in state.core.ranks if (r.tp_rank, r.dp_rank, r.epoch) == (rank.tp, rank.dp, epoch)]
+    values = {value.family: value.value for value in saved_rank.values}
+    tokens, moved, took = values["load_back_tokens_total"], values["load_back_bytes_total"], values[HISTOGRAM]
+    assert isinstance(tokens, float) and isinstance(moved, float) and isinstance(took, HistValue)
+    rank.current.kept = (tokens, moved, took.counts[-1], took.sum)
 
 
 def close_all(ranks: Iterable[PushedRank]) -> None:

@@ -8,6 +8,7 @@ shows the same start time: to Prometheus the series never reset. The 0.0.4 text 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -116,8 +117,14 @@ def test_a_sidecar_restarted_on_its_state_file_serves_the_same_start_times(tmp_p
     client.start()
     try:
         rollup = f"{NS}rollup_{BYTES}"
-        wait_until(lambda: first.scrape().find(rollup) != [] and first.scrape().value(rollup) == 4096,
-                   timeout=LOOP_WAIT_SECONDS)
+        wait_until(lambda: first.scrape().find(NS + BYTES, tp_rank="0") != [] and
+                   first.scrape().value(NS + BYTES, tp_rank="0") == 4096, timeout=LOOP_WAIT_SECONDS)
+        # /metrics shows the rollups as of the last save (none yet: the interval is an hour): save now.
+        assert first.scrape().find(rollup) == []
+        assert first.sidecar is not None and first.sidecar.keeper is not None
+        keeper = first.sidecar.keeper
+        assert asyncio.run_coroutine_threadsafe(keeper.save(force=True), first.loop).result(LOOP_WAIT_SECONDS) is True
+        assert first.scrape().value(rollup) == 4096
         body = http_get(first.url + "/metrics", OPENMETRICS)[1].decode()
     finally:
         client.close()

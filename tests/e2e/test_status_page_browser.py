@@ -25,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import bcrypt
+import msgspec
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 from playwright.sync_api import Error as PlaywrightError
 
+from exporter.api import v1
 from exporter.client import RankClient
 from exporter.sidecar.expose import page
 from exporter.sidecar.expose import status as api
@@ -92,9 +94,10 @@ class Ranks:
             proc.join(10)
 
 
-def _sidecar(socket_dir: Path, **http: Any) -> SidecarThread:
+def _sidecar(socket_dir: Path, persistence: dict[str, str] | None = None, **http: Any) -> SidecarThread:
+    sections: dict[str, Any] = {"persistence": persistence} if persistence else {}
     return SidecarThread(sidecar_config(socket_dir / "m.sock", ranks={"stale_after_seconds": STALE_AFTER},
-                                        http=http)).start()
+                                        http=http, **sections)).start()
 
 
 @pytest.fixture(scope="module")
@@ -358,6 +361,36 @@ def test_page_refreshes_behind_basic_auth(fast_refresh: None, browser: Browser) 
             watched = _open(browser, sidecar.url, http_credentials={"username": "admin", "password": password})
             try:
                 wait_until(lambda: watched.refreshes() >= 2 and watched.cells() == {only: "live"}, timeout=20)
+                assert watched.errors == []
+            finally:
+                watched.page.context.close()
+        finally:
+            ranks.stop_all()
+            sidecar.stop()
+
+
+def test_the_state_file_line_is_the_same_from_the_script_and_the_server(fast_refresh: None, browser: Browser) -> None:
+    """status.js' stateFile against page.py's state_file, on a sidecar that keeps a state file and wrote it."""
+    with tempfile.TemporaryDirectory(prefix="hc-", dir="/tmp") as directory:
+        state = Path(directory) / "state"
+        sidecar = _sidecar(Path(directory), persistence={"file": str(state), "interval": "100ms"})
+        ranks = Ranks(sidecar.socket_path)
+        try:
+            ranks.start(0, 0, 0, "llama")
+            wait_until(lambda: state.exists(), timeout=20)
+            watched = _open(browser, sidecar.url)
+            try:
+                line = f"{state}: "
+                wait_until(lambda: watched.refreshes() >= 1 and line in watched.page.locator("#health-body").inner_text(),
+                           timeout=20)
+                shown = next(row for row in watched.page.locator("#health-body tr").all_inner_texts() if line in row)
+                status, body, _ = http_get(sidecar.url + "/api/v1/status")
+                document = msgspec.json.decode(body, type=v1.StatusDocument)
+                assert status == 200 and document.sidecar.persistence is not None
+                # The script's line matches the server's for the document it read (the write count moves on).
+                expected = page.state_file(document.sidecar.persistence)
+                assert re.sub("[0-9,]+ writes", "N writes", shown.split("\t")[-1]) == re.sub("[0-9,]+ writes", "N writes",
+                                                                                             expected)
                 assert watched.errors == []
             finally:
                 watched.page.context.close()

@@ -324,7 +324,8 @@
   // The state file's line (page.py: state_file).
   function stateFile(p) {
     if (p === null || p === undefined) return "not kept (--persistence.file)";
-    const failed = Object.values(p.write_failures).reduce((a, b) => a + b, 0);
+    let failed = 0;
+    for (const n of Object.values(p.write_failures)) failed += n;
     const line = `${p.file}: ${fmtNumber(p.writes)} writes, every ${fmtSeconds(p.interval_seconds)}; ` +
       `${p.loaded_identities} rank identities taken back at start`;
     return line + (failed ? `; ${fmtNumber(failed)} writes failed` : "");

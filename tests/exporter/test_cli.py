@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from exporter import __version__
-from tests.helpers import free_port, http_get, wait_ready, wait_until
+from exporter.protocol.messages import Welcome
+from tests.helpers import RawClient, free_port, hello, http_get, wait_ready, wait_until
 
 CLI = [sys.executable, "-m", "exporter.cli"]
 
@@ -250,7 +251,8 @@ def test_a_bad_persistence_interval_flag_stops_serve_naming_the_flag() -> None:
 
 
 def test_serve_writes_the_persistence_file_at_sigterm(socket_dir: Path, tmp_path: Path) -> None:
-    """The flag reaches the running sidecar: with an hour's interval, the one write is the one at SIGTERM."""
+    """The flag reaches the running sidecar: with an hour's interval, the one write is the one at SIGTERM
+    (a start and stop with nothing new leaves no file: tests/exporter/sidecar/durable/test_keeper.py)."""
     from exporter.sidecar.durable.file import unframe
 
     port, state = free_port(), tmp_path / "state"
@@ -258,10 +260,14 @@ def test_serve_writes_the_persistence_file_at_sigterm(socket_dir: Path, tmp_path
                         "--persistence.file", str(state), "--persistence.interval", "1h")
     try:
         wait_ready(proc, lambda: _ready(port))
+        rank = RawClient(str(socket_dir / "m.sock"))  # a rank says hello: something to save
+        rank.send(hello(tp=0))
+        assert isinstance(rank.recv(), Welcome)
         assert not state.exists()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert unframe(state.read_bytes())
+        rank.close()
     finally:
         if proc.poll() is None:
             proc.kill()

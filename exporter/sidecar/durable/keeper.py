@@ -92,6 +92,9 @@ class StateKeeper:
         The rollups shown from here on are the loaded ones (none on a fresh start), then each save's."""
         self._load()
         self.state.show_rollups(self.state.rollup_snapshot())
+        # The file holds this state (or there is none to hold yet): a stop before anything changes, such
+        # as a start that fails on a socket another sidecar holds, leaves the file as it is.
+        self._saved_changes = self.state.changes
 
     def _load(self) -> None:
         started = time.perf_counter()
@@ -267,7 +270,7 @@ class StateKeeper:
                           self.path, STOP_WRITE_SECONDS)
             else:
                 try:
-                    await asyncio.wait_for(self.save(force=True), STOP_WRITE_SECONDS)
+                    await asyncio.wait_for(self.save(), STOP_WRITE_SECONDS)
                 except (asyncio.TimeoutError, Exception) as err:
                     log.error("state file %s: the save at stop did not finish (%s)", self.path,
                               err or type(err).__name__)

@@ -192,6 +192,20 @@ def test_the_save_at_stop_is_served_by_the_next_sidecar_before_any_rank_is_back(
     close_all(more)
 
 
+def test_a_stop_before_anything_changed_leaves_the_file_as_it_is(
+    start: Callable[..., Running], tmp_path: Path,
+) -> None:
+    """A sidecar that loads the file and stops before any rank pushes (a start that fails on a socket
+    another sidecar holds runs the same cleanup) does not write it again."""
+    path = tmp_path / "state"
+    written = good_file(start, path)
+    again = start(path)
+    again.serves()
+    assert again.health.loaded_identities == 4
+    again.thread.stop()
+    assert path.read_bytes() == written and again.health.writes == 0
+
+
 def test_nothing_is_written_when_nothing_changed(start: Callable[..., Running], tmp_path: Path) -> None:
     path = tmp_path / "state"
     running = start(path)
@@ -500,7 +514,8 @@ def test_a_write_stuck_in_the_disk_does_not_hold_the_stop(
 
     monkeypatch.setattr(keeper_module, "write_atomic", stuck_write)
     monkeypatch.setattr(keeper_module, "STOP_WRITE_SECONDS", 0.2)  # how long the stop waits for the disk
-    running = start(path, interval="50ms")  # the interval's first save gets stuck
+    running = start(path, interval="50ms")
+    clients = push_ranks(running)  # something to save: the interval's first save gets stuck
     try:
         assert entered.wait(60)
         with caplog.at_level(logging.ERROR, "hicache_exporter.durable"):
@@ -509,6 +524,7 @@ def test_a_write_stuck_in_the_disk_does_not_hold_the_stop(
         assert not path.exists()
     finally:
         release.set()
+        close_all(clients)
 
 
 # --- the keeper over a state and an upstream feed (fake clocks, no server) ---

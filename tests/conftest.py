@@ -5,6 +5,7 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,3 +26,12 @@ def sidecar(socket_dir: Path) -> Iterator[SidecarThread]:
         yield running
     finally:
         running.stop()
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[Any]]:
+    """Callables run after the test, last added first."""
+    done: list[Any] = []
+    yield done
+    for undo in reversed(done):
+        undo()

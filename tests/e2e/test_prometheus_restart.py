@@ -29,11 +29,8 @@ without them would leave successful scrapes without the rollup (count_over_time)
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from tests.e2e.test_prometheus import Prometheus
 from tests.exporter.sidecar.durable.restart_support import (
@@ -58,15 +55,6 @@ SERIES = (TOKENS, BYTES, COUNT)
 # (tp, dp) -> tokens per step, bytes per step, seconds per observation: skewed replicas.
 RESTARTED_DP0 = {(0, 0): (2, 1024, 0.0625), (1, 0): (9, 512, 0.25)}  # the skew turned round
 STEPS = {(0, 0): (7, 4096, 0.25), (1, 0): (5, 2048, 0.0625), (0, 1): (3, 4097, 0.25), (1, 1): (11, 2049, 0.0625)}
-
-
-@pytest.fixture
-def cleanup() -> Iterator[list[Any]]:
-    """Callables run after the test, last added first."""
-    done: list[Any] = []
-    yield done
-    for undo in reversed(done):
-        undo()
 
 
 def by_name(values: dict[Key, float]) -> dict[str, float]:

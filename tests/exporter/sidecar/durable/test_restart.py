@@ -21,7 +21,6 @@ from __future__ import annotations
 import http.server
 import os
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,15 +53,6 @@ from tests.integrations.support import run_processes
 
 TOKENS = "sglang_load_back_tokens_total"
 BYTES = "sglang_load_back_bytes_total"
-
-
-@pytest.fixture
-def cleanup() -> Iterator[list[Any]]:
-    """Callables run after the test, last added first."""
-    done: list[Any] = []
-    yield done
-    for undo in reversed(done):
-        undo()
 
 
 def start_sidecar(socket_dir: Path, tmp_path: Path, cleanup: list[Any], *extra: str) -> SidecarProcess:

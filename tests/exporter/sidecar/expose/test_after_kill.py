@@ -18,11 +18,9 @@ once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from tests.exporter.sidecar.durable.restart_support import (
     WAIT,
@@ -50,15 +48,6 @@ TOKENS = "sglang_load_back_tokens_total"
 BYTES_ROLLUP: Key = ("sglang_rollup_load_back_bytes_total", (("cache_type", "HiRadixCache"),))
 # Two skewed replicas of dp group 0: (tp, dp) -> tokens per step, bytes per step, seconds per observation.
 STEPS = {(0, 0): (7, 4096, 0.25), (1, 0): (5, 2048, 0.0625)}
-
-
-@pytest.fixture
-def cleanup() -> Iterator[list[Any]]:
-    """Callables run after the test, last added first."""
-    done: list[Any] = []
-    yield done
-    for undo in reversed(done):
-        undo()
 
 
 def pushed(text: str) -> float | None:

@@ -11,11 +11,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
 
 import msgspec
 
@@ -27,9 +25,9 @@ from exporter.sidecar.core.state import Rollups, SidecarState
 from exporter.sidecar.durable.file import frame, read_file, set_aside, unframe, write_atomic, write_failure_reason
 from exporter.sidecar.upstream import saved as feed_saved
 from exporter.sidecar.upstream.feed import UpstreamFeed
+from exporter.sidecar.worker import WorkerThread
 
 log = logging.getLogger("hicache_exporter.durable")
-T = TypeVar("T")
 # A file may hold this many bytes per unit of the series budget (ranks.max_series_total), once for the
 # ranks and rollups and once per upstream, plus a fixed part: several times what a series takes
 # (docs/reliability.md, "Durable state"), so that a whole file always loads and a foreign one is
@@ -83,6 +81,8 @@ class StateKeeper:
         self._saved_changes: int | None = None  # state.changes as of the last write
         self._inflight: asyncio.Future[float] | None = None  # the write whose thread runs now
         self._failure_logged = -LOG_EVERY_SECONDS
+        # Writes run here, one at a time: a disk stuck in fsync holds up neither the loop nor an exit.
+        self._thread = WorkerThread("hicache-state-write")
         health.enabled = True
 
     # --- load ---
@@ -153,10 +153,7 @@ class StateKeeper:
         """Forget what a load took back: an empty state, feeds that have read nothing."""
         self.state.adopt(self.state.fresh())
         for feed in self.feeds.values():
-            feed.ranks.clear()
-            feed._generations.clear()
-            feed._flapping.clear()
-            feed.health.flapping = 0
+            feed_saved.forget(feed)
 
     def _set_aside(self, err: StateFileError) -> None:
         self.health.count(self.health.load_failures, err.reason)
@@ -195,7 +192,7 @@ class StateKeeper:
                                                     "reads (ranks.max_series_total and the label limits)"), "too_large")
             self.state.show_rollups(shown)  # not durable now, but never frozen: serving goes on
             return False
-        future = self._inflight = _in_thread(lambda: _timed_write(self.path, data))
+        future = self._inflight = asyncio.wrap_future(self._thread.submit(lambda: _timed_write(self.path, data)))
         future.add_done_callback(lambda done: self._written(done, changes, encoded, len(data), shown))
         try:
             await asyncio.shield(future)
@@ -274,33 +271,10 @@ class StateKeeper:
                 except (asyncio.TimeoutError, Exception) as err:
                     log.error("state file %s: the save at stop did not finish (%s)", self.path,
                               err or type(err).__name__)
+            self._thread.shutdown()
 
 
 def _timed_write(path: Path, data: bytes) -> float:
     started = time.perf_counter()
     write_atomic(path, data)
     return time.perf_counter() - started
-
-
-def _in_thread(work: Callable[[], T]) -> asyncio.Future[T]:
-    """`work` on a daemon thread of its own (a disk stuck in fsync holds up no exit), as a future of the loop."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(outcome: Any, failed: bool) -> None:
-        if not future.done():
-            future.set_exception(outcome) if failed else future.set_result(outcome)
-
-    def run() -> None:
-        outcome: object
-        try:
-            outcome, failed = work(), False
-        except BaseException as err:  # handed to the loop, raised where the future is awaited
-            outcome, failed = err, True
-        try:
-            loop.call_soon_threadsafe(settle, outcome, failed)
-        except RuntimeError:  # the loop closed meanwhile: nobody waits for it
-            pass
-
-    threading.Thread(target=run, name="hicache-state-write", daemon=True).start()
-    return future

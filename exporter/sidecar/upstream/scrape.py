@@ -13,11 +13,9 @@ import asyncio
 import codecs
 import concurrent.futures
 import logging
-import queue
 import re
 import ssl
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from itertools import islice
@@ -32,6 +30,7 @@ from exporter.config import UpstreamConfig
 from exporter.errors import ConfigError
 from exporter.sidecar.upstream.feed import FeedResult, TextReading, UpstreamFeed
 from exporter.sidecar.upstream.files import Skipped, TooLarge, read_directory
+from exporter.sidecar.worker import WorkerThread
 
 log = logging.getLogger("hicache_exporter.upstream")
 T = TypeVar("T")
@@ -65,48 +64,6 @@ def client_ssl_context(config: UpstreamConfig) -> ssl.SSLContext | None:
     return context
 
 
-class SourceThread:
-    """One source's blocking work, one call at a time, on its own daemon thread.
-
-    Not a ThreadPoolExecutor: the interpreter joins those threads at exit, so one stuck in `open()`
-    or a hung read would keep a stopped sidecar from exiting; a daemon thread is left behind.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._jobs: queue.SimpleQueue[tuple[concurrent.futures.Future[object], Callable[[], object]] | None] = (
-            queue.SimpleQueue())
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        if self._closed:
-            raise RuntimeError(f"{self.name}: reads have stopped")
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-            self._thread.start()
-        self._jobs.put((future, fn))  # type: ignore[arg-type]
-        return future
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            future, fn = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn()
-            except BaseException as err:  # handed to the awaiting read, whatever it is
-                future.set_exception(err)
-            else:
-                future.set_result(result)
-
-    def shutdown(self) -> None:
-        """Stop taking work; a call still running is left to finish (or not) on its own."""
-        self._closed = True
-        self._jobs.put(None)
-
-
 class UpstreamScraper:
     """Reads one upstream every `interval_seconds` and applies what it read to the state."""
 
@@ -123,7 +80,7 @@ class UpstreamScraper:
         # series of max_series_total (98,304: 3 times a 256-rank engine), counted as they are read.
         self.max_entries = ENTRIES_PER_SERIES * feed.state.config.max_series_total
         self.clock: Callable[[], float] = time.monotonic
-        self._thread = SourceThread(f"upstream {self.health.name}")
+        self._thread = WorkerThread(f"upstream {self.health.name}")
         self._running: concurrent.futures.Future[object] | None = None
         self._logged: dict[str, float] = {}  # error kind -> when it was last logged
 

@@ -342,9 +342,13 @@ class RankRegistry:
         del self.ranks[identity]
         self.budget.per_rank -= rank.cost
         self._drop_other_writer(rank)
-        memory = self.forgotten.setdefault(rank.source, {})
+        self.remember_forgotten(rank.source, identity, rank.epoch)
+
+    def remember_forgotten(self, source: str, identity: RankIdentity, epoch: str) -> None:
+        """Remember that `source`'s `identity` was forgotten in `epoch`: back with that epoch, its values are baselines."""
+        memory = self.forgotten.setdefault(source, {})
         memory.pop(identity, None)  # re-inserted last: the memory forgets oldest first
-        memory[identity] = rank.epoch
+        memory[identity] = epoch
         if len(memory) > self.config.max_ranks:  # a bounded memory of whom this source had forgotten
             del memory[next(iter(memory))]
 

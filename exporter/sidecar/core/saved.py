@@ -206,13 +206,12 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
     usable = _usable_families(catalog, saved.families, result)
     registry, ledger, budget = state.registry, state.ledger, state.registry.budget
     statics, label_sets = saved.statics, saved.label_sets  # an index past them: IndexError, a corrupt file
-    names = {f.name: f.name for f in catalog}  # the catalog's own string objects: keys share them
 
     def key_of(family: str, labels: tuple[str, ...], reason_counted: bool = True) -> SeriesKey | None:
-        name = usable.get(family)
+        name = usable.get(family)  # the catalog's own string object: keys share it
         if name is None or len(labels) != len(catalog.get(name).labels):
             if reason_counted:
-                result.drop("unknown_family" if family not in names else "changed_family")
+                result.drop("unknown_family" if family not in catalog else "changed_family")
             return None
         return (name, labels)
 
@@ -259,21 +258,21 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
     for family, count in saved.layout_conflicts.items():
         if family in usable:
             ledger.layout_conflicts[family] = count
-    left_out: list[SavedRank] = []
+    left_out: list[tuple[RankIdentity, SavedRank]] = []
     # Expired identities last: when there are more than max_ranks, they are the ones left out, as
     # the registry would forget them first.
     for saved_rank in sorted(saved.ranks, key=lambda r: r.expired):
+        identity: RankIdentity = (saved_rank.tp_rank, saved_rank.pp_rank, saved_rank.dp_rank,
+                                  saved_rank.attn_cp_rank or 0, statics[saved_rank.static])
         if len(registry.ranks) >= config.max_ranks:
             series = {(v.family, v.labels) for v in saved_rank.values} | {(p.family, p.labels) for p in saved_rank.positions}
             result.drop("limit", len(series))
-            left_out.append(saved_rank)
+            left_out.append((identity, saved_rank))
             continue
-        identity: RankIdentity = (saved_rank.tp_rank, saved_rank.pp_rank, saved_rank.dp_rank,
-                                  saved_rank.attn_cp_rank or 0, statics[saved_rank.static])
         if identity in registry.ranks:
             continue  # listed twice: the first stands
         rank = RankState(
-            tp_rank=saved_rank.tp_rank, pp_rank=saved_rank.pp_rank, dp_rank=saved_rank.dp_rank, static=statics[saved_rank.static],
+            tp_rank=saved_rank.tp_rank, pp_rank=saved_rank.pp_rank, dp_rank=saved_rank.dp_rank, static=identity[4],
             epoch=saved_rank.epoch, pid=saved_rank.pid, attn_cp_rank=saved_rank.attn_cp_rank, source=saved_rank.source,
             history=WindowHistory(window, window / WINDOW_HISTORY_ENTRIES), silence=registry.silence,
             seq=saved_rank.seq, resumed=saved_rank.resumed, restarts=saved_rank.restarts, reconnects=saved_rank.reconnects,
@@ -325,14 +324,8 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
     # An identity left out is forgotten as the registry forgets one to make room: its contribution
     # stays in the rollups, and when it comes back with its epoch its values are baselines (a
     # per_shard series counted twice otherwise: once in the restored rollup, once from zero).
-    for saved_rank in left_out:
-        left_identity: RankIdentity = (saved_rank.tp_rank, saved_rank.pp_rank, saved_rank.dp_rank,
-                                       saved_rank.attn_cp_rank or 0, statics[saved_rank.static])
-        memory = registry.forgotten.setdefault(saved_rank.source, {})
-        memory.pop(left_identity, None)
-        memory[left_identity] = saved_rank.epoch
-        if len(memory) > config.max_ranks:
-            del memory[next(iter(memory))]
+    for identity, saved_rank in left_out:
+        registry.remember_forgotten(saved_rank.source, identity, saved_rank.epoch)
     for family in result.changed:
         log.warning("durable state: family %s changed its type, semantics or labels since the file was written: "
                     "its rollups and positions start over", family)

@@ -123,3 +123,11 @@ def restore(feed: UpstreamFeed, saved: SavedFeed) -> int:
             feed._generations[forgotten] = generation.generation
     feed.health.flapping = len(feed._flapping)
     return taken
+
+
+def forget(feed: UpstreamFeed) -> None:
+    """Forget what `restore` took back: the feed as if it had read nothing (the state it fed starts fresh too)."""
+    feed.ranks.clear()
+    feed._generations.clear()
+    feed._flapping.clear()
+    feed.health.flapping = 0

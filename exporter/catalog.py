@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterator, Sequence
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -145,15 +145,48 @@ class FamilySpec(BaseModel):
         return combos
 
 
+class StreamSpec(BaseModel):
+    """One engine collector as a stream of a rank: the label that marks its identities, the labels that
+    only it adds (they tell streams of one rank apart, not servers), and which tp rank it labels."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    marker: str = Field(pattern=LABEL_NAME_RE.pattern)
+    labels: tuple[str, ...] = ()
+    # attention: tp_rank is the rank within its dp group (and cp rank); global: the engine's tp rank,
+    # mapped to its position through the server's world.
+    tp_rank: Literal["attention", "global"] = "attention"
+
+    @model_validator(mode="after")
+    def _marker_is_its_own(self) -> StreamSpec:
+        if self.marker not in self.labels:
+            raise ValueError(f"stream marker {self.marker!r} must be one of its labels {list(self.labels)}")
+        return self
+
+
+# SGLang 0.5.23's collectors (metrics_collector.py:2416, 2197, 1380-1394; see the catalog header).
+DEFAULT_STREAMS: dict[Collector, StreamSpec] = {
+    Collector.RADIX: StreamSpec(marker="cache_type", labels=("cache_type",)),
+    Collector.STORAGE: StreamSpec(marker="storage_backend", labels=("storage_backend", "pp_size", "attn_cp_size")),
+    Collector.SCHEDULER: StreamSpec(marker="engine_type", labels=("model_name", "engine_type", "priority"),
+                                    tp_rank="global"),
+}
+
+
 class Catalog(BaseModel):
     """The validated set of families; look families up by name."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     families: tuple[FamilySpec, ...] = Field(min_length=1)
+    # How a rank's streams are told apart from its server (DESIGN section 13).
+    streams: dict[Collector, StreamSpec] = Field(default_factory=lambda: dict(DEFAULT_STREAMS))
 
     @model_validator(mode="after")
     def _families_are_consistent(self) -> Catalog:
+        markers = [spec.marker for spec in self.streams.values()]
+        if len(set(markers)) != len(markers):
+            raise ValueError(f"stream markers must differ: {markers}")
         names = [f.name for f in self.families]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
@@ -213,7 +246,7 @@ class Catalog(BaseModel):
         families = tuple(f for f in self.families if f.collector is wanted)
         if not families:
             raise UnknownFamilyError(f"no family in the metric catalog is emitted by the {wanted.value!r} collector")
-        return Catalog(families=families)
+        return Catalog(families=families, streams=self.streams)
 
     def bandwidth_pairs(self) -> list[tuple[FamilySpec, FamilySpec]]:
         """(bytes counter, duration histogram) pairs that get active-bandwidth gauges."""

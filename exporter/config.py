@@ -136,11 +136,18 @@ class RanksConfig(_Strict):
     max_static_labels: int = Field(8, ge=0, le=64)
     max_series_total: int = Field(24_576, ge=1)  # rank and rollup series together, sized to a 320 Mi pod
     max_ranks: int = Field(1024, ge=1)  # rank identities remembered (expired ones are forgotten first)
+    # A server over several nodes (a LeaderWorkerSet group): this sidecar sees only its own node's
+    # ranks, so it expects only those, by the engine's own placement (nodes: sglang's --nnodes,
+    # node_rank: its --node-rank; in a LeaderWorkerSet LWS_GROUP_SIZE and LWS_WORKER_INDEX).
+    nodes: int = Field(1, ge=1, le=4096)
+    node_rank: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _expire_after_stale(self) -> RanksConfig:
         if self.expire_after_seconds < self.stale_after_seconds:
             raise ValueError("expire_after_seconds must be at least stale_after_seconds")
+        if self.node_rank >= self.nodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nodes ({self.nodes})")
         return self
 
 
@@ -227,6 +234,24 @@ class UpstreamTLS(_Strict):
         return self
 
 
+class UpstreamWorld(_Strict):
+    """The parallel layout of an upstream's server: what makes its ranks expected (docs/api.md). What is
+    left out the engine's storage labels fill in (pp_size, attn_cp_size); attn_tp_size left out is
+    tp_size / (dp_size x attn_cp_size) with DP attention, else tp_size."""
+
+    tp_size: int = Field(ge=1, le=65536)
+    dp_size: int = Field(1, ge=1, le=65536)
+    pp_size: int | None = Field(None, ge=1, le=65536)
+    attn_cp_size: int | None = Field(None, ge=1, le=65536)
+    dp_attention: bool = False
+
+    @model_validator(mode="after")
+    def _divides(self) -> UpstreamWorld:
+        if self.dp_attention and self.tp_size % (self.dp_size * (self.attn_cp_size or 1)):
+            raise ValueError(f"with dp_attention, tp_size {self.tp_size} must be a multiple of dp_size x attn_cp_size")
+        return self
+
+
 class UpstreamConfig(_Strict):
     """One engine the sidecar reads as a proxy: its /metrics URL, or its prometheus_client multiprocess directory."""
 
@@ -243,6 +268,7 @@ class UpstreamConfig(_Strict):
     labels: dict[str, str] = Field(default_factory=dict)  # static labels added to every rank of this upstream
     pass_through: bool = True  # families outside the catalog are re-exposed unchanged
     follow_redirects: bool = False  # true: same-origin redirects only (credentials never go to another origin)
+    world: UpstreamWorld | None = None  # the engine's layout: its ranks are expected; None: only the ones seen
 
     @model_validator(mode="after")
     def _one_source(self) -> UpstreamConfig:

@@ -14,7 +14,6 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -63,8 +62,8 @@ class Connections(Model):
     allowed: Count
 
 
-class RanksByState(Model):
-    """Known ranks in each state."""
+class StreamsByState(Model):
+    """Known streams (rank identities) in each state."""
 
     live: Count
     stale: Count
@@ -119,7 +118,7 @@ class Sidecar(Model):
     snapshots_received: Count
     snapshots_applied: Count
     samples_applied: Count
-    ranks_by_state: RanksByState
+    streams_by_state: StreamsByState
     rejections: Annotated[CountsByName, Meta(
         description="every rejection reason (wire protocol error code), including those still at 0")]
     rejections_total: Count
@@ -129,28 +128,53 @@ class Sidecar(Model):
     persistence: Annotated[Persistence | None, Meta(description="null: no state file (--persistence.file)")] = None
 
 
-# --- ranks, groups and the layout their worlds expect ------------------------------------------
+# --- servers, their ranks (positions) and streams (identities that report for a rank) ----------
 
 
 class WorldSizes(Model):
-    """Parallel sizes: how many values of tp_rank, pp_rank and dp_rank the ranks of one label set take."""
+    """A server's parallel layout: its dp groups, each pp stages x attention cp ranks x attention tp ranks."""
 
-    tp_size: Annotated[int, Meta(ge=1)]
+    tp_size: Annotated[int, Meta(ge=1, description="the engine's tp size (--tp)")]
     pp_size: Annotated[int, Meta(ge=1)]
-    dp_size: Annotated[int, Meta(ge=1)]
+    dp_size: Annotated[int, Meta(ge=1, description="dp groups: attention dp groups, or data-parallel replicas")]
+    attn_tp_size: Annotated[int, Meta(ge=1, description="tp ranks per dp group and cp rank")]
+    attn_cp_size: Annotated[int, Meta(ge=1, description="attention context-parallel ranks per dp group")]
 
 
-class Rank(Model):
-    """One rank identity (rank axes, its group's label set and its own labels), in exposition order."""
+class NodeShare(Model):
+    """The part of a multi-node server this sidecar expects (ranks.node_rank of ranks.nodes): the engine's
+    own placement, by global tp rank and pp stage."""
+
+    node_rank: Count
+    nodes: Annotated[int, Meta(ge=1)]
+    tp_ranks: Annotated[tuple[Count, Count], Meta(description="[first, last + 1] global tp ranks on this node")]
+    pp_ranks: Annotated[tuple[Count, Count], Meta(description="[first, last + 1] pp stages on this node")]
+
+
+StreamKind = Annotated[str, Meta(description=(
+    "the engine collector the stream is (radix, storage, scheduler), by the catalog's stream markers; "
+    "\"client\" for an identity that carries no marker"))]
+RankCellId = Annotated[str, Meta(pattern="^v[0-9]+/dp=[0-9]+,pp=[0-9]+,cp=[0-9]+,tp=[0-9]+$", description=(
+    "id of a rank cell in `ranks`: <server id>/dp=..,pp=..,cp=..,tp=.. (attention tp rank)"))]
+ServerId = Annotated[str, Meta(pattern="^v[0-9]+$", description="id of a server in `servers`")]
+CellState = Literal["live", "stale", "departed", "expired", "missing"]
+
+
+class Stream(Model):
+    """One stream: a rank identity (rank axes, its group's label set and its own labels) that reports for a
+    rank, in exposition order. An engine process reports through one stream per collector."""
 
     id: Annotated[str, Meta(pattern="^g[0-9]+/tp=[0-9]+,pp=[0-9]+(,cp=[0-9]+)?( .+)?$", description=(
         'unique within the document: <group id>/tp=..,pp=..[,cp=..] then its own labels as name="value" '
         "(backslash, quote and newline escaped), if any"))]
     group: GroupId
-    tp_rank: Count
+    server: ServerId
+    rank: Annotated[RankCellId, Meta(description="the rank (position) it reports for")]
+    kind: StreamKind
+    tp_rank: Annotated[Count, Meta(description="as labelled: the scheduler's is the global tp rank")]
     pp_rank: Count
     dp_rank: Count
-    attn_cp_rank: Annotated[Count | None, Meta(description="null: the rank has no context-parallel axis")]
+    attn_cp_rank: Annotated[Count | None, Meta(description="null: the stream has no context-parallel axis")]
     own_labels: Annotated[Labels, Meta(description=(
         "static labels of its identity that its group's label set leaves out (moe_ep_rank); usually empty"))]
     state: RankStateName
@@ -165,7 +189,7 @@ class Rank(Model):
     series: Count
     seconds_since_activity: Seconds
     last_push_time: UnixTime | None
-    world: Annotated[WorldSizes | None, Meta(description="null: the rank said hello without a world")]
+    world: Annotated[WorldSizes | None, Meta(description="null: the stream said hello without a world")]
 
 
 class LabelSet(Model):
@@ -176,73 +200,98 @@ class LabelSet(Model):
     labels: Labels
 
 
-class Position(Model):
-    """A (pp_rank, tp_rank) position of a group's grid that no known rank holds at any cp rank."""
+class RankCell(Model):
+    """A rank: one position of a server (dp group, pp stage, attention cp and tp rank), one process on a GPU,
+    with the streams that report for it. Listed for the cells its server's grids draw."""
 
+    id: RankCellId
+    server: ServerId
+    dp_rank: Count
     pp_rank: Count
-    tp_rank: Count
+    attn_cp_rank: Count
+    tp_rank: Annotated[Count, Meta(description="the attention tp rank")]
+    state: Annotated[CellState, Meta(description=(
+        "its liveliest stream's state; missing: expected by the server's world, and no stream, or only "
+        "expired ones"))]
+    expected: Annotated[bool, Meta(description="inside the server's expected world (and this node's share)")]
+    streams: Annotated[list[str], Meta(description="ids in `streams`, in their order")]
 
 
 class GridRow(Model):
-    """A row of a group's grid: a pp stage, and a cp rank where the group has that axis."""
+    """A row of a dp group's grid: a pp stage and an attention cp rank."""
 
     pp_rank: Count
-    attn_cp_rank: Count | None
+    attn_cp_rank: Count
 
 
 class Grid(Model):
-    """What a group's grid draws (the page, its script and top): pp (x cp) rows by tp columns, at most 1,024 cells
-    per group and 4,096 over the document; the counts are exact."""
+    """What a dp group's grid draws (the page, its script and top): pp x cp rows by tp columns, at most 1,024 cells
+    per dp group and 4,096 over the document; the counts are exact."""
 
-    rows: Annotated[list[GridRow], Meta(description="ascending by pp, the row without a cp axis first, then by cp")]
-    tp_ranks: Annotated[list[Count], Meta(description="the columns, ascending")]
+    rows: Annotated[list[GridRow], Meta(description="ascending by pp, then cp")]
+    tp_ranks: Annotated[list[Count], Meta(description="the columns (attention tp ranks), ascending")]
     row_count: Annotated[Count, Meta(description="the rows the grid has, drawn or not")]
     column_count: Annotated[Count, Meta(description="the tp columns the grid has, drawn or not")]
-    hidden_ranks: Annotated[Count, Meta(description="members in no drawn cell")]
+    hidden_ranks: Annotated[Count, Meta(description="ranks (known or missing) in no drawn cell")]
+
+
+class ServerGroup(Model):
+    """One dp group of a server: its ranks as a grid of cells."""
+
+    dp_rank: Count
+    ranks: Annotated[Count, Meta(description="positions some known stream reports for")]
+    live: Annotated[Count, Meta(description="ranks with a live stream")]
+    missing: Annotated[Count, Meta(description="exact: positions of the expected world with no unexpired stream")]
+    expected: Annotated[bool, Meta(description="the dp group is in the expected world")]
+    grid: Grid
+
+
+class Server(Model):
+    """A server: streams whose static labels differ only by the labels their collector adds (the catalog's
+    stream labels), with its expected world and its dp groups."""
+
+    id: Annotated[str, Meta(pattern="^v[0-9]+$", description=(
+        "v<N>, numbered in ascending order of the labels; unique within the document"))]
+    labels: Annotated[Labels, Meta(description="static labels every stream of the server carries (less stream labels)")]
+    expected: Annotated[WorldSizes | None, Meta(description=(
+        "the world its streams reported or its upstream configures; null: none, or they disagree (world_conflict)"))]
+    world_conflict: Annotated[bool, Meta(description=(
+        "its streams reported different worlds, or one with more positions than the sidecar keeps rank identities "
+        "(world_implausible)"))]
+    world_implausible: Annotated[bool, Meta(description=(
+        "the one world reported has more positions (dp x pp x cp x attention tp) than ranks.max_ranks"))]
+    worlds: Annotated[list[WorldSizes], Meta(description="every distinct world its streams reported, at most 8")]
+    node: Annotated[NodeShare | None, Meta(description="null: the whole server is expected here (ranks.nodes 1)")]
+    ranks: Annotated[Count, Meta(description="positions some known stream reports for")]
+    live_ranks: Count
+    streams: Count
+    missing: Annotated[Count, Meta(description="exact: expected positions with no unexpired stream")]
+    dp_groups: Annotated[list[ServerGroup], Meta(description="ascending by dp_rank; expected ones and ones seen")]
 
 
 class Group(Model):
-    """A replica group: the ranks sharing dp_rank and static labels (they count the same logical tokens)."""
+    """A replica group: the streams sharing dp_rank and static labels (they count the same logical tokens)."""
 
     id: Annotated[str, Meta(pattern="^g[0-9]+$", description=(
         "g<N>, numbered in order (static labels, then dp_rank); unique within the document"))]
     label_set: LabelSetId
+    server: ServerId
     dp_rank: Count
     size: Count
     live: Count
     pp_ranks: list[Count]
     tp_ranks: list[Count]
     attn_cp_ranks: list[Count]
-    expected: Annotated[WorldSizes | None, Meta(description=(
-        "the world every rank with these static labels reported; null: none reported one, or they disagree "
-        "(world_conflict)"))]
-    world_conflict: Annotated[bool, Meta(description=(
-        "ranks with these static labels reported different worlds, or one with more positions than the sidecar "
-        "keeps rank identities (world_implausible)"))]
-    world_implausible: Annotated[bool, Meta(description=(
-        "the one world these ranks reported has more positions (tp_size x pp_size x dp_size) than "
-        "ranks.max_ranks: a conflict, nothing expected"))]
-    missing: Annotated[list[Position], Meta(description=(
-        "ascending (pp, tp); at most ranks.max_ranks listed over all groups"))]
-    missing_count: Annotated[Count, Meta(description=(
-        "exact: every position of `expected` (pp_size x tp_size) no member holds"))]
-    grid: Grid
 
 
-class MissingGroup(Model):
-    """A dp group of an agreed world that no known rank is in."""
+class RankTotals(Model):
+    """Ranks and streams counted apart, over every server: what the page's and top's headers say."""
 
-    label_set: LabelSetId
-    dp_rank: Count
-    expected: WorldSizes
-
-
-class MissingTotals(Model):
-    """Exact counts of what is missing, whatever the listings hold."""
-
-    positions: Annotated[Count, Meta(description=(
-        "(pp, tp) positions missing: the groups' missing_count plus tp_size x pp_size per missing group"))]
-    groups: Annotated[Count, Meta(description="dp groups missing")]
+    servers: Count
+    ranks: Annotated[Count, Meta(description="positions some known stream reports for")]
+    live_ranks: Count
+    streams: Count
+    missing: Annotated[Count, Meta(description="exact: expected positions with no unexpired stream")]
 
 
 # --- rollups, transfers, bandwidth, reasons, spread --------------------------------------------
@@ -377,6 +426,12 @@ class Upstream(Model):
     last_error: str | None
     unranked_families: list[str]
     cp_colliding_families: list[str]
+    world: Annotated[WorldSizes | None, Meta(description=(
+        "the world its ranks are expected in: `world:` in its config, completed by the engine's pp_size and "
+        "attn_cp_size labels; null: none configured"))]
+    world_problems: Annotated[list[str], Meta(description=(
+        "where the engine's labels contradict the configured world (at most 8, one line each); "
+        "the configured world is then not trusted"))]
 
 
 # --- the two bodies ----------------------------------------------------------------------------
@@ -389,11 +444,11 @@ class StatusDocument(Model):
     generated_at: UnixTime
     sidecar: Sidecar
     label_sets: Annotated[list[LabelSet], Meta(description="every static label set of a replica group, once, ascending")]
-    ranks: list[Rank]
+    totals: RankTotals
+    servers: list[Server]
+    ranks: Annotated[list[RankCell], Meta(description="the rank cells the grids draw, by server, dp, pp, cp, tp")]
+    streams: list[Stream]
     groups: list[Group]
-    missing_groups: Annotated[list[MissingGroup], Meta(description=(
-        "dp groups an agreed world expects that no known rank is in; at most ranks.max_ranks listed"))]
-    missing_totals: MissingTotals
     rollups: list[Rollup]
     transfers: list[Transfer]
     bandwidth: Bandwidth
@@ -433,23 +488,10 @@ class RanksResponse(Model):
 # --- reading the document --------------------------------------------------------------------
 
 
-def world_conflicts(doc: StatusDocument, name: Callable[[WorldSizes], str]
-                    ) -> list[tuple[str, bool, dict[str, int]]]:
-    """Each static label set whose groups report a world conflict: its label set id, whether its one
-    world is implausible (`world_implausible`), and how many of its ranks reported each world, the
-    worlds by `name` in first-seen order. One pass over the ranks; the page and `top` word it."""
-    conflicting: dict[str, bool] = {}  # label set -> whether its one world is implausible
-    for group in doc.groups:
-        if group.world_conflict:
-            conflicting[group.label_set] = group.world_implausible
-    counts: dict[str, dict[str, int]] = {key: {} for key in conflicting}
-    label_set_of = {group.id: group.label_set for group in doc.groups}
-    for rank in doc.ranks:
-        key = label_set_of[rank.group]
-        if rank.world is not None and key in counts:
-            world = name(rank.world)
-            counts[key][world] = counts[key].get(world, 0) + 1
-    return [(key, implausible, counts[key]) for key, implausible in conflicting.items()]
+def world_name(world: WorldSizes) -> str:
+    """`dp 2 × pp 2 × tp 2` (with `× cp N` when context parallel): a world as the page and top name it."""
+    cp = f" × cp {world.attn_cp_size}" if world.attn_cp_size > 1 else ""
+    return f"dp {world.dp_size} × pp {world.pp_size}{cp} × tp {world.attn_tp_size}"
 
 
 # --- the schema --------------------------------------------------------------------------------

@@ -47,12 +47,20 @@ class RankId(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True
     attn_cp_rank: RankNumber | None = None  # context-parallel rank; absent is 0, and not exposed
 
 
-class World(Struct, frozen=True, forbid_unknown_fields=True):
-    """Parallel sizes the rank was launched with (informational)."""
+class World(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """The parallel layout of the server the rank belongs to: the sidecar expects every rank of it.
+
+    Its ranks are dp_size groups, each pp_size stages x attn_cp_size context-parallel ranks x
+    attn_tp_size attention tp ranks. `attn_tp_size` absent is `tp_size` (a world without attention
+    sizes: every tp rank of a stage in each dp group). Under DP attention the engine's tp_size is
+    dp_size x attn_cp_size x attn_tp_size, and its scheduler labels the global tp rank.
+    """
 
     tp_size: WorldSize
     pp_size: WorldSize
     dp_size: WorldSize
+    attn_tp_size: WorldSize | None = None
+    attn_cp_size: WorldSize = 1
 
 
 class Hello(_Message, frozen=True, tag="hello"):

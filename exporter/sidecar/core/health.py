@@ -7,6 +7,7 @@ import time
 from prometheus_client import Histogram
 
 from exporter.errors import ErrorCode
+from exporter.protocol.messages import World
 
 DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
@@ -36,6 +37,8 @@ class UpstreamHealth:
         self.pass_through = 0  # families passed through in the last read
         self.series_resets = 0  # counters and histograms read lower than the last read (each one's own restart)
         self.flapping = 0  # series that went down too often to be restarts (upstream.FLAP_RESETS), as last read
+        self.world: World | None = None  # the world its ranks are expected in (configured, completed by labels)
+        self.world_problems: list[str] = []  # where the engine's labels contradict the configured world
 
     def error(self, kind: str, message: str = "", line: int | None = None) -> None:
         """Count an error; `last_error` keeps its kind and line, never `message` (the upstream's text is for the log)."""

@@ -23,6 +23,7 @@ from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import HistAccumulator, HistValue, LabelValues, Layout, RollupKey
 from exporter.sidecar.core.ranks import RankState, RankStatus
+from exporter.sidecar.core.servers import build_servers
 from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.expose.families import SELF, SELF_FAMILIES, ExposedFamilies, Family, value_sample_name
 
@@ -206,6 +207,11 @@ class SidecarCollector(Collector):
                                   "python_version": platform.python_version()}, 1.0)
         for status, count in state.ranks_by_status().items():
             add_value(metric["ranks"], {"state": status.value}, count)
+        config = state.config
+        for server in build_servers(state.known_ranks(), state.catalog.streams, config.max_ranks,
+                                    config.node_rank, config.nodes):
+            for dp, missing in sorted(server.missing_by_dp.items()):
+                add_value(metric["ranks_missing"], {**dict(server.labels), "dp_rank": str(dp)}, missing)
         up, last, restarts = metric["rank_up"], metric["rank_last_push_timestamp_seconds"], metric["rank_restarts"]
         for rank in ranks:
             labels = rank_labels[id(rank)]

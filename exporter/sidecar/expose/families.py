@@ -41,6 +41,9 @@ class Family:
 SELF_FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family(SELF + "build_info", "gauge", "Version, git revision and Python version of the running sidecar (value is always 1)."),
     Family(SELF + "ranks", "gauge", "Rank identities the sidecar knows, by status."),
+    Family(SELF + "ranks_missing", "gauge", (
+        "Ranks (positions) of a dp group that the server's world expects and no unexpired stream reports for; "
+        "by the server's labels and dp_rank, for servers with an expected world.")),
     Family(SELF + "rank_up", "gauge", "1 while the rank is connected and pushing, else 0."),
     Family(SELF + "rank_last_push_timestamp_seconds", "gauge", "Wall-clock time of the rank's last snapshot."),
     Family(SELF + "rank_restarts", "counter", "Process restarts (new epochs) seen for the rank."),

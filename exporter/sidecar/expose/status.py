@@ -29,6 +29,7 @@ from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import GroupKey, HistAccumulator, LabelValues, RollupKey, StaticKey
 from exporter.sidecar.core.ranks import RankState
+from exporter.sidecar.core.servers import Cell, Layout, Position, build_servers
 from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.core.window import Bandwidth
 from exporter.sidecar.expose.collector import build_revision, rollup_cells, window_increases
@@ -98,6 +99,12 @@ def identity_text(tp_rank: int, pp_rank: int, dp_rank: int, attn_cp_rank: int | 
     the page and `top` build it from the rank's axes, its label set and its own labels."""
     cp = () if attn_cp_rank is None else (f"cp={attn_cp_rank}",)
     return " ".join((f"tp={tp_rank}", f"pp={pp_rank}", f"dp={dp_rank}", *cp, *quoted_labels(static)))
+
+
+def cell_id(server: str, position: Position) -> str:
+    """A rank cell's id in the document: `v0/dp=1,pp=0,cp=0,tp=1`."""
+    dp, pp, cp, tp = position
+    return f"{server}/dp={dp},pp={pp},cp={cp},tp={tp}"
 
 
 def own_labels(rank: RankState) -> StaticKey:
@@ -200,93 +207,34 @@ class BandwidthHistory:
 
 
 def world_sizes(world: World | None) -> v1.WorldSizes | None:
-    """A world as the API shows it: tp_size, pp_size, dp_size; None for a rank that gave none."""
-    return None if world is None else v1.WorldSizes(tp_size=world.tp_size, pp_size=world.pp_size, dp_size=world.dp_size)
+    """A world as the API shows it, its attention sizes filled in; None for a stream that gave none."""
+    return None if world is None else layout_sizes(Layout.of(world))
 
 
-def label_set_worlds(ranks: Iterable[RankState]) -> dict[StaticKey, World | None]:
-    """Each static label set's world: the one its ranks reported, None where they disagree.
+def layout_sizes(layout: Layout) -> v1.WorldSizes:
+    return v1.WorldSizes(tp_size=layout.tp_size, pp_size=layout.pp_size, dp_size=layout.dp_size,
+                         attn_tp_size=layout.attn_tp_size, attn_cp_size=layout.attn_cp_size)
 
-    A label set is one server's ranks of one collector (its dp groups differ only by dp_rank), so
-    they were all launched with one world; ranks that say otherwise make every expectation of
-    that label set unknowable. A label set no rank reported a world for is absent.
+
+def grid_model(cells: Iterable[Cell], room: int) -> tuple[v1.Grid, list[Cell]]:
+    """What the grid of one dp group draws, at most `room` cells: rows of (pp, cp), columns of tp, exact
+    counts of what is left out, and the cells drawn (by row, then column).
+
+    Rows are the (pp, cp) pairs some cell (known or expected) has, columns its tp ranks; both are cut to
+    the room, columns first. The work is linear in the cells, which a plausible world bounds.
     """
-    seen: dict[StaticKey, set[World]] = {}
-    for rank in ranks:
-        if rank.world is not None:
-            seen.setdefault(rank.shared, set()).add(rank.world)
-    return {static: next(iter(worlds)) if len(worlds) == 1 else None for static, worlds in seen.items()}
-
-
-def world_positions(world: World) -> int:
-    """How many rank positions a world names: tp_size x pp_size x dp_size (its cp size is unknown)."""
-    return world.tp_size * world.pp_size * world.dp_size
-
-
-def plausible(world: World, max_ranks: int) -> bool:
-    """Whether this sidecar could ever hold every position of `world`: not more than the rank identities it
-    remembers (ranks.max_ranks). A larger world can never be filled, so its missing count would only
-    measure the claim (65,536 x 65,536 is within the protocol's bounds); it is reported as a conflict."""
-    return world_positions(world) <= max_ranks
-
-
-def missing_positions(world: World, members: Iterable[RankState], room: int) -> tuple[int, list[v1.Position]]:
-    """How many (pp_rank, tp_rank) positions of `world` no member holds at any cp rank, and the first `room` of them.
-
-    The count is exact; the listing visits at most the held positions plus `room`, so a world of
-    65536 x 65536 (the protocol's bounds) costs what a small one does.
-    """
-    held = {(r.pp_rank, r.tp_rank) for r in members if r.pp_rank < world.pp_size and r.tp_rank < world.tp_size}
-    count = world.pp_size * world.tp_size - len(held)
-    listed: list[v1.Position] = []
-    if count and room > 0:
-        for pp in range(world.pp_size):
-            for tp in range(world.tp_size):
-                if (pp, tp) not in held:
-                    listed.append(v1.Position(pp_rank=pp, tp_rank=tp))
-                    if len(listed) >= room:
-                        return count, listed
-    return count, listed
-
-
-Position = tuple[int, int | None, int]  # (pp_rank, attn_cp_rank, tp_rank) of a rank in a group's grid
-
-
-def _row_order(row: tuple[int, int | None]) -> tuple[int, bool, int]:
-    return row[0], row[1] is not None, row[1] or 0  # by pp stage, the row without a cp axis first
-
-
-def grid_model(held: Iterable[Position], missing: Iterable[tuple[int, int]], room: int) -> v1.Grid:
-    """What the grid of one group draws, at most `room` cells: rows of (pp, cp), columns of tp, and exact counts.
-
-    Columns are the tp ranks some member holds or a missing position names. Rows are every pp stage
-    (held or missing) by every cp rank of the group, as a layout has them, where that product fits
-    the room; where it does not (ranks at (i, i, i) make a cube of them), only the (pp, cp) rows some
-    member holds, and one row per pp stage that only missing positions name. Both are cut to the
-    room, columns first; the work is linear in the members and the listed missing positions.
-    """
-    held = list(held)
-    missing = list(missing)
-    tps = sorted({tp for _, _, tp in held} | {tp for _, tp in missing})
-    pps = sorted({pp for pp, _, _ in held} | {pp for pp, _ in missing})
-    cps: list[int | None] = [*sorted({cp for _, cp, _ in held if cp is not None})]
-    if not cps or any(cp is None for _, cp, _ in held):
-        cps.insert(0, None)  # a rank without a cp axis gets a row of its own
+    cells = list(cells)
+    tps = sorted({c.position[3] for c in cells})
+    pairs = sorted({(c.position[1], c.position[2]) for c in cells})
     columns = tps[:max(room, 0)]
     fit = room // len(columns) if columns else 0
-    rows: list[tuple[int, int | None]]
-    if len(pps) * len(cps) <= fit:
-        rows, row_count = [(pp, cp) for pp in pps for cp in cps], len(pps) * len(cps)
-    else:
-        pairs = {(pp, cp) for pp, cp, _ in held}
-        stages = {pp for pp, _ in pairs}
-        pairs.update((pp, None) for pp, _ in missing if pp not in stages)
-        ordered = sorted(pairs, key=_row_order)
-        rows, row_count = ordered[:fit], len(ordered)
+    rows = pairs[:fit]
     drawn_rows, drawn_columns = set(rows), set(columns)
-    hidden = sum(1 for pp, cp, tp in held if (pp, cp) not in drawn_rows or tp not in drawn_columns)
-    return v1.Grid(rows=[v1.GridRow(pp_rank=pp, attn_cp_rank=cp) for pp, cp in rows], tp_ranks=columns,
-                   row_count=row_count, column_count=len(tps), hidden_ranks=hidden)
+    drawn = [c for c in cells if (c.position[1], c.position[2]) in drawn_rows and c.position[3] in drawn_columns]
+    drawn.sort(key=lambda c: c.position)
+    grid = v1.Grid(rows=[v1.GridRow(pp_rank=pp, attn_cp_rank=cp) for pp, cp in rows], tp_ranks=columns,
+                   row_count=len(pairs), column_count=len(tps), hidden_ranks=len(cells) - len(drawn))
+    return grid, drawn
 
 
 class Lifecycle(TypedDict):
@@ -343,7 +291,8 @@ def upstream_rows(health: SidecarHealth) -> list[v1.Upstream]:
             last_scrape_duration_seconds=h.last_duration, samples=h.samples, scrapes=h.scrapes,
             ranks=h.ranks, pass_through_families=h.pass_through, errors=dict(h.errors),
             last_error=h.last_error, unranked_families=sorted(h.unranked),
-            cp_colliding_families=sorted(h.cp_colliding),
+            cp_colliding_families=sorted(h.cp_colliding), world=world_sizes(h.world),
+            world_problems=list(h.world_problems),
         )
         for h in health.upstreams.values()
     ]
@@ -372,26 +321,27 @@ class StatusView:
         """The whole status document, as of now."""
         state = self.state
         known, increases = window_increases(state)
-        cells = rollup_cells(state)
-        totals = {name: self._series_total(entries) for name, entries in cells.items()}
+        rolled = rollup_cells(state)
+        sums = {name: self._series_total(entries) for name, entries in rolled.items()}
         bandwidth = rolled_bandwidth(state, increases, known)
         bw_totals = {name: _total(bw for _, bw in entries) for name, entries in bandwidth.items()}
         registry_groups = state.replica_groups()
         ids = DocumentIds.of(registry_groups)
-        groups, missing_groups, missing_totals = self._groups(registry_groups, ids)
+        totals, servers, cells, streams, groups = self._servers(known, registry_groups, ids)
         return v1.StatusDocument(
             api_version=API_VERSION,
             generated_at=state.wall_time(),
             sidecar=self._sidecar(),
             label_sets=[v1.LabelSet(id=set_id, labels=dict(static)) for static, set_id in ids.label_sets.items()],
-            ranks=self._ranks(known, ids),
+            totals=totals,
+            servers=servers,
+            ranks=cells,
+            streams=streams,
             groups=groups,
-            missing_groups=missing_groups,
-            missing_totals=missing_totals,
-            rollups=self._rollups(cells, totals),
-            transfers=self._transfers(totals, bw_totals),
+            rollups=self._rollups(rolled, sums),
+            transfers=self._transfers(sums, bw_totals),
             bandwidth=self._bandwidth(bandwidth, bw_totals),
-            reasons=self._reasons(cells),
+            reasons=self._reasons(rolled),
             spread=self._spread(registry_groups, increases, ids),
             upstreams=upstream_rows(self.stats),
         )
@@ -418,7 +368,7 @@ class StatusView:
             snapshots_received=stats.snapshots_received,
             snapshots_applied=stats.snapshots_applied,
             samples_applied=stats.samples_applied,
-            ranks_by_state=v1.RanksByState(**{status.value: count for status, count in state.ranks_by_status().items()}),
+            streams_by_state=v1.StreamsByState(**{status.value: count for status, count in state.ranks_by_status().items()}),
             rejections=dict(sorted(stats.rejections.items())),
             rejections_total=sum(stats.rejections.values()),
             rollup_layout_conflicts=state.layout_conflicts(),
@@ -456,13 +406,65 @@ class StatusView:
             file_bytes=saving.file_bytes,
         )
 
-    def _ranks(self, known: list[RankState], ids: DocumentIds) -> list[v1.Rank]:
-        now = self.state.clock()
-        wall = self.state.wall_time()
-        return [
-            v1.Rank(
-                id=short_rank_id(ids.groups[rank.replica_group], rank),
+    def _servers(self, known: list[RankState], registry_groups: dict[GroupKey, list[RankState]], ids: DocumentIds
+                 ) -> tuple[v1.RankTotals, list[v1.Server], list[v1.RankCell], list[v1.Stream], list[v1.Group]]:
+        """The servers with their dp groups' grids, the rank cells they draw, every stream and every replica
+        group: ranks and streams counted apart (DESIGN section 13)."""
+        state = self.state
+        config = state.config
+        servers = build_servers(known, self.catalog.streams, config.max_ranks, config.node_rank, config.nodes)
+        server_ids = {server.labels: f"v{n}" for n, server in enumerate(servers)}
+        now, wall = state.clock(), state.wall_time()
+        cell_of: dict[int, str] = {}  # id(rank) -> its cell's id
+        stream_kind: dict[int, str] = {}
+        server_of: dict[int, str] = {}
+        out_servers: list[v1.Server] = []
+        out_cells: list[v1.RankCell] = []
+        room = GRID_CELLS
+        stream_ids = {id(rank): short_rank_id(ids.groups[rank.replica_group], rank) for rank in known}
+        for server in servers:
+            sid = server_ids[server.labels]
+            by_dp: dict[int, list[Cell]] = {}
+            for cell in server.cells.values():
+                by_dp.setdefault(cell.position[0], []).append(cell)
+                cid = cell_id(sid, cell.position)
+                for stream in cell.streams:
+                    cell_of[id(stream.rank)] = cid
+                    stream_kind[id(stream.rank)] = stream.kind
+                    server_of[id(stream.rank)] = sid
+            groups: list[v1.ServerGroup] = []
+            for dp in sorted(by_dp):
+                cells = by_dp[dp]
+                grid, drawn = grid_model(cells, min(GRID_CELLS_PER_GROUP, room))
+                room -= len(grid.rows) * len(grid.tp_ranks)
+                known_cells = [c for c in cells if c.streams]
+                groups.append(v1.ServerGroup(
+                    dp_rank=dp, ranks=len(known_cells), live=sum(1 for c in known_cells if c.state == "live"),
+                    missing=server.missing_by_dp.get(dp, 0), expected=dp in server.missing_by_dp, grid=grid))
+                out_cells.extend(v1.RankCell(
+                    id=cell_id(sid, c.position), server=sid, dp_rank=c.position[0], pp_rank=c.position[1],
+                    attn_cp_rank=c.position[2], tp_rank=c.position[3], state=c.state, expected=c.expected,
+                    streams=[stream_ids[id(s.rank)] for s in c.streams]) for c in drawn)
+            known_cells = server.known_cells
+            out_servers.append(v1.Server(
+                id=sid, labels=dict(server.labels),
+                expected=None if server.layout is None else layout_sizes(server.layout),
+                world_conflict=server.conflict, world_implausible=server.implausible,
+                worlds=[sizes for world in server.worlds if (sizes := world_sizes(world)) is not None],
+                node=None if server.share is None else v1.NodeShare(
+                    node_rank=server.share.node_rank, nodes=server.share.nodes,
+                    tp_ranks=(server.share.tp.start, server.share.tp.stop),
+                    pp_ranks=(server.share.pp.start, server.share.pp.stop)),
+                ranks=len(known_cells), live_ranks=sum(1 for c in known_cells if c.state == "live"),
+                streams=server.streams, missing=server.missing, dp_groups=groups,
+            ))
+        streams = [
+            v1.Stream(
+                id=stream_ids[id(rank)],
                 group=ids.groups[rank.replica_group],
+                server=server_of[id(rank)],
+                rank=cell_of[id(rank)],
+                kind=stream_kind[id(rank)],
                 tp_rank=rank.tp_rank,
                 pp_rank=rank.pp_rank,
                 dp_rank=rank.dp_rank,
@@ -475,72 +477,22 @@ class StatusView:
             )
             for rank in known
         ]
-
-    def _groups(self, groups: dict[GroupKey, list[RankState]], ids: DocumentIds
-                ) -> tuple[list[v1.Group], list[v1.MissingGroup], v1.MissingTotals]:
-        """The replica groups with their expected layout and missing positions, the dp groups no rank
-        of an expected layout holds, and the exact totals of both."""
-        state = self.state
-        max_ranks = state.config.max_ranks
-        reported = label_set_worlds(state.known_ranks())
-        implausible = {static for static, world in reported.items()
-                       if world is not None and not plausible(world, max_ranks)}
-        # An implausible world is a conflict: nothing is expected of it (docs/api.md).
-        worlds = {static: None if static in implausible else world for static, world in reported.items()}
-        cells = GRID_CELLS
-        # Listings are bounded (counts stay exact): at most max_ranks positions and as many groups,
-        # whatever sizes a rank claims; more than the sidecar could ever track is not worth listing.
-        room = max_ranks
-        positions = 0
-        out: list[v1.Group] = []
-        for key, members in sorted(groups.items(), key=lambda item: (item[0][1], item[0][0])):
-            world = worlds.get(key[1])
-            count, missing = missing_positions(world, members, room) if world is not None else (0, [])
-            room -= len(missing)
-            positions += count
-            grid = grid_model(((r.pp_rank, r.attn_cp_rank, r.tp_rank) for r in members),
-                              ((m.pp_rank, m.tp_rank) for m in missing), min(GRID_CELLS_PER_GROUP, cells))
-            cells -= len(grid.rows) * len(grid.tp_ranks)
-            out.append(v1.Group(
-                id=ids.groups[key],
-                label_set=ids.label_sets[key[1]],
-                dp_rank=key[0],
-                size=len(members),
-                live=sum(1 for rank in members if rank.live),
+        group_server = {rank.replica_group: server_of[id(rank)] for rank in known}
+        groups_out = [
+            v1.Group(
+                id=ids.groups[key], label_set=ids.label_sets[key[1]], server=group_server[key], dp_rank=key[0],
+                size=len(members), live=sum(1 for rank in members if rank.live),
                 pp_ranks=sorted({rank.pp_rank for rank in members}),
                 tp_ranks=sorted({rank.tp_rank for rank in members}),
                 attn_cp_ranks=sorted({rank.attn_cp_rank for rank in members if rank.attn_cp_rank is not None}),
-                expected=world_sizes(world),
-                world_conflict=key[1] in worlds and world is None,
-                world_implausible=key[1] in implausible,
-                missing=missing,
-                missing_count=count,
-                grid=grid,
-            ))
-        present: dict[StaticKey, set[int]] = {}
-        for dp_rank, static in groups:
-            present.setdefault(static, set()).add(dp_rank)
-        missing_groups: list[v1.MissingGroup] = []
-        absent_groups = 0
-        room = max_ranks
-        for static, world in sorted(worlds.items()):
-            if world is None:
-                continue
-            dps = present.get(static, set())
-            absent = world.dp_size - sum(1 for dp in dps if dp < world.dp_size)
-            absent_groups += absent
-            positions += absent * world.tp_size * world.pp_size
-            if not absent or room <= 0:
-                continue
-            expected = v1.WorldSizes(tp_size=world.tp_size, pp_size=world.pp_size, dp_size=world.dp_size)
-            label_set = ids.label_sets[static]
-            for dp in range(world.dp_size):  # visits at most the present dp ranks plus `room`
-                if dp not in dps:
-                    missing_groups.append(v1.MissingGroup(label_set=label_set, dp_rank=dp, expected=expected))
-                    room -= 1
-                    if room <= 0:
-                        break
-        return out, missing_groups, v1.MissingTotals(positions=positions, groups=absent_groups)
+            )
+            for key, members in sorted(registry_groups.items(), key=lambda item: (item[0][1], item[0][0]))
+        ]
+        all_known = [c for server in servers for c in server.known_cells]
+        totals = v1.RankTotals(
+            servers=len(servers), ranks=len(all_known), live_ranks=sum(1 for c in all_known if c.state == "live"),
+            streams=len(known), missing=sum(server.missing for server in servers))
+        return totals, out_servers, out_cells, streams, groups_out
 
     @staticmethod
     def _series_total(entries: list[tuple[RollupKey, float | HistAccumulator]]) -> float:

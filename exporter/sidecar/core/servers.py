@@ -1,0 +1,233 @@
+"""Servers, their ranks and their streams (DESIGN section 13): the whole picture a sidecar has.
+
+A *rank* is a position of one server: dp group, pp stage, attention cp rank and attention tp rank
+(one engine process on a GPU). A *stream* is one identity that reports for it: one engine collector
+(radix, storage, scheduler: the catalog's `streams` table names them by a marker label) or one pushed
+client. A *server* is the streams whose static labels differ only by the labels their collector adds.
+
+The expected world of a server is the one its streams said hello with (an upstream's configured
+world reaches the registry the same way); a position it expects that no unexpired stream holds is
+missing. Everything here is derived from the registry when read: nothing is stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from exporter.catalog import Collector, StreamSpec
+from exporter.protocol.messages import World
+from exporter.sidecar.core.keys import StaticKey
+from exporter.sidecar.core.ranks import RankState
+
+CLIENT_KIND = "client"  # a stream whose labels carry no collector's marker (a pushed RankClient of one's own)
+WORLDS_LISTED = 8  # distinct worlds kept per server for the conflict message; more only make it longer
+Position = tuple[int, int, int, int]  # (dp_rank, pp_rank, attn_cp_rank, attention tp_rank)
+CellState = Literal["live", "stale", "departed", "expired", "missing"]
+_LIVELINESS: dict[CellState, int] = {"live": 0, "stale": 1, "departed": 2, "expired": 3}
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A server's world as positions: dp groups x pp stages x attention cp ranks x attention tp ranks."""
+
+    tp_size: int  # the engine's tp size
+    pp_size: int
+    dp_size: int
+    attn_tp_size: int
+    attn_cp_size: int
+
+    @classmethod
+    def of(cls, world: World) -> Layout:
+        return cls(world.tp_size, world.pp_size, world.dp_size,
+                   world.tp_size if world.attn_tp_size is None else world.attn_tp_size, world.attn_cp_size)
+
+    @property
+    def positions(self) -> int:
+        return self.dp_size * self.pp_size * self.attn_cp_size * self.attn_tp_size
+
+    @property
+    def dp_attention(self) -> bool:
+        """The dp groups share one tp group (the engine's tp_size spans them all), as under DP attention."""
+        return self.dp_size > 1 and self.tp_size == self.dp_size * self.attn_cp_size * self.attn_tp_size
+
+    def attention_ranks(self, global_tp: int) -> tuple[int, int]:
+        """(attention cp rank, attention tp rank) of the engine's tp rank `global_tp` (the layout of
+        sglang runtime_context.py derive_attention_ranks: attention tp changes fastest, then cp, then dp)."""
+        return (global_tp // self.attn_tp_size) % self.attn_cp_size, global_tp % self.attn_tp_size
+
+    def global_tp(self, dp: int, cp: int, tp: int) -> int:
+        """The engine's tp rank of a position: under DP attention the dp groups are blocks of one tp group."""
+        group = dp if self.dp_attention else 0
+        return (group * self.attn_cp_size + cp) * self.attn_tp_size + tp
+
+
+@dataclass(frozen=True, slots=True)
+class NodeShare:
+    """The part of a multi-node server on one node, by the engine's placement (sglang
+    entrypoints/engine.py:2045-2075 `_calculate_rank_ranges`): a block of global tp ranks of a block of
+    pp stages."""
+
+    node_rank: int
+    nodes: int
+    tp: range
+    pp: range
+
+    @classmethod
+    def of(cls, layout: Layout, node_rank: int, nodes: int) -> NodeShare:
+        pp_per_node = max(layout.pp_size // nodes, 1)
+        nodes_per_pp = max(nodes // layout.pp_size, 1)
+        tp_per_node = max(layout.tp_size // nodes_per_pp, 1)
+        return cls(
+            node_rank, nodes,
+            tp=range(tp_per_node * (node_rank % nodes_per_pp), tp_per_node * (node_rank % nodes_per_pp + 1)),
+            pp=range(pp_per_node * (node_rank // nodes_per_pp), pp_per_node * (node_rank // nodes_per_pp + 1)),
+        )
+
+    def holds(self, layout: Layout, position: Position) -> bool:
+        dp, pp, cp, tp = position
+        return pp in self.pp and layout.global_tp(dp, cp, tp) in self.tp
+
+
+@dataclass(slots=True)
+class Stream:
+    """One identity as a stream: its kind and the position it reports for."""
+
+    rank: RankState
+    kind: str
+    position: Position
+
+
+@dataclass(slots=True)
+class Cell:
+    """One rank of a server: its position and the streams that report for it (none: missing)."""
+
+    position: Position
+    streams: list[Stream] = field(default_factory=list)
+    expected: bool = False
+
+    @property
+    def state(self) -> CellState:
+        """Its liveliest stream's state; `missing` when expected and no stream is unexpired."""
+        states: list[CellState] = [s.rank.status.value for s in self.streams]  # type: ignore[misc]
+        best: CellState = min(states, key=_LIVELINESS.__getitem__) if states else "missing"
+        return "missing" if self.expected and best in ("missing", "expired") else best
+
+    @property
+    def held(self) -> bool:
+        """Some stream reports for it and has not expired."""
+        return any(s.rank.status.value != "expired" for s in self.streams)
+
+
+@dataclass(slots=True)
+class Server:
+    """A server: its labels, its streams by position, its expected world and what of it is missing."""
+
+    labels: StaticKey
+    cells: dict[Position, Cell] = field(default_factory=dict)
+    worlds: list[World] = field(default_factory=list)
+    layout: Layout | None = None
+    conflict: bool = False
+    implausible: bool = False
+    share: NodeShare | None = None
+    streams: int = 0
+    missing_by_dp: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def missing(self) -> int:
+        return sum(self.missing_by_dp.values())
+
+    @property
+    def known_cells(self) -> list[Cell]:
+        return [cell for cell in self.cells.values() if cell.streams]
+
+
+def stream_kind(static: StaticKey, streams: Mapping[Collector, StreamSpec]) -> tuple[str, StreamSpec | None]:
+    """The collector whose marker label the identity carries, or (CLIENT_KIND, None)."""
+    names = {name for name, _ in static}
+    for collector, spec in streams.items():
+        if spec.marker in names:
+            return collector.value, spec
+    return CLIENT_KIND, None
+
+
+def server_labels(rank: RankState, spec: StreamSpec | None) -> StaticKey:
+    """The static labels that name a stream's server: its replica group's, less what its collector adds."""
+    if spec is None:
+        return rank.shared
+    return tuple(item for item in rank.shared if item[0] not in spec.labels)
+
+
+def build_servers(ranks: Iterable[RankState], streams: Mapping[Collector, StreamSpec], max_ranks: int,
+                  node_rank: int = 0, nodes: int = 1) -> list[Server]:
+    """Every server of `ranks`, by its labels, with cells for every position seen or expected.
+
+    A world with more positions than `max_ranks` is implausible (the sidecar could never hold it) and
+    expects nothing, as do streams that disagree on their world. The work is linear in the streams and
+    the expected positions, which a plausible world bounds by max_ranks.
+    """
+    by_key: dict[StaticKey, Server] = {}
+    placed: list[tuple[Server, RankState, str, StreamSpec | None]] = []
+    for rank in ranks:
+        kind, spec = stream_kind(rank.static, streams)
+        server = by_key.get(key := server_labels(rank, spec))
+        if server is None:
+            server = by_key[key] = Server(labels=key)
+        server.streams += 1
+        if rank.world is not None and rank.world not in server.worlds:
+            server.worlds.append(rank.world)
+        placed.append((server, rank, kind, spec))
+    for server in by_key.values():
+        layouts = {Layout.of(world) for world in server.worlds}
+        if len(layouts) == 1:
+            layout = next(iter(layouts))
+            if layout.positions <= max_ranks:
+                server.layout = layout
+            else:
+                server.conflict = server.implausible = True
+        elif layouts:
+            server.conflict = True
+        del server.worlds[WORLDS_LISTED:]
+        if server.layout is not None and nodes > 1:
+            server.share = NodeShare.of(server.layout, node_rank, nodes)
+    for server, rank, kind, spec in placed:
+        position = _position(rank, spec, server.layout)
+        cell = server.cells.get(position)
+        if cell is None:
+            cell = server.cells[position] = Cell(position)
+        cell.streams.append(Stream(rank, kind, position))
+    for server in by_key.values():
+        _expect(server)
+    return [by_key[key] for key in sorted(by_key)]
+
+
+def _position(rank: RankState, spec: StreamSpec | None, layout: Layout | None) -> Position:
+    cp = rank.attn_cp_rank or 0
+    if spec is not None and spec.tp_rank == "global" and layout is not None:
+        cp, tp = layout.attention_ranks(rank.tp_rank)
+        return rank.dp_rank, rank.pp_rank, cp, tp
+    return rank.dp_rank, rank.pp_rank, cp, rank.tp_rank
+
+
+def _expect(server: Server) -> None:
+    """Mark the cells of the expected world (this node's share of it) and count the missing per dp group."""
+    layout, share = server.layout, server.share
+    if layout is None:
+        return
+    for dp in range(layout.dp_size):
+        missing = expected = 0
+        for pp in range(layout.pp_size):
+            for cp in range(layout.attn_cp_size):
+                for tp in range(layout.attn_tp_size):
+                    position = (dp, pp, cp, tp)
+                    if share is not None and not share.holds(layout, position):
+                        continue
+                    cell = server.cells.get(position)
+                    if cell is None:
+                        cell = server.cells[position] = Cell(position)
+                    cell.expected = True
+                    expected += 1
+                    missing += not cell.held
+        if expected:  # a dp group wholly on other nodes is not this sidecar's to count
+            server.missing_by_dp[dp] = missing

@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how often the state file is written, as a Prometheus duration (default 5s; config "
                             "persistence.interval); it is written once more at SIGTERM")
 
+    serve.add_argument("--ranks.nodes", dest="ranks_nodes", type=int, metavar="N",
+                       help="nodes the server spans (the engine's --nnodes; config ranks.nodes; default 1): this "
+                            "sidecar then expects only its own node's ranks")
+    serve.add_argument("--ranks.node-rank", dest="ranks_node_rank", type=int, metavar="K",
+                       help="which node this sidecar runs on, 0 to N-1 (the engine's --node-rank; in a "
+                            "LeaderWorkerSet $(LWS_WORKER_INDEX); config ranks.node_rank; default 0)")
     serve.add_argument("--log-level", choices=LOG_LEVELS, help="override log_level")
 
     demo = sub.add_parser("demo", help="run the sidecar plus simulated ranks on a synthetic workload",
@@ -218,7 +224,8 @@ def _serve(args: argparse.Namespace) -> int:
     host, port, flags = _listen_settings(args)
     config = load_config(args.config, port=port, host=host, socket_path=args.socket,
                          upstreams=args.upstream, upstream_dirs=args.upstream_multiprocess_dir,
-                         persistence_file=args.persistence_file, persistence_interval=args.persistence_interval)
+                         persistence_file=args.persistence_file, persistence_interval=args.persistence_interval,
+                         nodes=args.ranks_nodes, node_rank=args.ranks_node_rank)
     if args.web_config_file is not None:
         config = apply_web_config(config, args.web_config_file)
     _setup_logging(args.log_level or config.log_level, args.log_format)

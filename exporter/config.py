@@ -402,6 +402,8 @@ def load_config(
     upstream_dirs: list[str] | None = None,
     persistence_file: Path | str | None = None,
     persistence_interval: str | None = None,
+    nodes: int | None = None,
+    node_rank: int | None = None,
 ) -> SidecarConfig:
     """Build the config: flags beat environment, which beats the file, which beats defaults.
 
@@ -435,6 +437,10 @@ def load_config(
         flag_layer.setdefault("persistence", {})["file"] = str(persistence_file)
     if persistence_interval is not None:
         flag_layer.setdefault("persistence", {})["interval"] = persistence_interval
+    if nodes is not None:
+        flag_layer.setdefault("ranks", {})["nodes"] = nodes
+    if node_rank is not None:
+        flag_layer.setdefault("ranks", {})["node_rank"] = node_rank
     # --upstream and --upstream-multiprocess-dir add upstreams with default settings; one the file
     # already names (same URL or directory) keeps the file's settings.
     given = [dict(u) for u in data.get("upstreams") or []] if isinstance(data.get("upstreams"), list) else None

@@ -193,7 +193,7 @@ class Stream(Model):
 
 
 class LabelSet(Model):
-    """A static label set some replica group carries, written once for the whole document."""
+    """A static label set some replica group or server carries, written once for the whole document."""
 
     id: Annotated[str, Meta(pattern="^s[0-9]+$", description=(
         "s<N>, numbered in ascending order of the labels; unique within the document"))]
@@ -251,8 +251,9 @@ class Server(Model):
     stream labels), with its expected world and its dp groups."""
 
     id: Annotated[str, Meta(pattern="^v[0-9]+$", description=(
-        "v<N>, numbered in ascending order of the labels; unique within the document"))]
-    labels: Annotated[Labels, Meta(description="static labels every stream of the server carries (less stream labels)")]
+        "v<N>, numbered in ascending order of its labels; unique within the document"))]
+    label_set: Annotated[LabelSetId, Meta(description=(
+        "its labels in `label_sets`: the static labels its streams share, less the labels their collector adds"))]
     expected: Annotated[WorldSizes | None, Meta(description=(
         "the world its streams reported or its upstream configures; null: none, or they disagree (world_conflict)"))]
     world_conflict: Annotated[bool, Meta(description=(
@@ -443,7 +444,8 @@ class StatusDocument(Model):
     api_version: Annotated[int, Meta(extra_json_schema={"const": API_VERSION})]
     generated_at: UnixTime
     sidecar: Sidecar
-    label_sets: Annotated[list[LabelSet], Meta(description="every static label set of a replica group, once, ascending")]
+    label_sets: Annotated[list[LabelSet], Meta(description=(
+        "every static label set of a replica group or a server, once, ascending"))]
     totals: RankTotals
     servers: list[Server]
     ranks: Annotated[list[RankCell], Meta(description="the rank cells the grids draw, by server, dp, pp, cp, tp")]

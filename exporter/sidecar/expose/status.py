@@ -29,7 +29,7 @@ from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import GroupKey, HistAccumulator, LabelValues, RollupKey, StaticKey
 from exporter.sidecar.core.ranks import RankState
-from exporter.sidecar.core.servers import Cell, Layout, Position, build_servers
+from exporter.sidecar.core.servers import Cell, Layout, Position, Server, build_servers
 from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.core.window import Bandwidth
 from exporter.sidecar.expose.collector import build_revision, rollup_cells, window_increases
@@ -122,21 +122,20 @@ def short_rank_id(group: str, rank: RankState) -> str:
 
 @dataclass(frozen=True, slots=True)
 class DocumentIds:
-    """One document's short ids: `s<N>` per static label set and `g<N>` per replica group, numbered in
-    exposition order (static labels, then dp rank). Unique and stable within one document only: a
-    rank arriving or being forgotten renumbers what sorts after it. Every label set is written once,
-    in `label_sets`, and everything else names it by these ids."""
+    """One document's short ids: `s<N>` per static label set (of a replica group or a server) and `g<N>`
+    per replica group, numbered in exposition order (static labels, then dp rank). Unique and stable
+    within one document only: a rank arriving or being forgotten renumbers what sorts after it. Every
+    label set is written once, in `label_sets`, and everything else names it by these ids."""
 
     label_sets: dict[StaticKey, str]
     groups: dict[GroupKey, str]
 
     @classmethod
-    def of(cls, groups: Iterable[GroupKey]) -> DocumentIds:
+    def of(cls, groups: Iterable[GroupKey], servers: Iterable[StaticKey] = ()) -> DocumentIds:
         keys = sorted(groups, key=lambda key: (key[1], key[0]))
-        label_sets: dict[StaticKey, str] = {}
-        for _, static in keys:
-            label_sets.setdefault(static, f"s{len(label_sets)}")
-        return cls(label_sets, {key: f"g{n}" for n, key in enumerate(keys)})
+        statics = sorted({static for _, static in keys} | set(servers))
+        return cls({static: f"s{n}" for n, static in enumerate(statics)},
+                   {key: f"g{n}" for n, key in enumerate(keys)})
 
 
 def rate(bw: Bandwidth | None) -> float | None:
@@ -326,8 +325,10 @@ class StatusView:
         bandwidth = rolled_bandwidth(state, increases, known)
         bw_totals = {name: _total(bw for _, bw in entries) for name, entries in bandwidth.items()}
         registry_groups = state.replica_groups()
-        ids = DocumentIds.of(registry_groups)
-        totals, servers, cells, streams, groups = self._servers(known, registry_groups, ids)
+        config = state.config
+        built = build_servers(known, self.catalog.streams, config.max_ranks, config.node_rank, config.nodes)
+        ids = DocumentIds.of(registry_groups, (server.labels for server in built))
+        totals, servers, cells, streams, groups = self._servers(known, built, registry_groups, ids)
         return v1.StatusDocument(
             api_version=API_VERSION,
             generated_at=state.wall_time(),
@@ -406,13 +407,12 @@ class StatusView:
             file_bytes=saving.file_bytes,
         )
 
-    def _servers(self, known: list[RankState], registry_groups: dict[GroupKey, list[RankState]], ids: DocumentIds
+    def _servers(self, known: list[RankState], servers: list[Server], registry_groups: dict[GroupKey, list[RankState]],
+                 ids: DocumentIds
                  ) -> tuple[v1.RankTotals, list[v1.Server], list[v1.RankCell], list[v1.Stream], list[v1.Group]]:
         """The servers with their dp groups' grids, the rank cells they draw, every stream and every replica
         group: ranks and streams counted apart (DESIGN section 13)."""
         state = self.state
-        config = state.config
-        servers = build_servers(known, self.catalog.streams, config.max_ranks, config.node_rank, config.nodes)
         server_ids = {server.labels: f"v{n}" for n, server in enumerate(servers)}
         now, wall = state.clock(), state.wall_time()
         cell_of: dict[int, str] = {}  # id(rank) -> its cell's id
@@ -447,7 +447,7 @@ class StatusView:
                     streams=[stream_ids[id(s.rank)] for s in c.streams]) for c in drawn)
             known_cells = server.known_cells
             out_servers.append(v1.Server(
-                id=sid, labels=dict(server.labels),
+                id=sid, label_set=ids.label_sets[server.labels],
                 expected=None if server.layout is None else layout_sizes(server.layout),
                 world_conflict=server.conflict, world_implausible=server.implausible,
                 worlds=[sizes for world in server.worlds if (sizes := world_sizes(world)) is not None],

@@ -110,7 +110,7 @@ class Cell:
     @property
     def state(self) -> CellState:
         """Its liveliest stream's state; `missing` when expected and no stream is unexpired."""
-        states: list[CellState] = [s.rank.status.value for s in self.streams]  # type: ignore[misc]
+        states: list[CellState] = [s.rank.status.value for s in self.streams]
         best: CellState = min(states, key=_LIVELINESS.__getitem__) if states else "missing"
         return "missing" if self.expected and best in ("missing", "expired") else best
 

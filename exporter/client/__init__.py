@@ -9,6 +9,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from exporter.catalog import Catalog, MetricType, default_catalog
 from exporter.client.metrics import CounterChild, GaugeChild, HistogramChild, LabelError, MetricSet
 from exporter.client.pusher import Pusher, PushStats
@@ -53,9 +55,7 @@ class RankClient:
         if interval <= 0:
             raise ValueError("interval must be positive")
         self.world = dict(world) if world else None
-        if self.world and set(self.world) != set(World.__struct_fields__):
-            raise LabelError(f"world must have exactly the keys {list(World.__struct_fields__)}, got {sorted(self.world)}")
-        self._world = World(**self.world) if self.world else None
+        self._world = _world(self.world) if self.world else None
         self.epoch = uuid.uuid4().hex
         self._help: dict[str, str] = {}
         self._help_lock = threading.Lock()
@@ -139,3 +139,18 @@ class RankClient:
             with self._help_lock:
                 help_texts, self._help_sent = dict(self._help), self._help_version
         return Snapshot(seq=seq, time=time.time(), samples=self.metrics.wire_samples(), help=help_texts)
+
+
+WORLD_REQUIRED = ("tp_size", "pp_size", "dp_size")
+
+
+def _world(sizes: dict[str, int]) -> World:
+    """The hello's world: tp_size, pp_size and dp_size, and optionally attn_tp_size and attn_cp_size (1 to 65536)."""
+    keys = set(sizes)
+    if not set(WORLD_REQUIRED) <= keys <= set(World.__struct_fields__):
+        raise LabelError(f"world must have the keys {list(WORLD_REQUIRED)} and may have attn_tp_size and "
+                         f"attn_cp_size, got {sorted(sizes)}")
+    try:
+        return msgspec.convert(sizes, World)
+    except msgspec.ValidationError as err:
+        raise LabelError(f"world: {err}") from None

@@ -175,18 +175,17 @@ def build_servers(ranks: Iterable[RankState], streams: Mapping[Collector, Stream
         if server is None:
             server = by_key[key] = Server(labels=key)
         server.streams += 1
-        if rank.world is not None and rank.world not in server.worlds:
-            server.worlds.append(rank.world)
+        if rank.world is not None and all(Layout.of(w) != Layout.of(rank.world) for w in server.worlds):
+            server.worlds.append(rank.world)  # one per layout, in the order first reported
         placed.append((server, rank, kind, spec))
     for server in by_key.values():
-        layouts = {Layout.of(world) for world in server.worlds}
-        if len(layouts) == 1:
-            layout = next(iter(layouts))
+        if len(server.worlds) == 1:
+            layout = Layout.of(server.worlds[0])
             if layout.positions <= max_ranks:
                 server.layout = layout
             else:
                 server.conflict = server.implausible = True
-        elif layouts:
+        elif server.worlds:
             server.conflict = True
         del server.worlds[WORLDS_LISTED:]
         if server.layout is not None and nodes > 1:
@@ -197,7 +196,10 @@ def build_servers(ranks: Iterable[RankState], streams: Mapping[Collector, Stream
         if cell is None:
             cell = server.cells[position] = Cell(position)
         cell.streams.append(Stream(rank, kind, position))
+    order = {collector.value: n for n, collector in enumerate(streams)}  # the catalog's order: radix, storage, ...
     for server in by_key.values():
+        for cell in server.cells.values():
+            cell.streams.sort(key=lambda s: order.get(s.kind, len(order)))  # stable: exposition order within a kind
         _expect(server)
     return [by_key[key] for key in sorted(by_key)]
 

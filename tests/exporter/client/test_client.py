@@ -133,6 +133,10 @@ def test_binding_errors_are_raised_at_bind_time() -> None:
         RankClient("/x.sock", rank=RANK, labels={"le": "1"})
     with pytest.raises(LabelError, match="world"):
         RankClient("/x.sock", rank=RANK, world={"tp_size": 2, "pp_size": 1})
+    with pytest.raises(LabelError, match="world"):
+        RankClient("/x.sock", rank=RANK, world={"tp_size": 2, "pp_size": 1, "dp_size": 1, "cp_size": 2})
+    with pytest.raises(LabelError, match="world: Expected `int` >= 1"):
+        RankClient("/x.sock", rank=RANK, world={"tp_size": 2, "pp_size": 1, "dp_size": 1, "attn_cp_size": 0})
 
 
 @pytest.mark.parametrize("rank, labels, message", [
@@ -163,6 +167,9 @@ def test_hello_and_snapshot_are_the_protocol_structs() -> None:
     assert snapshot.seq == 3 and ("load_back_tokens_total", {"pool": "kv"}, 7) in [
         (s.family, s.labels, s.value) for s in snapshot.samples]
     assert parse_client_message(encode_payload(RankClient("/x.sock", rank=RANK)._hello())).world is None
+    attention = {"tp_size": 8, "pp_size": 1, "dp_size": 2, "attn_tp_size": 2, "attn_cp_size": 2}
+    sent = RankClient("/x.sock", rank=RANK, world=attention)._hello()
+    assert parse_client_message(encode_payload(sent)).world == World(**attention)
 
 
 def test_a_rank_may_name_its_context_parallel_rank_and_nothing_else() -> None:

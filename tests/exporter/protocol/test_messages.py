@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,6 +18,7 @@ from exporter.protocol.messages import (
     ErrorMessage,
     Hello,
     Snapshot,
+    World,
     is_histogram,
     parse_client_message,
     parse_server_message,
@@ -455,3 +457,16 @@ def test_error_message_summarises_the_problem_location():
         parse_client_message(dumps(hello(pid=-1)))
     assert "pid" in info.value.message
 
+
+
+def test_a_world_without_attention_sizes_encodes_as_before_and_the_attention_sizes_decode() -> None:
+    """A client that sends no attention sizes writes the three keys an older sidecar accepts (omit_defaults);
+    a world with them decodes, and a key outside World is refused."""
+    plain = World(tp_size=2, pp_size=1, dp_size=1)
+    assert json.loads(msgspec.json.encode(plain)) == {"tp_size": 2, "pp_size": 1, "dp_size": 1}
+    sizes = {"tp_size": 8, "pp_size": 2, "dp_size": 2, "attn_tp_size": 2, "attn_cp_size": 2}
+    assert msgspec.json.decode(json.dumps(sizes), type=World) == World(**sizes)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(json.dumps({**sizes, "cp_size": 2}), type=World)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(json.dumps({**sizes, "attn_cp_size": 0}), type=World)

@@ -31,7 +31,7 @@ from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.expose import page
 from exporter.sidecar.expose import status as api
 from exporter.sidecar.expose.collector import window_increases
-from exporter.sidecar.expose.page import Names, render_page, sparkline_path
+from exporter.sidecar.expose.page import render_page, sparkline_path
 from exporter.sidecar.expose.status import SPREAD_THRESHOLD, TRANSFERS, BandwidthHistory, StatusView, _escaped
 from exporter.sidecar.http import app as app_module
 from tests.exporter.sidecar.harness import STATIC, Harness, bytes_, dropped, hist, one_hot, tokens
@@ -61,19 +61,24 @@ def doc_of(view: StatusView) -> dict[str, Any]:
     return json.loads(view.encode())
 
 
-def identity_of(doc: dict[str, Any], rank: dict[str, Any]) -> str:
-    """A rank's identity as the page writes it (page.Names.rank)."""
-    return Names(typed(doc)).rank(msgspec.convert(rank, v1.Rank))
-
-
-def rank_labels(doc: dict[str, Any], rank: dict[str, Any]) -> dict[str, str]:
-    """A rank's static labels, read back from its group's label set and its own labels."""
-    names = Names(typed(doc))
-    return {**names.labels[names.groups[rank["group"]].label_set], **rank["own_labels"]}
+def label_set(doc: dict[str, Any], set_id: str) -> dict[str, str]:
+    return next(s["labels"] for s in doc["label_sets"] if s["id"] == set_id)
 
 
 def group_labels(doc: dict[str, Any], group: dict[str, Any]) -> dict[str, str]:
-    return Names(typed(doc)).labels[group["label_set"]]
+    return label_set(doc, group["label_set"])
+
+
+def rank_labels(doc: dict[str, Any], stream: dict[str, Any]) -> dict[str, str]:
+    """A stream's static labels, read back from its group's label set and its own labels."""
+    group = next(g for g in doc["groups"] if g["id"] == stream["group"])
+    return {**group_labels(doc, group), **stream["own_labels"]}
+
+
+def identity_of(doc: dict[str, Any], stream: dict[str, Any]) -> str:
+    """A stream's identity as /metrics quotes it (status.identity_text)."""
+    static = tuple(sorted(rank_labels(doc, stream).items()))
+    return api.identity_text(stream["tp_rank"], stream["pp_rank"], stream["dp_rank"], stream["attn_cp_rank"], static)
 
 
 def assert_valid(definition: str, document: Any) -> None:
@@ -128,31 +133,32 @@ def test_status_is_valid_against_the_schema_and_names_every_source(proxied: tupl
     sidecar, http = proxied
     clients = [full_catalog_client(sidecar.socket_path, tp, tp + 1) for tp in range(2)]
     try:
-        wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["ranks"]) == 4)
+        wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["streams"]) == 4)
         doc = get_json(sidecar.url + "/api/v1/status")
         assert_valid("status", doc)
-        sources = {(r["tp_rank"], rank_labels(doc, r).get("model")): r["source"] for r in doc["ranks"]}
+        sources = {(r["tp_rank"], rank_labels(doc, r).get("model")): r["source"] for r in doc["streams"]}
         assert sources == {(0, HOSTILE): "push", (1, HOSTILE): "push",
                            (0, None): "upstream:engine-0", (1, None): "upstream:engine-0"}
-        assert {r["state"] for r in doc["ranks"]} == {"live"}
-        assert doc["sidecar"]["ranks_by_state"] == {"live": 4, "stale": 0, "departed": 0, "expired": 0}
+        assert {r["state"] for r in doc["streams"]} == {"live"}
+        assert doc["sidecar"]["streams_by_state"] == {"live": 4, "stale": 0, "departed": 0, "expired": 0}
         assert doc["sidecar"]["ready"] is True and doc["sidecar"]["connections"]["open"] == 2
         (upstream,) = doc["upstreams"]
         assert upstream["name"] == "engine-0" and upstream["source"] == http.url and upstream["up"]
         # Replica groups: the pushed pair and the proxied pair, each rank naming its group by id.
         groups = {g["id"]: g for g in doc["groups"]}
         (pushed,) = (g for g in groups.values() if group_labels(doc, g) == PUSHED_LABELS)
-        assert [r["id"] for r in doc["ranks"] if r["group"] == pushed["id"]] == [
+        assert [r["id"] for r in doc["streams"] if r["group"] == pushed["id"]] == [
             f'{pushed["id"]}/tp=0,pp=0', f'{pushed["id"]}/tp=1,pp=0']
         assert [s["labels"] for s in doc["label_sets"]].count(PUSHED_LABELS) == 1  # written once
         assert (pushed["size"], pushed["live"], pushed["tp_ranks"], pushed["pp_ranks"]) == (2, 2, [0, 1], [0])
-        assert {r["group"] for r in doc["ranks"]} == set(groups)
-        # No rank here said hello with a world (the proxy never invents one): nothing is expected, nothing missing.
-        assert all(r["world"] is None for r in doc["ranks"])
-        assert all(g["expected"] is None and g["missing"] == [] and not g["world_conflict"] for g in groups.values())
-        assert doc["missing_groups"] == [] and doc["missing_totals"] == {"positions": 0, "groups": 0}
+        assert {r["group"] for r in doc["streams"]} == set(groups)
+        # No stream here said hello with a world (the upstream configures none): nothing is expected, nothing missing.
+        assert all(r["world"] is None for r in doc["streams"])
+        assert all(v["expected"] is None and v["missing"] == 0 and not v["world_conflict"] for v in doc["servers"])
+        assert doc["totals"] == {"servers": 2, "ranks": 4, "live_ranks": 4, "streams": 4, "missing": 0}
+        assert {s["kind"] for s in doc["streams"]} == {"radix"}
         # Hostile label values come back exactly, as JSON strings.
-        assert all(rank_labels(doc, r)["model"] == HOSTILE for r in doc["ranks"] if r["source"] == "push")
+        assert all(rank_labels(doc, r)["model"] == HOSTILE for r in doc["streams"] if r["source"] == "push")
         assert_valid("ranks_response", get_json(sidecar.url + "/api/v1/ranks"))
     finally:
         for client in clients:
@@ -162,10 +168,10 @@ def test_status_is_valid_against_the_schema_and_names_every_source(proxied: tupl
 def test_every_number_equals_the_metrics_rollups(proxied: tuple[SidecarThread, EngineHTTP]) -> None:
     sidecar, _ = proxied
     clients = [full_catalog_client(sidecar.socket_path, tp, tp + 1) for tp in range(2)]
-    wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["ranks"]) == 4)
+    wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["streams"]) == 4)
     for client in clients:
         client.close()  # departed: the rollups keep their contribution and stop moving
-    wait_until(lambda: get_json(sidecar.url + "/api/v1/status")["sidecar"]["ranks_by_state"]["departed"] == 2)
+    wait_until(lambda: get_json(sidecar.url + "/api/v1/status")["sidecar"]["streams_by_state"]["departed"] == 2)
     doc = get_json(sidecar.url + "/api/v1/status")
     scrape = Scrape(sidecar.metrics_text())
     assert_valid("status", doc)
@@ -192,7 +198,7 @@ def test_every_number_equals_the_metrics_rollups(proxied: tuple[SidecarThread, E
         assert bw["bytes_per_second"] == pytest.approx(bw["bytes_delta"] / bw["seconds_delta"])
         assert transfers[bw["transfer"]]["bytes_per_second"] == bw["bytes_per_second"]
     assert doc["bandwidth"]["families"][0]["bytes_per_second"] == pytest.approx((3000 + 300) / (0.004 * 3 + 0.02))
-    for state, count in doc["sidecar"]["ranks_by_state"].items():
+    for state, count in doc["sidecar"]["streams_by_state"].items():
         assert scrape.value("hicache_exporter_ranks", state=state) == count
     for reason, count in doc["sidecar"]["rejections"].items():
         assert scrape.value("hicache_exporter_rejections_total", reason=reason) == count
@@ -214,18 +220,17 @@ def test_a_silent_rank_is_stale_in_the_api_and_on_the_page(proxied: tuple[Sideca
 
         def state() -> str | None:
             doc = get_json(sidecar.url + "/api/v1/status")
-            return next((r["state"] for r in doc["ranks"] if identity_of(doc, r) == identity), None)
+            return next((r["state"] for r in doc["streams"] if identity_of(doc, r) == identity), None)
 
         wait_until(lambda: state() == "live")
         wait_until(lambda: state() == "stale", timeout=STALE_AFTER + 5)
         doc = get_json(sidecar.url + "/api/v1/status")
         assert_valid("status", doc)
-        rank = next(r for r in doc["ranks"] if identity_of(doc, r) == identity)
+        rank = next(r for r in doc["streams"] if identity_of(doc, r) == identity)
         assert rank["seconds_since_push"] >= STALE_AFTER and rank["seq"] == 1 and rank["epoch"] == "quiet"
-        assert doc["sidecar"]["ranks_by_state"]["stale"] >= 1
-        page = http_get(sidecar.url + "/")[1].decode()
-        rank_id = next(r["id"] for r in get_json(sidecar.url + "/api/v1/status")["ranks"] if r["tp_rank"] == 5)
-        assert f'class="rank state-stale" data-rank="{html.escape(rank_id)}" title="{html.escape(identity)}' in page
+        assert doc["sidecar"]["streams_by_state"]["stale"] >= 1
+        assert next(c["state"] for c in doc["ranks"] if c["id"] == rank["rank"]) == "stale"
+        assert html.escape(identity) in http_get(sidecar.url + "/")[1].decode()
         assert sidecar.scrape().value("hicache_exporter_rank_up", tp_rank="5", dp_rank="7") == 0
     finally:
         raw.close()
@@ -311,7 +316,8 @@ def test_bandwidth_history_is_bounded_and_sampled_on_its_interval() -> None:
 def test_an_empty_sidecar_is_valid_too() -> None:
     doc = json.loads(view_of(Harness()).encode())
     assert_valid("status", doc)
-    assert doc["ranks"] == [] and doc["groups"] == [] and doc["spread"]["groups"] == []
+    assert doc["ranks"] == doc["streams"] == doc["servers"] == doc["groups"] == doc["spread"]["groups"] == []
+    assert doc["totals"] == {"servers": 0, "ranks": 0, "live_ranks": 0, "streams": 0, "missing": 0}
     assert all(t["tokens"] == 0 and t["bytes_per_second"] is None for t in doc["transfers"])
     assert "No rank has connected yet." in render_page(typed(doc))
 
@@ -345,15 +351,16 @@ def test_any_label_value_round_trips_through_json_and_is_text_on_the_page(value:
     h.push(rank, tokens(64))
     view = view_of(h)
     doc = json.loads(view.encode())  # valid JSON whatever the value holds
-    (row,) = doc["ranks"]
+    (row,) = doc["streams"]
     assert rank_labels(doc, row) == {**STATIC, "model": value} and row["own_labels"] == {}
     identity = identity_of(doc, row)
     assert identity.endswith(f'model="{_escaped(value)}"') and row["id"] == "g0/tp=0,pp=0"
+    (server,) = doc["servers"]
+    assert label_set(doc, server["label_set"]) == {"model": value}  # the radix stream's cache_type is its own
     parsed = _Page()
     parsed.feed(render_page(view.document()))
     parsed.close()
     assert parsed.tags <= PAGE_TAGS  # the value made no element of its own
-    assert parsed.rank_ids == [row["id"]]
     assert html.escape(identity) in render_page(view.document())  # the value, quoted as in /metrics
 
 
@@ -367,164 +374,218 @@ def test_status_and_page_are_gzipped_when_accepted(sidecar: SidecarThread) -> No
         assert json.loads(body)["api_version"] == 1 if path != "/" else body.startswith(b"<!doctype html>")
 
 
-# --- the ranks that should be there but are not ---
+# --- servers, ranks and streams; the ranks that should be there but are not ---
 
 GAP_LABELS = {"cache_type": "UnifiedRadixCache"}
+STORAGE_LABELS = {"storage_backend": "file", "pp_size": "2", "attn_cp_size": "1"}
+SCHEDULER_LABELS = {"model_name": "m", "engine_type": "unified"}
 
 
-def world_client(socket_path: str, tp: int, pp: int, dp: int, world: dict[str, int],
-                 labels: dict[str, str] = GAP_LABELS) -> RankClient:
-    """A rank that says hello with `world` and pushes one counter."""
-    client = RankClient(socket_path, rank={"tp_rank": tp, "pp_rank": pp, "dp_rank": dp}, labels=labels,
-                        interval=0.1, world=world, preset=False)
+def world_client(socket_path: str, tp: int, pp: int, dp: int, world: dict[str, int] | None,
+                 labels: dict[str, str] = GAP_LABELS, cp: int | None = None) -> RankClient:
+    """A stream that says hello with `world` and pushes one counter."""
+    rank = {"tp_rank": tp, "pp_rank": pp, "dp_rank": dp, **({} if cp is None else {"attn_cp_rank": cp})}
+    client = RankClient(socket_path, rank=rank, labels=labels, interval=0.1, world=world, preset=False)
     client.counter("load_back_tokens_total", pool="kv").inc(64)
     return client.start()
 
 
-def test_a_rank_that_never_started_is_missing_from_its_group(sidecar: SidecarThread) -> None:
-    world = {"tp_size": 2, "pp_size": 2, "dp_size": 2}
-    never_started = (1, 0, 1)  # tp 1, pp 0, dp 1
-    clients = [world_client(sidecar.socket_path, tp, pp, dp, world)
-               for dp in range(2) for pp in range(2) for tp in range(2) if (tp, pp, dp) != never_started]
+def cell(doc: dict[str, Any], dp: int, pp: int, tp: int, cp: int = 0, server: str = "v0") -> dict[str, Any]:
+    return next(c for c in doc["ranks"] if c["id"] == f"{server}/dp={dp},pp={pp},cp={cp},tp={tp}")
+
+
+DEMO_WORLD = {"tp_size": 4, "pp_size": 2, "dp_size": 2, "attn_tp_size": 2}  # tp2 (attention) pp2 dp2 under DP attention
+
+
+def demo_streams(socket_path: str, left_out: tuple[int, int, int] | None = None) -> list[RankClient]:
+    """The demo's server: per rank (dp, pp, attention tp) a radix and a storage stream, and a scheduler stream
+    at the global tp rank on attention tp 0, each with the server's world; `left_out` never starts."""
+    clients = []
+    for dp in range(2):
+        for pp in range(2):
+            for tp in range(2):
+                if (dp, pp, tp) == left_out:
+                    continue
+                clients.append(world_client(socket_path, tp, pp, dp, DEMO_WORLD))
+                clients.append(world_client(socket_path, tp, pp, dp, DEMO_WORLD, labels=STORAGE_LABELS, cp=0))
+                if tp == 0:
+                    clients.append(world_client(socket_path, 2 * dp, pp, dp, DEMO_WORLD,
+                                                labels={**SCHEDULER_LABELS, "moe_ep_rank": str(2 * dp)}))
+    return clients
+
+
+def test_the_demos_server_is_eight_ranks_of_twenty_streams_and_a_rank_that_never_started_is_missing(
+        sidecar: SidecarThread) -> None:
+    clients = demo_streams(sidecar.socket_path, left_out=(1, 0, 1))
     try:
-        wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["ranks"]) == 7)
+        wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["streams"]) == 17)
         doc = get_json(sidecar.url + "/api/v1/status")
         assert_valid("status", doc)
-        assert {json.dumps(r["world"], sort_keys=True) for r in doc["ranks"]} == {json.dumps(world, sort_keys=True)}
-        groups = {g["dp_rank"]: g for g in doc["groups"]}
-        assert groups[0]["expected"] == world and groups[1]["expected"] == world
-        assert not groups[0]["world_conflict"] and not groups[1]["world_conflict"]
-        assert groups[0]["missing"] == [] and groups[0]["missing_count"] == 0
-        assert groups[1]["missing"] == [{"pp_rank": 0, "tp_rank": 1}] and groups[1]["missing_count"] == 1
-        assert doc["missing_groups"] == [] and doc["missing_totals"] == {"positions": 1, "groups": 0}
-        page = render_page(typed(doc))
-        assert page.count('class="rank state-missing"') == 1 and ">missing</span>" in page
-        # The rank starts after all: its position is held, nothing is missing any more.
-        late = world_client(sidecar.socket_path, *never_started, world)
-        clients.append(late)
-        wait_until(lambda: get_json(sidecar.url + "/api/v1/status")["missing_totals"]["positions"] == 0)
+        assert doc["totals"] == {"servers": 1, "ranks": 7, "live_ranks": 7, "streams": 17, "missing": 1}
+        (server,) = doc["servers"]
+        assert label_set(doc, server["label_set"]) == {} and not server["world_conflict"]
+        assert server["expected"] == {**DEMO_WORLD, "attn_cp_size": 1}
+        assert [(g["dp_rank"], g["ranks"], g["missing"], g["expected"]) for g in server["dp_groups"]] == [
+            (0, 4, 0, True), (1, 3, 1, True)]
+        missing = cell(doc, 1, 0, 1)
+        assert missing["state"] == "missing" and missing["streams"] == [] and missing["expected"]
+        # Every stream of a rank is listed in its one cell: the scheduler's global tp 2 is dp 1's attention tp 0.
+        kinds = {s["id"]: s["kind"] for s in doc["streams"]}
+        assert sorted(kinds[i] for i in cell(doc, 1, 1, 0)["streams"]) == ["radix", "scheduler", "storage"]
+        assert sorted(kinds[i] for i in cell(doc, 1, 1, 1)["streams"]) == ["radix", "storage"]
+        assert {s["rank"] for s in doc["streams"] if s["kind"] == "scheduler" and s["tp_rank"] == 2} == {
+            "v0/dp=1,pp=0,cp=0,tp=0", "v0/dp=1,pp=1,cp=0,tp=0"}
+        scrape = sidecar.scrape()
+        assert scrape.value("hicache_exporter_ranks_missing", dp_rank="1") == 1
+        assert scrape.value("hicache_exporter_ranks_missing", dp_rank="0") == 0
+        # The rank starts after all: its cell holds its streams, nothing is missing any more.
+        clients += [world_client(sidecar.socket_path, 1, 0, 1, DEMO_WORLD),
+                    world_client(sidecar.socket_path, 1, 0, 1, DEMO_WORLD, labels=STORAGE_LABELS, cp=0)]
+        wait_until(lambda: get_json(sidecar.url + "/api/v1/status")["totals"]["streams"] == 20
+                   and get_json(sidecar.url + "/api/v1/status")["totals"]["missing"] == 0)
         doc = get_json(sidecar.url + "/api/v1/status")
         assert_valid("status", doc)
-        assert all(g["missing"] == [] for g in doc["groups"]) and 'class="rank state-missing"' not in render_page(typed(doc))
+        assert doc["totals"] == {"servers": 1, "ranks": 8, "live_ranks": 8, "streams": 20, "missing": 0}
+        assert len(doc["ranks"]) == 8 and cell(doc, 1, 0, 1)["state"] == "live"
+        assert sidecar.scrape().value("hicache_exporter_ranks_missing", dp_rank="1") == 0
     finally:
         for client in clients:
             client.close()
 
 
-def test_a_dp_group_with_no_rank_is_a_missing_group(sidecar: SidecarThread) -> None:
-    world = {"tp_size": 1, "pp_size": 2, "dp_size": 4}
-    clients = [world_client(sidecar.socket_path, 0, pp, dp, world) for dp in (0, 1, 3) for pp in range(2)]
-    other = {"cache_type": "HiRadixCache"}  # another label set with no world: nothing is expected of it
-    clients.append(world_client(sidecar.socket_path, 0, 0, 0, {}, labels=other))
-    try:
-        wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["ranks"]) == 7)
-        doc = get_json(sidecar.url + "/api/v1/status")
-        assert_valid("status", doc)
-        (gap_set,) = (s["id"] for s in doc["label_sets"] if s["labels"] == GAP_LABELS)
-        assert doc["missing_groups"] == [{"label_set": gap_set, "dp_rank": 2, "expected": world}]
-        assert doc["missing_totals"] == {"positions": 2, "groups": 1}  # the missing group's tp 1 x pp 2 positions
-        unknown = next(g for g in doc["groups"] if group_labels(doc, g) == other)
-        assert unknown["expected"] is None and unknown["missing"] == [] and not unknown["world_conflict"]
-        page = render_page(typed(doc))
-        assert 'data-missing-group="dp=2 cache_type=&quot;UnifiedRadixCache&quot;"' in page
-    finally:
-        for client in clients:
-            client.close()
-
-
-def test_ranks_that_disagree_on_the_world_expect_nothing(sidecar: SidecarThread) -> None:
-    clients = [world_client(sidecar.socket_path, 0, 0, 0, {"tp_size": 2, "pp_size": 1, "dp_size": 1}),
-               world_client(sidecar.socket_path, 1, 0, 0, {"tp_size": 4, "pp_size": 1, "dp_size": 1})]
-    try:
-        wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["ranks"]) == 2)
-        doc = get_json(sidecar.url + "/api/v1/status")
-        assert_valid("status", doc)
-        (group,) = doc["groups"]
-        assert group["world_conflict"] and group["expected"] is None
-        assert group["missing"] == [] and group["missing_count"] == 0  # tp 2 or tp 4: no position is known missing
-        assert doc["missing_totals"] == {"positions": 0, "groups": 0}
-        page = render_page(typed(doc))
-        assert '<p class="warning world-conflict">' in page
-        assert "tp 2 × pp 1 × dp 1 (1 rank)" in page and "tp 4 × pp 1 × dp 1 (1 rank)" in page
-    finally:
-        for client in clients:
-            client.close()
-
-
-def world_hello(h: Harness, tp: int, world: World, pp: int = 0, dp: int = 0, cp: int | None = None,
+def world_hello(h: Harness, tp: int, world: World | None, pp: int = 0, dp: int = 0, cp: int | None = None,
                 labels: dict[str, str] = STATIC) -> tuple[object, Any]:
     """A hello with `world` on a fresh connection token; (connection, rank)."""
     conn = object()
-    msg = Hello(protocol=1, epoch=f"e-{tp}-{pp}-{dp}-{cp}", pid=1, labels=dict(labels), world=world,
+    msg = Hello(protocol=1, epoch=f"e-{tp}-{pp}-{dp}-{cp}-{len(labels)}", pid=1, labels=dict(labels), world=world,
                 rank=RankId(tp_rank=tp, pp_rank=pp, dp_rank=dp, attn_cp_rank=cp))
     return conn, h.state.hello(conn, msg).rank
 
 
-def test_a_position_is_missing_only_when_no_cp_rank_holds_it() -> None:
+def test_a_dp_group_with_no_stream_is_all_missing_and_a_server_without_a_world_expects_nothing() -> None:
     h = Harness()
-    world = World(tp_size=3, pp_size=1, dp_size=1)
-    for tp, cp in ((0, 0), (0, 1), (1, 0)):  # tp 1 has only cp 0: not missing, the grid shows cp 1 absent
-        world_hello(h, tp, world, cp=cp)
-    doc = json.loads(view_of(h).encode())
+    world = World(tp_size=1, pp_size=2, dp_size=4)
+    for dp in (0, 1, 3):
+        for pp in range(2):
+            world_hello(h, 0, world, pp=pp, dp=dp)
+    world_hello(h, 0, None, labels={"cache_type": "HiRadixCache", "model": "other"})  # no world: nothing expected
+    doc = doc_of(view_of(h))
     assert_valid("status", doc)
-    (group,) = doc["groups"]
-    assert group["missing"] == [{"pp_rank": 0, "tp_rank": 2}] and group["missing_count"] == 1
-    assert group["attn_cp_ranks"] == [0, 1]
-    page = render_page(typed(doc))
-    assert '<td class="rank state-missing" rowspan="2" data-missing="0/2"' in page  # one cell over both cp rows
-    assert page.count('class="rank absent"') == 1  # (cp 1, tp 1)
+    with_world, without = sorted(doc["servers"], key=lambda v: v["expected"] is None)
+    assert [(g["dp_rank"], g["ranks"], g["missing"]) for g in with_world["dp_groups"]] == [
+        (0, 2, 0), (1, 2, 0), (2, 0, 2), (3, 2, 0)]
+    assert [cell(doc, 2, pp, 0, server=with_world["id"])["state"] for pp in range(2)] == ["missing", "missing"]
+    assert without["expected"] is None and without["missing"] == 0 and not without["world_conflict"]
+    assert [g["expected"] for g in without["dp_groups"]] == [False]
+    assert doc["totals"]["missing"] == 2 and doc["totals"]["servers"] == 2
 
 
-def test_a_forgotten_identity_leaves_its_position_missing() -> None:
-    h = Harness(ranks_config=RanksConfig(max_ranks=2, stale_after_seconds=1.0, expire_after_seconds=2.0))
+def test_streams_that_disagree_on_the_world_expect_nothing_and_list_the_worlds() -> None:
+    h = Harness()
+    world_hello(h, 0, World(tp_size=2, pp_size=1, dp_size=1))
+    world_hello(h, 1, World(tp_size=4, pp_size=1, dp_size=1))
+    doc = doc_of(view_of(h))
+    assert_valid("status", doc)
+    (server,) = doc["servers"]
+    assert server["world_conflict"] and not server["world_implausible"] and server["expected"] is None
+    assert [v1.world_name(msgspec.convert(w, v1.WorldSizes)) for w in server["worlds"]] == [
+        "dp 1 × pp 1 × tp 2", "dp 1 × pp 1 × tp 4"]
+    assert server["missing"] == 0 and all(not c["expected"] for c in doc["ranks"])
+
+
+def test_a_position_is_missing_only_when_no_stream_holds_it_and_cp_ranks_are_positions() -> None:
+    h = Harness()
+    world = World(tp_size=3, pp_size=1, dp_size=1, attn_cp_size=2)
+    for tp, cp in ((0, 0), (0, 1), (1, 0)):
+        world_hello(h, tp, world, cp=cp)
+    doc = doc_of(view_of(h))
+    assert_valid("status", doc)
+    (server,) = doc["servers"]
+    assert server["missing"] == 3  # (cp 1, tp 1), (cp 0, tp 2), (cp 1, tp 2)
+    assert {c["id"] for c in doc["ranks"] if c["state"] == "missing"} == {
+        "v0/dp=0,pp=0,cp=1,tp=1", "v0/dp=0,pp=0,cp=0,tp=2", "v0/dp=0,pp=0,cp=1,tp=2"}
+    (group,) = server["dp_groups"]
+    assert group["grid"]["rows"] == [{"pp_rank": 0, "attn_cp_rank": 0}, {"pp_rank": 0, "attn_cp_rank": 1}]
+    assert group["grid"]["tp_ranks"] == [0, 1, 2]
+
+
+def test_an_expired_stream_leaves_its_position_missing() -> None:
+    h = Harness(ranks_config=RanksConfig(stale_after_seconds=1.0, expire_after_seconds=2.0))
     world = World(tp_size=2, pp_size=1, dp_size=1)
     _, kept = world_hello(h, 0, world)
     conn, gone = world_hello(h, 1, world)
     h.state.disconnect(conn, gone)
+    h.push(kept, tokens(64))
+    assert cell(doc_of(view_of(h)), 0, 0, 1)["state"] == "departed"
     h.clock.advance(3.0)
     h.push(kept, tokens(64))
     doc = doc_of(view_of(h))
-    (group,) = doc["groups"]
-    assert [r["state"] for r in doc["ranks"]] == ["live", "expired"] and group["missing"] == []  # still known
-    h.hello(tp=0, labels={"cache_type": "HiRadixCache"})  # the registry is full: the expired identity is forgotten
-    doc = doc_of(view_of(h))
-    group = next(g for g in doc["groups"] if group_labels(doc, g) == STATIC)
-    assert [identity_of(doc, r) for r in doc["ranks"] if r["group"] == group["id"]] == [
-        'tp=0 pp=0 dp=0 cache_type="UnifiedRadixCache"']
-    assert group["missing"] == [{"pp_rank": 0, "tp_rank": 1}] and doc["missing_totals"]["positions"] == 1
+    expired = cell(doc, 0, 0, 1)
+    assert expired["state"] == "missing" and len(expired["streams"]) == 1  # still known, listed, and missing
+    assert doc["servers"][0]["missing"] == 1
 
 
 def test_a_world_at_the_protocol_bounds_is_a_conflict_and_expects_nothing() -> None:
     """65,536 x 65,536 x 65,536 is within the protocol's bounds and more than any sidecar keeps identities
-    for: its missing count (2**48) would only measure the claim. It used to be counted and listed; it is
-    now a world conflict (world_implausible) and nothing is missing."""
+    for: its missing count (2**48) would only measure the claim; it is a world conflict (world_implausible)."""
     h = Harness(ranks_config=RanksConfig(max_ranks=64))
     most = 1 << 16  # the protocol's largest world size
     world_hello(h, 5, World(tp_size=most, pp_size=most, dp_size=most), dp=3)
-    doc = json.loads(view_of(h).encode())
+    doc = doc_of(view_of(h))
     assert_valid("status", doc)
-    (group,) = doc["groups"]
-    assert group["world_conflict"] and group["world_implausible"] and group["expected"] is None
-    assert group["missing"] == [] and group["missing_count"] == 0
-    assert doc["missing_groups"] == [] and doc["missing_totals"] == {"positions": 0, "groups": 0}
-    assert ("world conflict: the ranks with cache_type=UnifiedRadixCache report tp 65536 × pp 65536 × dp 65536 "
-            "(1 rank), more positions than the 64 rank identities this sidecar keeps (ranks.max_ranks); "
-            "no missing rank can be worked out for them") in html.unescape(render_page(typed(doc)))
+    (server,) = doc["servers"]
+    assert server["world_conflict"] and server["world_implausible"] and server["expected"] is None
+    assert server["missing"] == 0 and doc["totals"]["missing"] == 0 and len(doc["ranks"]) == 1
 
 
-def test_plausible_worlds_count_exactly_and_list_boundedly() -> None:
-    """Three label sets, each a world of 8 x 8 = ranks.max_ranks positions with one rank: 189 missing,
-    counted exactly, at most max_ranks of them listed over all groups."""
+def test_plausible_worlds_count_exactly_and_draw_boundedly() -> None:
+    """Three servers, each a world of 8 x 8 = ranks.max_ranks positions with one stream: 189 missing,
+    counted exactly; each grid draws its 64 cells."""
     h = Harness(ranks_config=RanksConfig(max_ranks=64))
     for n in range(3):
-        world_hello(h, 5, World(tp_size=8, pp_size=8, dp_size=1), labels={"cache_type": f"c{n}"})
-    doc = json.loads(view_of(h).encode())
+        world_hello(h, 5, World(tp_size=8, pp_size=8, dp_size=1), labels={"cache_type": "c", "model": f"m{n}"})
+    doc = doc_of(view_of(h))
     assert_valid("status", doc)
-    assert [g["world_implausible"] or g["world_conflict"] for g in doc["groups"]] == [False] * 3
-    assert [g["missing_count"] for g in doc["groups"]] == [63] * 3
-    assert [len(g["missing"]) for g in doc["groups"]] == [63, 1, 0]
-    assert doc["groups"][0]["missing"][:6] == [{"pp_rank": 0, "tp_rank": tp} for tp in (0, 1, 2, 3, 4, 6)]
-    assert doc["missing_totals"] == {"positions": 189, "groups": 0}
+    assert [v["missing"] for v in doc["servers"]] == [63] * 3 and doc["totals"]["missing"] == 189
+    assert len(doc["ranks"]) == 3 * 64
+
+
+def test_the_scheduler_global_tp_rank_maps_through_the_world_with_context_parallel() -> None:
+    """tp_size 8 = dp 2 x cp 2 x attention tp 2 (sglang's layout: attention tp fastest, then cp, then dp):
+    global tp 6 is dp 1, cp 1, attention tp 0."""
+    h = Harness()
+    world = World(tp_size=8, pp_size=1, dp_size=2, attn_tp_size=2, attn_cp_size=2)
+    world_hello(h, 0, world, dp=1, cp=1)
+    world_hello(h, 6, world, dp=1, labels={**SCHEDULER_LABELS, "moe_ep_rank": "6"})
+    doc = doc_of(view_of(h))
+    cells = {c["id"]: c for c in doc["ranks"] if c["streams"]}
+    assert list(cells) == ["v0/dp=1,pp=0,cp=1,tp=0"] and len(cells["v0/dp=1,pp=0,cp=1,tp=0"]["streams"]) == 2
+    assert doc["totals"] == {"servers": 1, "ranks": 1, "live_ranks": 1, "streams": 2, "missing": 7}
+
+
+def test_two_servers_behind_one_sidecar_get_two_servers() -> None:
+    h = Harness()
+    world = World(tp_size=1, pp_size=1, dp_size=1)
+    for model in ("a", "b"):
+        world_hello(h, 0, world, labels={"cache_type": "UnifiedRadixCache", "model": model})
+        world_hello(h, 0, world, labels={"storage_backend": "file", "model": model})
+    doc = doc_of(view_of(h))
+    assert [label_set(doc, v["label_set"]) for v in doc["servers"]] == [{"model": "a"}, {"model": "b"}]
+    assert [v["ranks"] for v in doc["servers"]] == [1, 1] and doc["totals"]["streams"] == 4
+
+
+def test_a_node_expects_only_its_share_of_a_multi_node_server() -> None:
+    """tp 8 over 2 nodes (sglang engine.py placement): node 1 holds global tp 4-7, here dp 1 (DP attention,
+    dp 2 x attention tp 4); a rank of node 0 is not counted missing on node 1."""
+    h = Harness(ranks_config=RanksConfig(nodes=2, node_rank=1))
+    world = World(tp_size=8, pp_size=1, dp_size=2, attn_tp_size=4)
+    world_hello(h, 0, world, dp=1)
+    doc = doc_of(view_of(h))
+    assert_valid("status", doc)
+    (server,) = doc["servers"]
+    assert server["node"] == {"node_rank": 1, "nodes": 2, "tp_ranks": [4, 8], "pp_ranks": [0, 1]}
+    assert [(g["dp_rank"], g["missing"]) for g in server["dp_groups"]] == [(1, 3)]
+    assert server["missing"] == 3
 
 
 # --- bounds, ids, non-finite bandwidth (review findings) ---
@@ -577,7 +638,8 @@ def test_the_worst_case_document_fits_the_memory_budget() -> None:
     body = view_of(h).encode()
     assert len(body) < STATUS_WORST_CASE_BYTES, len(body)
     doc = json.loads(body)
-    assert len(doc["ranks"]) == len(doc["groups"]) == len(doc["label_sets"]) == ranks
+    assert len(doc["streams"]) == len(doc["groups"]) == len(doc["label_sets"]) == len(doc["servers"]) == ranks
+    assert len(doc["ranks"]) == ranks
     assert body.count(b"\\u0001" * 124) == 8 * ranks  # every label value once
 
 
@@ -592,7 +654,7 @@ def test_viewers_share_one_encoded_document_until_a_tick_or_a_frame() -> None:
     stats.frames_received += 1  # a hello or a snapshot arrived: rebuilt at once
     _, rank = h.hello()
     second = encoded.body(gzipped=False)
-    assert second is not first and len(json.loads(second)["ranks"]) == 1
+    assert second is not first and len(json.loads(second)["streams"]) == 1
     h.clock.advance(api.ENCODED_MAX_AGE_SECONDS)  # a tick later: rebuilt even without a frame
     assert encoded.body(gzipped=False) is not second
 
@@ -632,17 +694,15 @@ def test_an_overflowing_bandwidth_is_null_in_the_api_and_never_inf_or_nan_on_the
     assert sparkline_path([[0, 1.0], [1, inf], [2, nan], [3, 2.0]], 4) == "M0.0 12.0 M120.0 1.0"
 
 
-def test_a_rank_without_a_cp_axis_keeps_its_cell_beside_cp_ranks() -> None:
+def test_a_stream_without_a_cp_axis_is_cp_rank_0() -> None:
     h = Harness()
-    world = World(tp_size=2, pp_size=1, dp_size=1)
-    world_hello(h, 0, world)  # no cp axis
-    world_hello(h, 1, world, cp=0)
+    world = World(tp_size=2, pp_size=1, dp_size=1, attn_cp_size=2)
+    world_hello(h, 0, world)  # no cp axis: the radix collector's labels carry none
+    world_hello(h, 0, world, cp=0, labels={"storage_backend": "file"})
     world_hello(h, 1, world, cp=1)
-    doc = json.loads(view_of(h).encode())
-    parsed = _Page()
-    parsed.feed(render_page(typed(doc)))
-    assert sorted(parsed.rank_ids) == sorted(r["id"] for r in doc["ranks"])  # all three, tp 0 included
-    assert doc["groups"][0]["missing"] == []
+    doc = doc_of(view_of(h))
+    assert len(cell(doc, 0, 0, 0)["streams"]) == 2 and len(cell(doc, 0, 0, 1, cp=1)["streams"]) == 1
+    assert doc["servers"][0]["missing"] == 2
 
 
 def test_distinct_label_sets_that_read_alike_unquoted_get_distinct_ids() -> None:
@@ -650,7 +710,7 @@ def test_distinct_label_sets_that_read_alike_unquoted_get_distinct_ids() -> None
     h.hello(labels={"a": "1 b=2"})
     h.hello(labels={"a": "1", "b": "2"})
     doc = doc_of(view_of(h))
-    assert len({r["id"] for r in doc["ranks"]}) == 2 and len({g["id"] for g in doc["groups"]}) == 2
+    assert len({r["id"] for r in doc["streams"]}) == 2 and len({g["id"] for g in doc["groups"]}) == 2
 
 
 # Few names and characters that a quoting scheme must get right, so that near misses come up often.

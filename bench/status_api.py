@@ -152,11 +152,11 @@ def measure_in_process(ranks: int, repeats: int, progress: bool) -> dict[str, An
             sample, _ = _ms(lambda: history.sample(state, time.time()))
             sample_ms.append(sample)
     check = json.loads(view.encode())
-    if len(check["ranks"]) != ranks or {r["state"] for r in check["ranks"]} != {"live"}:
+    if len(check["streams"]) != ranks or {r["state"] for r in check["streams"]} != {"live"}:
         raise RuntimeError("the status document does not list every rank as live")
     unfilled = max(1, -(-ranks // (TP * PP))) * TP * PP - ranks  # the last dp group's, when ranks are not whole groups
-    if any(g["expected"] is None for g in check["groups"]) or check["missing_totals"]["positions"] != unfilled:
-        raise RuntimeError(f"the status document's layout is not the bench's: {check['missing_totals']}")
+    if any(v["expected"] is None for v in check["servers"]) or check["totals"]["missing"] != unfilled:
+        raise RuntimeError(f"the status document's layout is not the bench's: {check['totals']}")
     return {"metrics_ms": metrics_ms, "status_ms": status_ms, "page_ms": page_ms, "sample_ms": sample_ms,
             "groups": len(check["groups"]), "sizes": sizes}
 
@@ -205,8 +205,8 @@ def measure_http(ranks: int, repeats: int, progress: bool) -> dict[str, Any]:
                     if round_:  # the first round warms the connection and the sidecar's caches of names
                         times.append(elapsed)
             status = json.loads(sidecar.get("/api/v1/status"))
-            if len(status["ranks"]) != ranks:
-                raise RuntimeError(f"the sidecar lists {len(status['ranks'])} ranks, not {ranks}")
+            if len(status["streams"]) != ranks:
+                raise RuntimeError(f"the sidecar lists {len(status['streams'])} streams, not {ranks}")
         finally:
             for conn in conns:
                 conn.close()

@@ -17,6 +17,7 @@ from typing import Annotated, Any
 import msgspec
 
 from exporter.catalog import Catalog, MetricType
+from exporter.protocol.messages import World
 from exporter.sidecar.core.history import WindowHistory
 from exporter.sidecar.core.keys import HistAccumulator, HistValue, RollupCounter, SeriesKey, histogram_cost
 from exporter.sidecar.core.ranks import WINDOW_HISTORY_ENTRIES, RankIdentity, RankState
@@ -77,6 +78,7 @@ class SavedRank(msgspec.Struct, array_like=True, frozen=True):
     values: list[SavedValue]
     positions: list[SavedPosition]
     buckets: list[SavedBuckets]
+    world: World | None = None  # the server's world it said hello with: what it expects survives a restart
 
 
 class SavedCell(msgspec.Struct, array_like=True, frozen=True):
@@ -175,6 +177,7 @@ def dump(state: SidecarState) -> tuple[Any, ...]:
             [(key[0], labels_at(key[1], len(label_sets)), position) for key, position in rank.positions.items()],
             [(key[0], labels_at(key[1], len(label_sets)), bounds, list(counts), total)
              for key, (bounds, counts, total) in rank.bucket_positions.items()],
+            rank.world,
         ))
     created = ledger.created
     cells: list[tuple[Any, ...]] = [
@@ -277,7 +280,7 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
             history=WindowHistory(window, window / WINDOW_HISTORY_ENTRIES), silence=registry.silence,
             seq=saved_rank.seq, resumed=saved_rank.resumed, restarts=saved_rank.restarts, reconnects=saved_rank.reconnects,
             snapshots=saved_rank.snapshots, epoch_conflicts=saved_rank.epoch_conflicts, last_push_wall=saved_rank.last_push_wall,
-            restored=True,
+            restored=True, world=saved_rank.world,
         )
         rank.replaced_epochs.extend(saved_rank.replaced_epochs)
         # Timers restart from the load: departed now (expired ones stay expired); a reconnect's seq

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from exporter.catalog import Catalog, MetricType, Semantics, default_catalog
 from exporter.config import RanksConfig, SidecarConfig
 from exporter.errors import ProtocolError
+from exporter.protocol import messages
 from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.keys import RollupCounter, RollupKey
 from exporter.sidecar.core.ranks import RankIdentity, RankState, RankStatus
@@ -456,3 +457,18 @@ def test_a_restored_state_of_edited_values_never_fails_a_render_or_a_push(data: 
     renderer.render()
     renderer.render(openmetrics=True)
     view.document()
+
+
+def test_the_world_a_rank_said_hello_with_survives_a_restart_so_what_is_missing_stays_missing() -> None:
+    """A server of tp 2 whose tp 1 never started: after a restart, before any rank says hello again, the
+    restored identity still carries the world, so the position stays missing (not silently forgotten)."""
+    before, after = Harness(), Harness()
+    world = messages.World(tp_size=4, pp_size=1, dp_size=2, attn_tp_size=2)
+    before.state.hello(object(), messages.Hello(
+        protocol=1, epoch="e0", pid=1, labels={"cache_type": "UnifiedRadixCache"}, world=world,
+        rank=messages.RankId(tp_rank=0, pp_rank=0, dp_rank=0)))
+    round_trip(before, after)
+    (rank,) = after.state.ranks.values()
+    assert rank.world == world
+    doc = StatusView(SidecarConfig(), after.state, SidecarHealth()).document()
+    assert doc.totals.missing == 3 and doc.servers[0].expected is not None

@@ -12,7 +12,7 @@ missing. Everything here is derived from the registry when read: nothing is stor
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -52,6 +52,17 @@ class Layout:
         """The dp groups share one tp group (the engine's tp_size spans them all), as under DP attention."""
         return self.dp_size > 1 and self.tp_size == self.dp_size * self.attn_cp_size * self.attn_tp_size
 
+    @property
+    def span(self) -> int:
+        """The engine tp ranks of one tp group: every dp group's under DP attention, else one replica's."""
+        return self.attn_cp_size * self.attn_tp_size * (self.dp_size if self.dp_attention else 1)
+
+    @property
+    def engine_tp_everywhere(self) -> bool:
+        """Every collector labels the engine's tp rank: a replica's tp group without DP attention, where the
+        radix and storage labels carry tp_rank, not attn_tp_rank (its sizes say so: tp = cp x attention tp)."""
+        return not self.dp_attention and self.tp_size == self.attn_cp_size * self.attn_tp_size
+
     def attention_ranks(self, global_tp: int) -> tuple[int, int]:
         """(attention cp rank, attention tp rank) of the engine's tp rank `global_tp` (the layout of
         sglang runtime_context.py derive_attention_ranks: attention tp changes fastest, then cp, then dp)."""
@@ -59,8 +70,46 @@ class Layout:
 
     def global_tp(self, dp: int, cp: int, tp: int) -> int:
         """The engine's tp rank of a position: under DP attention the dp groups are blocks of one tp group."""
-        group = dp if self.dp_attention else 0
-        return (group * self.attn_cp_size + cp) * self.attn_tp_size + tp
+        return self._block(dp).start + cp * self.attn_tp_size + tp
+
+    def _block(self, dp: int) -> range:
+        """The engine's tp ranks of dp group `dp`: its block of the one tp group under DP attention, else a
+        replica's own tp group."""
+        width = self.attn_cp_size * self.attn_tp_size
+        start = dp * width if self.dp_attention else 0
+        return range(start, start + width)
+
+    def _shared(self, share: NodeShare | None) -> tuple[range, range, range]:
+        """(dp groups, pp stages, global tp ranks) that `share` holds of this layout (all of it without one)."""
+        if share is None:
+            return range(self.dp_size), range(self.pp_size), range(self.span)
+        pp = range(max(share.pp.start, 0), min(share.pp.stop, self.pp_size))
+        tp = range(share.tp.start, min(share.tp.stop, self.span))
+        if not self.dp_attention or not tp:
+            return range(self.dp_size), pp, tp
+        width = self.attn_cp_size * self.attn_tp_size
+        return range(tp.start // width, min((tp.stop - 1) // width + 1, self.dp_size)), pp, tp
+
+    def expected_count(self, share: NodeShare | None) -> int:
+        """How many positions of this layout `share` holds (the whole layout without one), by arithmetic."""
+        dps, pps, tps = self._shared(share)
+        ranks = sum(len(_overlap(self._block(dp), tps)) for dp in dps) if self.dp_attention else (
+            len(dps) * len(_overlap(self._block(0), tps)))
+        return len(pps) * ranks
+
+    def expected(self, share: NodeShare | None) -> Iterator[Position]:
+        """The positions `share` holds (the whole layout without one); as many as expected_count says."""
+        dps, pps, tps = self._shared(share)
+        for dp in dps:
+            block = self._block(dp)
+            for pp in pps:
+                for global_tp in _overlap(block, tps):
+                    offset = global_tp - block.start
+                    yield dp, pp, offset // self.attn_tp_size, offset % self.attn_tp_size
+
+
+def _overlap(a: range, b: range) -> range:
+    return range(max(a.start, b.start), min(a.stop, b.stop))
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,18 +227,24 @@ def build_servers(ranks: Iterable[RankState], streams: Mapping[Collector, Stream
         if rank.world is not None and all(Layout.of(w) != Layout.of(rank.world) for w in server.worlds):
             server.worlds.append(rank.world)  # one per layout, in the order first reported
         placed.append((server, rank, kind, spec))
-    for server in by_key.values():
+    # Expected positions over every server together are bounded by what the sidecar could ever hold:
+    # ranks.max_ranks identities, one stream at least per rank. A world past what is left (in label order)
+    # is implausible and expects nothing, so the work and the ranks_missing series stay bounded.
+    room = max_ranks
+    for key in sorted(by_key):
+        server = by_key[key]
         if len(server.worlds) == 1:
             layout = Layout.of(server.worlds[0])
-            if layout.positions <= max_ranks:
-                server.layout = layout
+            share = NodeShare.of(layout, node_rank, nodes) if nodes > 1 else None
+            count = layout.expected_count(share)
+            if count <= room:
+                server.layout, server.share = layout, share
+                room -= count
             else:
                 server.conflict = server.implausible = True
         elif server.worlds:
             server.conflict = True
         del server.worlds[WORLDS_LISTED:]
-        if server.layout is not None and nodes > 1:
-            server.share = NodeShare.of(server.layout, node_rank, nodes)
     for server, rank, kind, spec in placed:
         position = _position(rank, spec, server.layout)
         cell = server.cells.get(position)
@@ -205,8 +260,13 @@ def build_servers(ranks: Iterable[RankState], streams: Mapping[Collector, Stream
 
 
 def _position(rank: RankState, spec: StreamSpec | None, layout: Layout | None) -> Position:
+    """The position a stream reports for. The scheduler labels the engine's tp rank; without DP attention
+    so do the radix and storage collectors (radix_cache_metric_labels: tp_rank, not attn_tp_rank), which
+    only differs from the attention tp rank under context parallelism. Such a tp rank maps through the
+    world to (cp, attention tp); one outside the world keeps its label, as an unexpected cell."""
     cp = rank.attn_cp_rank or 0
-    if spec is not None and spec.tp_rank == "global" and layout is not None:
+    engine_tp = spec is not None and spec.tp_rank == "global" or layout is not None and layout.engine_tp_everywhere
+    if layout is not None and engine_tp and rank.tp_rank < layout.span:
         cp, tp = layout.attention_ranks(rank.tp_rank)
         return rank.dp_rank, rank.pp_rank, cp, tp
     return rank.dp_rank, rank.pp_rank, cp, rank.tp_rank
@@ -214,22 +274,13 @@ def _position(rank: RankState, spec: StreamSpec | None, layout: Layout | None) -
 
 def _expect(server: Server) -> None:
     """Mark the cells of the expected world (this node's share of it) and count the missing per dp group."""
-    layout, share = server.layout, server.share
+    layout = server.layout
     if layout is None:
         return
-    for dp in range(layout.dp_size):
-        missing = expected = 0
-        for pp in range(layout.pp_size):
-            for cp in range(layout.attn_cp_size):
-                for tp in range(layout.attn_tp_size):
-                    position = (dp, pp, cp, tp)
-                    if share is not None and not share.holds(layout, position):
-                        continue
-                    cell = server.cells.get(position)
-                    if cell is None:
-                        cell = server.cells[position] = Cell(position)
-                    cell.expected = True
-                    expected += 1
-                    missing += not cell.held
-        if expected:  # a dp group wholly on other nodes is not this sidecar's to count
-            server.missing_by_dp[dp] = missing
+    for position in layout.expected(server.share):
+        cell = server.cells.get(position)
+        if cell is None:
+            cell = server.cells[position] = Cell(position)
+        cell.expected = True
+        dp = position[0]
+        server.missing_by_dp[dp] = server.missing_by_dp.get(dp, 0) + (not cell.held)

@@ -267,6 +267,7 @@ class SidecarCollector(Collector):
         # A sidecar without upstreams, or without a state file, shows no empty families of either.
         hidden: tuple[str, ...] = () if health.upstreams else ("upstream_",)
         hidden += () if saving.enabled else ("persistence_",)
+        hidden += () if metric["ranks_missing"].samples else ("ranks_missing",)  # no server with an expected world
         yield from (m for name, m in metric.items() if not name.startswith(hidden))  # startswith(()) is False
 
 

@@ -76,8 +76,8 @@ def test_missing_is_every_expected_position_no_stream_holds(world: World, data: 
                  for cp in range(layout.attn_cp_size) for tp in range(layout.attn_tp_size)]
     held = data.draw(st.sets(st.sampled_from(positions)))
     h = Harness()
-    for dp, pp, cp, tp in held:
-        join(h, tp, world, pp=pp, dp=dp, cp=cp)
+    for dp, pp, cp, tp in held:  # labelled as the engine labels its radix series: its tp rank without DP attention
+        join(h, layout.global_tp(dp, cp, tp) if layout.engine_tp_everywhere else tp, world, pp=pp, dp=dp, cp=cp)
     (server,) = servers_of(h) or [None]
     if server is None:
         return  # nothing joined: no server, nothing to expect
@@ -135,3 +135,46 @@ def test_an_implausible_or_conflicting_world_expects_nothing() -> None:
     join(h2, 1, World(tp_size=2, pp_size=1, dp_size=1, attn_tp_size=1))  # the same sizes, another layout
     (server,) = servers_of(h2)
     assert server.conflict and not server.implausible and len(server.worlds) == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(world=LAYOUTS, data=st.data())
+def test_a_nodes_expected_positions_are_counted_and_listed_alike(world: World, data: st.DataObject) -> None:
+    """expected_count (arithmetic) and expected (a listing within the share) agree with testing every
+    position of the layout against the share, for any node count, dividing or not."""
+    layout = Layout.of(world)
+    nodes = data.draw(st.integers(1, 9))
+    share = NodeShare.of(layout, data.draw(st.integers(0, nodes - 1)), nodes)
+    every = [(dp, pp, cp, tp) for dp in range(layout.dp_size) for pp in range(layout.pp_size)
+             for cp in range(layout.attn_cp_size) for tp in range(layout.attn_tp_size)]
+    held = [p for p in every if share.holds(layout, p)]
+    assert sorted(layout.expected(share)) == held
+    assert layout.expected_count(share) == len(held)
+    assert layout.expected_count(None) == layout.positions == len(list(layout.expected(None)))
+
+
+def test_worlds_past_what_the_sidecar_could_hold_expect_nothing_so_the_work_stays_bounded() -> None:
+    """1,024 streams, each its own server claiming a world of 1,024 positions: only the first server's world
+    fits ranks.max_ranks (1,024 identities); the others are implausible. Before this bound every server
+    expected its world: 1,048,576 cells and ranks_missing series, 11 s per scrape."""
+    h = Harness()
+    world = World(tp_size=1, pp_size=1, dp_size=1024)
+    for n in range(1024):
+        join(h, 0, world, labels={"cache_type": "c", "model": f"m{n:04d}"})
+    servers = servers_of(h)
+    assert len(servers) == 1024
+    assert [s.implausible for s in servers] == [False] + [True] * 1023
+    assert sum(len(s.cells) for s in servers) == 1024 + 1023
+    assert servers[0].missing == 1023 and sum(s.missing for s in servers) == 1023
+
+
+def test_without_dp_attention_the_radix_tp_rank_is_the_engines_and_maps_to_its_cp_rank() -> None:
+    """tp 4 = cp 2 x attention tp 2, no DP attention: radix_cache_metric_labels gives the engine's tp rank
+    (3), which is cp 1, attention tp 1; a tp rank outside the world keeps its label as an unexpected cell."""
+    h = Harness()
+    world = World(tp_size=4, pp_size=1, dp_size=1, attn_tp_size=2, attn_cp_size=2)
+    join(h, 3, world)
+    join(h, 9, world)
+    (server,) = servers_of(h)
+    assert [p for p, c in server.cells.items() if c.streams] == [(0, 0, 1, 1), (0, 0, 0, 9)]
+    assert not server.cells[(0, 0, 0, 9)].expected and server.missing == 3

@@ -538,16 +538,17 @@ def test_a_world_at_the_protocol_bounds_is_a_conflict_and_expects_nothing() -> N
     assert server["missing"] == 0 and doc["totals"]["missing"] == 0 and len(doc["ranks"]) == 1
 
 
-def test_plausible_worlds_count_exactly_and_draw_boundedly() -> None:
-    """Three servers, each a world of 8 x 8 = ranks.max_ranks positions with one stream: 189 missing,
-    counted exactly; each grid draws its 64 cells."""
+def test_worlds_count_exactly_while_they_fit_what_the_sidecar_can_hold() -> None:
+    """Three servers, each a world of 8 x 8 = ranks.max_ranks positions with one stream: the first one's
+    63 missing are counted exactly and drawn; the others' worlds would take the sidecar past the identities
+    it keeps, so they are implausible and expect nothing."""
     h = Harness(ranks_config=RanksConfig(max_ranks=64))
     for n in range(3):
         world_hello(h, 5, World(tp_size=8, pp_size=8, dp_size=1), labels={"cache_type": "c", "model": f"m{n}"})
     doc = doc_of(view_of(h))
     assert_valid("status", doc)
-    assert [v["missing"] for v in doc["servers"]] == [63] * 3 and doc["totals"]["missing"] == 189
-    assert len(doc["ranks"]) == 3 * 64
+    assert [(v["missing"], v["world_implausible"]) for v in doc["servers"]] == [(63, False), (0, True), (0, True)]
+    assert doc["totals"]["missing"] == 63 and len(doc["ranks"]) == 64 + 2
 
 
 def test_the_scheduler_global_tp_rank_maps_through_the_world_with_context_parallel() -> None:

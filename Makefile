@@ -1,5 +1,5 @@
 # Two commands: `make demo` runs the sidecar with simulated ranks; `make test` runs the linters
-# (`make lint`: ruff, mypy and the import contracts), then the tests (it first installs or names promtool, Prometheus and Chromium).
+# (`make lint`: ruff, mypy and the import contracts), then the tests (it first installs or names promtool, Prometheus, Chromium, podman, buildah and mmdebstrap).
 # `make bench` runs the benchmarks (`make bench BENCH_ARGS=--quick` for a short pass).
 VENV ?= .venv
 PYTHON ?= python3
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo lint test bench serve venv clean upstream-wheel prometheus-tools chromium
+.PHONY: demo lint test bench serve venv clean upstream-wheel prometheus-tools chromium image-tools
 
 venv: $(STAMP)
 
@@ -38,6 +38,10 @@ prometheus-tools:
 chromium:
 	@$(SHELL) .ci/chromium
 
+# podman, buildah and mmdebstrap, for the image test (tests/deploy/test_image.py): the same way.
+image-tools:
+	@$(SHELL) .ci/image-tools
+
 # `make test` checks them when the Makefile is read (not under -n), so that a missing tool stops
 # it at once with one line, before any install or lint.
 ifneq ($(filter test,$(MAKECMDGOALS)),)
@@ -50,6 +54,10 @@ CHROMIUM_MISSING := $(shell $(SHELL) .ci/chromium --make)
 ifneq ($(CHROMIUM_MISSING),)
 $(error $(CHROMIUM_MISSING))
 endif
+IMAGE_TOOLS_MISSING := $(shell $(SHELL) .ci/image-tools --make)
+ifneq ($(IMAGE_TOOLS_MISSING),)
+$(error $(IMAGE_TOOLS_MISSING))
+endif
 endif
 endif
 
@@ -61,7 +69,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy exporter cache_core
 	$(VENV)/bin/lint-imports
 
-test: prometheus-tools chromium $(STAMP) lint
+test: prometheus-tools chromium image-tools $(STAMP) lint
 	$(PY) -m pytest
 
 # The released SGLang wheel (39 MB, without its dependencies) whose collectors tests/integrations run,

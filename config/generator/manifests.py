@@ -444,9 +444,10 @@ def lws_example(ns: str) -> list[dict[str, Any]]:
                     |   whenDeleted: Delete
                     |   whenScaled: Delete
                     """): template("leader", """
-                    Node rank 0: the scheduler ranks tp 0-7 and the HTTP server. LWS's pod webhook adds
-                    LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX to the env of every container,
-                    init containers (the sidecar) included, so Kubernetes expands $(VAR) in their args.
+                    Node rank 0: the scheduler ranks tp 0-7 and the HTTP server. LWS's pod webhook (LWS 0.6
+                    or later) adds LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX to the env of every
+                    container, init containers (the sidecar) included, so Kubernetes expands $(VAR) in their
+                    args (docs/kubernetes.md).
                     """),
                 "workerTemplate": template("worker", """
                     Node rank 1: the scheduler ranks tp 8-15. SGLang serves /health and /metrics on the same

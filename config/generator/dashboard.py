@@ -153,11 +153,13 @@ def fleet_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
          (f"sum({rules.cluster_rate(ns, spec('prefetched_tokens_total'))})", "fleet prefetched tokens")]))
     panels.append(_timeseries(
         "Sidecars and ranks",
-        "Sidecar targets up, and the ranks of every sidecar by state (the sidecars' own health, which adds up "
-        "across pods: it is no cache quantity).",
+        "Sidecar targets up, the streams (rank identities) of every sidecar by state, and the ranks their "
+        "servers' worlds expect that no stream reports for (HiCacheRankMissing fires after 5 minutes of them). "
+        "The sidecars' own health, which adds up across pods: it is no cache quantity.",
         [("count(up == 1 and on (job, instance) hicache_exporter_build_info)", "sidecars up"),
          ("count(up == 0 and on (job, instance) max_over_time(hicache_exporter_build_info[1h]))", "sidecars down"),
-         ("sum by (state) (hicache_exporter_ranks)", "ranks {{state}}")]))
+         ("sum by (state) (hicache_exporter_ranks)", "streams {{state}}"),
+         ("sum(hicache_exporter_ranks_missing)", "ranks missing")]))
     return panels
 
 
@@ -200,8 +202,11 @@ def pod_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
         [(f"hicache_exporter_rank_up{{{RANKS}}}",
           "tp{{tp_rank}} pp{{pp_rank}} dp{{dp_rank}} {{cache_type}}{{storage_backend}}")]))
     panels.append(_timeseries(
-        "Ranks by state", "The sidecar's ranks by state (live, stale).",
-        [(f"sum by (state) (hicache_exporter_ranks{{{POD}}})", "{{state}}")]))
+        "Streams by state, missing ranks", "The sidecar's streams (rank identities) by state (live, stale, "
+        "departed, expired), and per dp group the ranks its server's world expects that no stream reports for "
+        "(HiCacheRankMissing fires after 5 minutes above 0; no such line without an expected world).",
+        [(f"sum by (state) (hicache_exporter_ranks{{{POD}}})", "{{state}}"),
+         (f"hicache_exporter_ranks_missing{{{POD}}}", "missing dp{{dp_rank}}")]))
     panels.append(_timeseries(
         "Rejections/s by reason", "Frames, hellos and samples the sidecar refused (docs/protocol.md lists the reasons).",
         [(f"sum by (reason) (rate(hicache_exporter_rejections_total{{{POD}}}[{RATE}])) > 0", "{{reason}}")]))

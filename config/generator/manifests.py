@@ -22,6 +22,7 @@ EXPORTER = "hicache-exporter"
 UID = 65532
 METRICS_PORT = 9400
 ENGINE_PORT = 30000
+UPSTREAM_URL = f"http://127.0.0.1:{ENGINE_PORT}/metrics"  # the engine's own /metrics, as the proxy reads it
 SOCKET_DIR = "/run/hicache"
 SOCKET = f"{SOCKET_DIR}/metrics.sock"
 CONFIG_DIR = "/etc/hicache-exporter"
@@ -48,13 +49,19 @@ LWS_GROUP_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
 
 MODEL = "Qwen/Qwen3-8B"
 LWS_MODEL = "Qwen/Qwen3-235B-A22B"
+LWS_TP = 16  # over the group's two pods of 8 GPUs
+# The node count and node rank of a pod in a LeaderWorkerSet group, as Kubernetes expands them in args
+# from the variables LWS's pod webhook sets in every container (lws pkg/utils/pod AddLWSVariables).
+NODES = "$(LWS_GROUP_SIZE)"
+NODE_RANK = "$(LWS_WORKER_INDEX)"
 
 
 # --- the sidecar ------------------------------------------------------------------------------
 
-def sidecar_config(ns: str, proxy: bool) -> dict[str, Any]:
-    """The sidecar's config file, as data with comments; the same keys in every example."""
-    return {
+def sidecar_config(ns: str, proxy: bool, upstreams: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The sidecar's config file, as data with comments; the same keys in every example (and `upstreams`
+    where an example configures them in the file)."""
+    config: dict[str, Any] = {
         "http": {
             "host": "0.0.0.0",
             Key("port", "Must match the container port named `metrics`. 9400 is also dcgm-exporter's default: "
@@ -76,10 +83,14 @@ def sidecar_config(ns: str, proxy: bool) -> dict[str, Any]:
         "rollup": {"window_seconds": 60},
         "log_level": "info",
     }
+    if upstreams:
+        config["upstreams"] = upstreams
+    return config
 
 
-def config_map(name: str, instance: str, ns: str, proxy: bool, extra: dict[str, str] | None = None) -> dict[str, Any]:
-    data = {"sidecar.yaml": dump_mapping(sidecar_config(ns, proxy))}
+def config_map(name: str, instance: str, ns: str, proxy: bool, extra: dict[str, str] | None = None,
+               upstreams: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    data = {"sidecar.yaml": dump_mapping(sidecar_config(ns, proxy, upstreams))}
     data.update(extra or {})
     return {
         "apiVersion": "v1",
@@ -354,14 +365,14 @@ def hook_example(ns: str) -> list[dict[str, Any]]:
 
 def proxy_pod_spec(config_name: str, liveness: bool = True, extra: dict[str, Any] | None = None,
                    engine_args: list[str] | None = None, gpus: int = 2, command: list[str] | None = None,
-                   comment: str = "") -> dict[str, Any]:
+                   comment: str = "", sidecar_args: list[str] | None = None) -> dict[str, Any]:
     sglang = engine(command or ["python3", "-m", "sglang.launch_server"], engine_args or launch_args(2, MODEL),
                     gpus=gpus, comment=comment or """
             SGLang unmodified: the released image and its own launcher. --enable-metrics makes it serve
             /metrics on its port, which stays private to the pod: Prometheus scrapes the sidecar only
             (the sidecar passes the engine's other families through).
             """)
-    args = serve_args("--upstream", f"http://127.0.0.1:{ENGINE_PORT}/metrics")
+    args = sidecar_args or serve_args("--upstream", UPSTREAM_URL)
     return pod_spec([sidecar(args, liveness=liveness)], [sglang], volumes(config_name), extra)
 
 
@@ -374,16 +385,29 @@ def proxy_example(ns: str) -> list[dict[str, Any]]:
 def lws_example(ns: str) -> list[dict[str, Any]]:
     """One server over a LeaderWorkerSet group of two pods (TP=16 over 2 x 8 GPUs), a sidecar in each."""
     labels = {NAME_LABEL: APP, INSTANCE_LABEL: "sglang-lws"}
-    multi_node = ["--dist-init-addr", "$(LWS_LEADER_ADDRESS):20000", "--nnodes", "$(LWS_GROUP_SIZE)",
-                  "--node-rank", "$(LWS_WORKER_INDEX)"]
-    args = launch_args(16, LWS_MODEL, *multi_node)
+    multi_node = ["--dist-init-addr", "$(LWS_LEADER_ADDRESS):20000", "--nnodes", NODES, "--node-rank", NODE_RANK]
+    args = launch_args(LWS_TP, LWS_MODEL, *multi_node)
+    # The sidecar expects only its node's ranks: the same node count and node rank as the engine's. Its
+    # upstream is in the ConfigMap (with the server's world), so no --upstream here: one place to change.
+    exporter_args = serve_args("--ranks.nodes", NODES, "--ranks.node-rank", NODE_RANK)
+    upstream = {
+        "url": UPSTREAM_URL,
+        Key("world", """
+            The server's parallel layout (the engine's --tp-size; no --dp-size or --pp-size), so the
+            sidecar knows which ranks to expect and counts a rank that never reports as missing
+            (hicache_exporter_ranks_missing, HiCacheRankMissing). Of it, each sidecar expects only its own
+            node's share (--ranks.nodes and --ranks.node-rank in its args): tp 0-7 on the leader, tp 8-15
+            on the worker.
+            """): {"tp_size": LWS_TP, "dp_size": 1, "pp_size": 1},
+    }
 
     def template(role: str, comment: str) -> dict[str, Any]:
         return {
             "metadata": {Key("labels", "podmonitor.yaml selects the name label; LWS adds its own set-name and "
                                        "group-index labels, which the PodMonitor turns into `server`."):
                          {**labels, "role": role}},
-            "spec": proxy_pod_spec("sglang-lws-exporter", liveness=False, engine_args=args, gpus=8, comment=comment),
+            "spec": proxy_pod_spec("sglang-lws-exporter", liveness=False, engine_args=args, gpus=LWS_TP // 2,
+                                   comment=comment, sidecar_args=exporter_args),
         }
 
     lws = {
@@ -420,9 +444,10 @@ def lws_example(ns: str) -> list[dict[str, Any]]:
                     |   whenDeleted: Delete
                     |   whenScaled: Delete
                     """): template("leader", """
-                    Node rank 0: the scheduler ranks tp 0-7 and the HTTP server. LWS sets LWS_LEADER_ADDRESS,
-                    LWS_GROUP_SIZE and LWS_WORKER_INDEX in every container, and Kubernetes expands $(VAR) in
-                    args from them.
+                    Node rank 0: the scheduler ranks tp 0-7 and the HTTP server. LWS's pod webhook (LWS 0.6
+                    or later) adds LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX to the env of every
+                    container, init containers (the sidecar) included, so Kubernetes expands $(VAR) in their
+                    args (docs/kubernetes.md).
                     """),
                 "workerTemplate": template("worker", """
                     Node rank 1: the scheduler ranks tp 8-15. SGLang serves /health and /metrics on the same
@@ -433,7 +458,7 @@ def lws_example(ns: str) -> list[dict[str, Any]]:
             "startupPolicy": "LeaderCreated",
         },
     }
-    return [config_map("sglang-lws-exporter", "sglang-lws", ns, proxy=True), lws]
+    return [config_map("sglang-lws-exporter", "sglang-lws", ns, proxy=True, upstreams=[upstream]), lws]
 
 
 def model_cache() -> list[dict[str, Any]]:

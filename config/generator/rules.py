@@ -206,6 +206,33 @@ def alerting_groups(ns: str) -> list[dict[str, Any]]:
                 },
             },
             {
+                Key("alert", """
+                    Ranks the server's world expects that no stream reports for: never seen, or seen and
+                    expired (silent for ranks.expire_after_seconds, default 300 s). One series per expected
+                    dp group of a server whose world the sidecar knows: from its streams' hello (the pushed
+                    client, the stat-logger hook) or an upstream's `world:`; a sidecar with no expected world
+                    serves none, so this never fires there. A rank that stops is HiCacheRankDown until it
+                    expires, then this. `for: 5m` lets a starting server bring all its ranks up (model load,
+                    CUDA graph capture) before a slow one counts.
+                    """): "HiCacheRankMissing",
+                "expr": "hicache_exporter_ranks_missing > 0",
+                "for": "5m",
+                "labels": {"severity": "warning"},
+                "annotations": {
+                    "summary": "{{ $value }} rank(s) of dp group {{ $labels.dp_rank }} missing on {{ $labels.pod }}",
+                    "description": Folded(
+                        "The sidecar at {{ $labels.instance }} (pod {{ $labels.namespace }}/{{ $labels.pod }}) "
+                        "has counted ranks of dp group {{ $labels.dp_rank }} missing for 5 minutes, {{ $value }} "
+                        "now: the server's world expects them, and they never reported or went silent for longer "
+                        "than ranks.expire_after_seconds. "
+                        "Rollups cover only the ranks that report. The status page (or /api/v1/status, "
+                        "servers[].dp_groups) shows which cells are missing. The expected world is the one the "
+                        "ranks sent in their hello, or the upstream's `world:` config; if it is wrong, fix it "
+                        "there. On a multi-node server, check the sidecar's ranks.nodes and ranks.node_rank: "
+                        "wrong values make it expect ranks of other nodes."),
+                },
+            },
+            {
                 Key("alert", f"""
                     Replicas of one data-parallel group see the same requests in lock-step, so their token
                     counters should rise alike. The sidecar's spread ratio is (max - min) / max of the

@@ -230,7 +230,9 @@ def test_rules_select_names_and_labels_a_real_sidecar_serves(ns: str, socket_dir
     try:
         client = RawClient(sidecar.socket_path)
         try:
-            client.send(hello(tp=0, cache_type="HiRadixCache"))
+            # A world of two tp ranks, tp 1 never connecting: ranks_missing (HiCacheRankMissing) is served.
+            client.send({**hello(tp=0, cache_type="HiRadixCache", model_name="llama"),
+                         "world": {"tp_size": 2, "pp_size": 1, "dp_size": 1}})
             assert client.recv() is not None
             client.send(snapshot(1, counter("load_back_bytes_total", 4096)))
             wait_until(lambda: bool(sidecar.scrape().find("hicache_exporter_rank_up", tp_rank="0")))
@@ -261,6 +263,9 @@ def test_rules_select_names_and_labels_a_real_sidecar_serves(ns: str, socket_dir
     assert per_rank and {"tp_rank", "pp_rank", "dp_rank", "cache_type"} <= set(per_rank[0].labels)
     assert scrape.find("hicache_exporter_rejections_total", reason="old_seq"), "old_seq is not a rejection reason"
     assert {"tp_rank", "pp_rank", "dp_rank"} <= set(scrape.find("hicache_exporter_rank_up")[0].labels)
+    # One series per expected dp group, by the server's labels (the collector's cache_type left out).
+    assert [(s.labels, s.value) for s in scrape.find("hicache_exporter_ranks_missing")] == [
+        ({"model_name": "llama", "dp_rank": "0"}, 1.0)]
 
 
 @pytest.mark.parametrize("ns", NAMESPACES)
@@ -278,7 +283,8 @@ def test_replica_spread_alert_selects_exactly_the_spread_gauges(ns: str, rule_fi
 
 def test_alerts_have_for_severity_and_annotations() -> None:
     alerts = [r for r in load_rules(ALERTING) if "alert" in r]
-    assert {a["alert"] for a in alerts} >= {"HiCacheRankDown", "HiCacheReplicaSpreadHigh", "HiCacheExporterRejecting"}
+    assert {a["alert"] for a in alerts} >= {"HiCacheRankDown", "HiCacheRankMissing", "HiCacheReplicaSpreadHigh",
+                                          "HiCacheExporterRejecting"}
     for alert in alerts:
         assert alert.get("for"), f"{alert['alert']}: no `for:` duration"
         assert alert.get("labels", {}).get("severity") in {"info", "warning", "critical"}, alert["alert"]

@@ -135,6 +135,34 @@ def env(container: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
 
 
+def lws_variables(where: str) -> dict[str, str]:
+    """What LWS's pod webhook adds to the env of every container of the example's pod (lws.yaml's group of
+    two: the leader is worker index 0, the worker 1); nothing outside a LeaderWorkerSet."""
+    if not where.startswith("lws.yaml"):
+        return {}
+    index = "0" if "leaderTemplate" in where else "1"
+    return {"LWS_LEADER_ADDRESS": "sglang-lws-0.sglang-lws.default", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": index}
+
+
+def expanded(args: list[str], variables: dict[str, str]) -> list[str]:
+    """`args` as the kubelet passes them: $(VAR) replaced for every VAR in the container's env, `$$` an
+    escaped `$`, and a reference to an undefined variable left as it is."""
+    def one(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name is None:
+            return "$"
+        return variables.get(name, match.group(0))
+
+    return [re.sub(r"\$\$|\$\((\w+)\)", one, arg) for arg in args]
+
+
+def sidecar_argv(where: str, sidecar: dict[str, Any]) -> list[str]:
+    """The sidecar's args after Kubernetes expands them from its env and the variables LWS adds (which
+    replace a variable of the same name the template declares)."""
+    variables = {e["name"]: e["value"] for e in sidecar.get("env", []) if "value" in e}
+    return expanded(sidecar["args"], {**variables, **lws_variables(where)})
+
+
 def as_pod(template: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "example", **template.get("metadata", {})},
             "spec": template["spec"]}
@@ -349,7 +377,7 @@ class TestPod:
         spec = template["spec"]
         sidecar = exporter_container(spec)
         assert "command" not in sidecar, "keep the image's ENTRYPOINT; pass arguments only"
-        args = build_parser().parse_args(sidecar["args"])
+        args = build_parser().parse_args(sidecar_argv(where, sidecar))
         assert args.command == "serve" and args.config is not None
         config = sidecar_config(template, docs)
         assert config.http.port == 9400
@@ -362,7 +390,7 @@ class TestPod:
         assert not mounts[socket_dir].get("readOnly")
         engine = engine_container(spec)
         socket = env(engine).get("HICACHE_EXPORTER_SOCKET")
-        upstreams = [u for u in (args.upstream or [])]
+        upstreams = [*(args.upstream or []), *(u.url for u in config.upstreams if u.url is not None)]
         if socket is not None:  # push: the engine mounts the same directory
             assert PurePosixPath(socket) == PurePosixPath(str(config.ingest.socket_path))
             engine_mounts = {m["mountPath"]: m["name"] for m in engine["volumeMounts"]}
@@ -380,7 +408,7 @@ class TestPod:
 
         spec = template["spec"]
         sidecar = exporter_container(spec)
-        args = build_parser().parse_args(sidecar["args"])
+        args = build_parser().parse_args(sidecar_argv(where, sidecar))
         assert args.persistence_file == Path("/var/lib/hicache-exporter/state")
         assert args.persistence_interval is None, "the default, 5s"
         directory = str(args.persistence_file.parent)
@@ -607,6 +635,49 @@ def test_lws_runs_one_server_over_two_pods_with_a_sidecar_each() -> None:
         tp = int(argv[argv.index("--tp-size") + 1])
         gpus += engine["resources"]["limits"]["nvidia.com/gpu"]
     assert tp == gpus == 16, "one TP group over both pods"
+
+
+def test_lws_sidecars_expect_their_own_nodes_ranks(tmp_path: Path) -> None:
+    """Each pod's sidecar takes the engine's node count and node rank from the same LWS variables, and with
+    the world in its ConfigMap expects exactly the tp ranks its engine runs: 0-7 on the leader, 8-15 on the
+    worker (the sidecar's NodeShare, sglang's own placement)."""
+    from exporter.cli import build_parser
+    from exporter.config import load_config
+    from exporter.protocol.messages import World
+    from exporter.sidecar.core.servers import Layout, NodeShare
+
+    docs = generated(DEFAULT_NAMESPACE)["lws.yaml"]
+    lws = by_kind(docs, "LeaderWorkerSet")
+    group = lws["spec"]["leaderWorkerTemplate"]
+    shares = []
+    for role in ("leaderTemplate", "workerTemplate"):
+        where, template = f"lws.yaml {role}", group[role]
+        sidecar, engine = exporter_container(template["spec"]), engine_container(template["spec"])
+        argv, engine_argv = sidecar["args"], engine["args"]
+        assert argv[argv.index("--ranks.nodes") + 1] == engine_argv[engine_argv.index("--nnodes") + 1]
+        assert argv[argv.index("--ranks.node-rank") + 1] == engine_argv[engine_argv.index("--node-rank") + 1]
+        assert set(re.findall(r"\$\((\w+)\)", " ".join(argv))) <= LWS_ENV
+        with pytest.raises(SystemExit):  # unexpanded (LWS's webhook not run): the sidecar refuses to start
+            build_parser().parse_args(argv)
+        args = build_parser().parse_args(sidecar_argv(where, sidecar))
+        config_file = tmp_path / f"{role}.yaml"
+        config_file.write_text(by_kind(docs, "ConfigMap")["data"]["sidecar.yaml"], encoding="utf-8")
+        config = load_config(config_file, env={}, upstreams=args.upstream, nodes=args.ranks_nodes,
+                             node_rank=args.ranks_node_rank)
+        assert (config.ranks.nodes, config.ranks.node_rank) == (group["size"], 0 if role == "leaderTemplate" else 1)
+        (upstream,) = config.upstreams
+        assert upstream.world is not None
+        assert upstream.world.tp_size == int(engine_argv[engine_argv.index("--tp-size") + 1])
+        world = World(tp_size=upstream.world.tp_size, pp_size=upstream.world.pp_size or 1,
+                      dp_size=upstream.world.dp_size)
+        share = NodeShare.of(Layout.of(world), config.ranks.node_rank, config.ranks.nodes)
+        assert len(share.tp) == engine["resources"]["limits"]["nvidia.com/gpu"], "one tp rank per GPU of the pod"
+        shares.append((share.tp, share.pp))
+    assert shares == [(range(0, 8), range(0, 1)), (range(8, 16), range(0, 1))]
+
+
+def test_kubelet_expansion_as_the_tests_model_it() -> None:
+    assert expanded(["--a", "$(X)", "$(Y)-$(X)", "$$(X)", "$$"], {"X": "1"}) == ["--a", "1", "$(Y)-1", "$(X)", "$"]
 
 
 def uncommented_claims(text: str) -> dict[str, Any]:

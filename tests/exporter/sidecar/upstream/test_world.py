@@ -21,6 +21,7 @@ from exporter.protocol.messages import RankId, World
 from exporter.sidecar.core import saved as core_saved
 from exporter.sidecar.core.health import UpstreamHealth
 from exporter.sidecar.core.keys import static_key
+from exporter.sidecar.core.ranks import Join
 from exporter.sidecar.core.servers import Server, build_servers
 from exporter.sidecar.upstream import saved as feed_saved
 from exporter.sidecar.upstream.feed import UpstreamFeed
@@ -152,7 +153,11 @@ def test_a_configured_world_reaches_every_rank_and_a_rank_that_never_reports_is_
         engine.rank(tp, dp, pp)
     up = feed(h)
     assert up.health.world == World(tp_size=4, pp_size=1, dp_size=2, attn_tp_size=2)  # as configured, before a read
+    joins: list[Join] = []
+    join = h.state.join
+    h.state.join = lambda connection, msg, source: (joins.append(msg), join(connection, msg, source))[1]  # type: ignore[method-assign]
     up.apply(read(engine.text()))
+    assert len(joins) == 3 * 7 and {j.world for j in joins} == {EXPECTED}  # the hello carries it, as a pushed rank's
     assert len(h.state.ranks) == 3 * 7 and {r.world for r in h.state.ranks.values()} == {EXPECTED}
     assert up.health.world == EXPECTED and up.health.world_problems == []
     one = server(h)

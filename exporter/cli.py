@@ -14,7 +14,7 @@ from pathlib import Path
 
 from exporter import __version__
 from exporter.catalog import load_catalog
-from exporter.config import SidecarConfig, apply_web_config, load_config, setting_origin
+from exporter.config import WORLD_SPEC_FORM, SidecarConfig, apply_web_config, load_config, setting_origin
 from exporter.defaults import DEFAULT_PORT, DEFAULT_SOCKET_PATH, ENV_CONFIG, ENV_PORT, ENV_SOCKET, LOG_LEVELS
 from exporter.errors import HicacheExporterError, StartupError
 
@@ -49,6 +49,33 @@ def _add_exporter_flags(parser: argparse.ArgumentParser) -> None:
                         help="log line format (default: plain text)")
 
 
+class _AppendUpstream(argparse.Action):
+    """--upstream or --upstream-multiprocess-dir: appended to its list, and to the command line's
+    upstreams in the order given, which --upstream-world follows."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, [*getattr(namespace, self.dest), values])
+        namespace.upstream_order = [*namespace.upstream_order, str(values)]
+
+
+def upstream_worlds(args: argparse.Namespace) -> dict[str, str]:
+    """Each command-line upstream's --upstream-world SPEC, by its URL or directory."""
+    worlds: list[str] = args.upstream_world
+    order: list[str] = args.upstream_order
+    if not worlds:
+        return {}
+    if not order:
+        raise HicacheExporterError("--upstream-world applies to the upstreams given with --upstream or "
+                                   "--upstream-multiprocess-dir, and none is (config upstreams[].world for the file's)")
+    if len(worlds) == 1:
+        return dict.fromkeys(order, worlds[0])
+    if len(worlds) != len(order):
+        raise HicacheExporterError(f"{len(worlds)} --upstream-world for {len(order)} upstreams: give one for all of "
+                                   "them, or one per --upstream and --upstream-multiprocess-dir, in their order")
+    return dict(zip(order, worlds))
+
+
 def parse_listen_address(text: str) -> tuple[str, int]:
     """HOST:PORT, [IPV6]:PORT or :PORT (0.0.0.0), as exporter-toolkit's --web.listen-address."""
     usage = f"--web.listen-address {text!r}: expected HOST:PORT, [IPV6]:PORT or :PORT"
@@ -81,11 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, help=f"YAML config file (env {ENV_CONFIG})")
     _add_listen_flags(serve)
     _add_exporter_flags(serve)
-    serve.add_argument("--upstream", action="append", metavar="URL", default=[],
+    serve.add_argument("--upstream", action=_AppendUpstream, metavar="URL", default=[],
                        help="proxy an engine's own /metrics at URL (repeatable); settings per upstream in the config")
-    serve.add_argument("--upstream-multiprocess-dir", action="append", metavar="DIR", default=[],
+    serve.add_argument("--upstream-multiprocess-dir", action=_AppendUpstream, metavar="DIR", default=[],
                        help="proxy a prometheus_client multiprocess directory (the engine's PROMETHEUS_MULTIPROC_DIR, "
                             "shared as a volume; repeatable), each process's files read apart")
+    serve.add_argument("--upstream-world", action="append", metavar="SPEC", default=[],
+                       help=f"the parallel layout the engine was started with, {WORLD_SPEC_FORM} (its tp, dp, pp "
+                            "and attention cp sizes, and whether DP attention is on), so that a rank that never "
+                            "reports is counted missing; the engine's storage labels fill in pp and cp left out. "
+                            "One for every --upstream and --upstream-multiprocess-dir, or one per upstream in "
+                            "the order they are given (config upstreams[].world)")
+    serve.set_defaults(upstream_order=[])
     serve.add_argument("--persistence.file", dest="persistence_file", type=Path, metavar="FILE",
                        help="keep the rollups' durable state in FILE, so that they continue exactly across restarts "
                             "of the sidecar (config persistence.file; default: not kept)")
@@ -224,6 +258,7 @@ def _serve(args: argparse.Namespace) -> int:
     host, port, flags = _listen_settings(args)
     config = load_config(args.config, port=port, host=host, socket_path=args.socket,
                          upstreams=args.upstream, upstream_dirs=args.upstream_multiprocess_dir,
+                         upstream_worlds=upstream_worlds(args),
                          persistence_file=args.persistence_file, persistence_interval=args.persistence_interval,
                          nodes=args.ranks_nodes, node_rank=args.ranks_node_rank)
     if args.web_config_file is not None:

@@ -235,9 +235,10 @@ class UpstreamTLS(_Strict):
 
 
 class UpstreamWorld(_Strict):
-    """The parallel layout of an upstream's server: what makes its ranks expected (docs/api.md). What is
-    left out the engine's storage labels fill in (pp_size, attn_cp_size); attn_tp_size left out is
-    tp_size / (dp_size x attn_cp_size) with DP attention, else tp_size."""
+    """The parallel layout of an upstream's server, as its engine was started: what makes its ranks
+    expected (docs/api.md). What is left out the engine's storage labels fill in (pp_size,
+    attn_cp_size), else 1. The attention tp size is the engine's: tp_size / (dp_size x attn_cp_size)
+    with DP attention, tp_size / attn_cp_size without (sglang runtime_context.derive_attn_tp_size)."""
 
     tp_size: int = Field(ge=1, le=65536)
     dp_size: int = Field(1, ge=1, le=65536)
@@ -249,7 +250,47 @@ class UpstreamWorld(_Strict):
     def _divides(self) -> UpstreamWorld:
         if self.dp_attention and self.tp_size % (self.dp_size * (self.attn_cp_size or 1)):
             raise ValueError(f"with dp_attention, tp_size {self.tp_size} must be a multiple of dp_size x attn_cp_size")
+        if not self.dp_attention and self.tp_size % (self.attn_cp_size or 1):
+            raise ValueError(f"tp_size {self.tp_size} must be a multiple of attn_cp_size")
         return self
+
+
+# `--upstream-world SPEC`: its keys, as the fields of UpstreamWorld they set.
+WORLD_SPEC_KEYS = {"tp": "tp_size", "dp": "dp_size", "pp": "pp_size", "cp": "attn_cp_size"}
+WORLD_SPEC_FLAG = "dp-attention"
+WORLD_SPEC_FORM = "tp=N[,dp=N][,pp=N][,cp=N][,dp-attention]"
+
+
+def parse_upstream_world(spec: str) -> dict[str, Any]:
+    """`tp=4,dp=2,pp=2,cp=1,dp-attention` as an upstream's `world:` mapping (ConfigError, one line, where it is not one)."""
+    def bad(why: str) -> ConfigError:
+        shown = spec if len(spec) <= 80 else spec[:80] + "..."
+        return ConfigError(f"--upstream-world {shown!r}: {why}; the form is {WORLD_SPEC_FORM}")
+
+    world: dict[str, Any] = {}
+    for item in spec.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep and key == WORLD_SPEC_FLAG:
+            world["dp_attention"] = True
+            continue
+        field = WORLD_SPEC_KEYS.get(key)
+        if field is None or not sep:
+            shown_key = key if len(key) <= 20 else key[:20] + "..."
+            raise bad(f"{shown_key!r} is not one of {', '.join([*WORLD_SPEC_KEYS, WORLD_SPEC_FLAG])}")
+        if field in world:
+            raise bad(f"{key} is given twice")
+        if not value.isascii() or not value.isdigit():
+            raise bad(f"{key} must be a whole number")
+        world[field] = int(value)
+    try:
+        UpstreamWorld.model_validate(world, strict=True)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        names = {v: k for k, v in WORLD_SPEC_KEYS.items()}
+        message = str(first["msg"]).removeprefix("Value error, ")  # a model validator's, as pydantic words it
+        raise bad(f"{names.get(where, where) + ': ' if where else ''}{message}") from None
+    return world
 
 
 class UpstreamConfig(_Strict):
@@ -400,6 +441,7 @@ def load_config(
     socket_path: Path | str | None = None,
     upstreams: list[str] | None = None,
     upstream_dirs: list[str] | None = None,
+    upstream_worlds: Mapping[str, str] | None = None,
     persistence_file: Path | str | None = None,
     persistence_interval: str | None = None,
     nodes: int | None = None,
@@ -442,13 +484,20 @@ def load_config(
     if node_rank is not None:
         flag_layer.setdefault("ranks", {})["node_rank"] = node_rank
     # --upstream and --upstream-multiprocess-dir add upstreams with default settings; one the file
-    # already names (same URL or directory) keeps the file's settings.
+    # already names (same URL or directory) keeps the file's settings. --upstream-world (by URL or
+    # directory) gives such an upstream its world, in place of the file's.
+    worlds = {source: parse_upstream_world(spec) for source, spec in (upstream_worlds or {}).items()}
     given = [dict(u) for u in data.get("upstreams") or []] if isinstance(data.get("upstreams"), list) else None
     added = [{"url": url} for url in upstreams or ()] + [{"multiprocess_dir": str(d)} for d in upstream_dirs or ()]
     if added:
         known = {(u.get("url"), str(u["multiprocess_dir"]) if u.get("multiprocess_dir") else None) for u in given or ()}
         fresh = [u for u in added if (u.get("url"), u.get("multiprocess_dir")) not in known]
-        flag_layer["upstreams"] = [*(given or []), *fresh]
+        listed = [*(given or []), *fresh]
+        for upstream in listed:
+            source = upstream.get("url") or str(upstream.get("multiprocess_dir"))
+            if isinstance(source, str) and source in worlds:
+                upstream["world"] = worlds[source]
+        flag_layer["upstreams"] = listed
     layers.append(("command-line flags", flag_layer))
     config = config_from_data(data, str(path) if path is not None else "built-in defaults")
     for source, layer in layers:

@@ -271,3 +271,32 @@ def test_serve_writes_the_persistence_file_at_sigterm(socket_dir: Path, tmp_path
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_upstream_worlds_go_with_the_command_line_upstreams_in_their_order() -> None:
+    from exporter.cli import build_parser, upstream_worlds
+    from exporter.errors import HicacheExporterError
+
+    def worlds(*argv: str) -> dict[str, str]:
+        return upstream_worlds(build_parser().parse_args(["serve", *argv]))
+
+    assert worlds("--upstream", "http://a/m", "--upstream-multiprocess-dir", "/d", "--upstream-world", "tp=2") == {
+        "http://a/m": "tp=2", "/d": "tp=2"}  # one for all
+    assert worlds("--upstream-multiprocess-dir", "/d", "--upstream-world", "tp=2", "--upstream", "http://a/m",
+                  "--upstream-world", "tp=4,dp=2,dp-attention") == {"/d": "tp=2", "http://a/m": "tp=4,dp=2,dp-attention"}
+    assert worlds("--upstream", "http://a/m") == {}
+    with pytest.raises(HicacheExporterError, match="2 --upstream-world for 3 upstreams"):
+        worlds("--upstream", "http://a/m", "--upstream", "http://b/m", "--upstream-multiprocess-dir", "/d",
+               "--upstream-world", "tp=2", "--upstream-world", "tp=4")
+    with pytest.raises(HicacheExporterError, match="none is"):
+        worlds("--upstream-world", "tp=2")
+
+
+def test_a_bad_upstream_world_stops_serve_in_one_line() -> None:
+    serve = run_cli("serve", "--help")
+    assert "--upstream-world SPEC" in serve.stdout
+    result = run_cli("serve", "--upstream", "http://127.0.0.1:1/metrics", "--upstream-world", "tp=4,dp=3,dp-attention")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == ("hicache-exporter: error: --upstream-world 'tp=4,dp=3,dp-attention': with dp_attention, "
+                             "tp_size 4 must be a multiple of dp_size x attn_cp_size; the form is "
+                             "tp=N[,dp=N][,pp=N][,cp=N][,dp-attention]\n")

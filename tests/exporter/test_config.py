@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from exporter.config import SidecarConfig, config_from_data, load_config
+from exporter.config import (
+    WORLD_SPEC_FORM,
+    SidecarConfig,
+    UpstreamWorld,
+    config_from_data,
+    load_config,
+    parse_upstream_world,
+)
 from exporter.defaults import default_path
 from exporter.errors import ConfigError
 
@@ -353,6 +360,58 @@ def test_two_upstreams_with_one_name_are_refused() -> None:
     with pytest.raises(ConfigError, match="two upstreams are named 'e'"):
         config_from_data({"upstreams": [{"name": "e", "url": "http://a/metrics"},
                                         {"name": "e", "url": "http://b/metrics"}]}, "test")
+
+
+def test_an_upstream_world_comes_from_the_file_or_from_the_flags_which_beat_it(tmp_path: Path) -> None:
+    path = write(tmp_path, "upstreams:\n  - {name: engine, url: 'http://e/metrics', world: {tp_size: 8, pp_size: 2}}\n"
+                           "  - {name: other, url: 'http://o/metrics', world: {tp_size: 2}}\n")
+    config = load_config(path, env={}, upstreams=["http://e/metrics", "http://new/metrics"],
+                         upstream_dirs=["/multiproc"],
+                         upstream_worlds={"http://e/metrics": "tp=4,dp=2,dp-attention", "/multiproc": "tp=2,pp=2,cp=1"})
+    worlds = {u.label: u.world for u in config.upstreams}
+    assert worlds == {
+        "engine": UpstreamWorld(tp_size=4, dp_size=2, dp_attention=True),  # the flag's, in place of the file's
+        "other": UpstreamWorld(tp_size=2),
+        "http://new/metrics": None,
+        "/multiproc": UpstreamWorld(tp_size=2, pp_size=2, attn_cp_size=1),
+    }
+    assert worlds["engine"] is not None and worlds["engine"].pp_size is None  # left to the engine's labels
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("tp=4,dp=2,pp=2,cp=1,dp-attention", None),
+    ("dp=2", "tp: Field required"),
+    ("tp=4,dp=3,dp-attention", "tp_size 4 must be a multiple of dp_size x attn_cp_size"),
+    ("tp=4,cp=3", "tp_size 4 must be a multiple of attn_cp_size"),
+    ("tp=0", "tp: Input should be greater than or equal to 1"),
+    ("tp=four", "tp must be a whole number"),
+    ("tp=-1", "tp must be a whole number"),
+    ("tp=4,tp=2", "tp is given twice"),
+    ("tp=4,ep=2", "'ep' is not one of tp, dp, pp, cp, dp-attention"),
+    ("tp=4,dp-attention=yes", "'dp-attention' is not one of"),
+    ("", "'' is not one of"),
+])
+def test_an_upstream_world_spec_is_parsed_or_refused_in_one_line(spec: str, says: str | None) -> None:
+    if says is None:
+        assert parse_upstream_world(spec) == {"tp_size": 4, "dp_size": 2, "pp_size": 2, "attn_cp_size": 1,
+                                              "dp_attention": True}
+        return
+    with pytest.raises(ConfigError) as info:
+        parse_upstream_world(spec)
+    message = str(info.value)
+    assert says in message and "\n" not in message
+    assert message.startswith(f"--upstream-world {spec!r}: ") and message.endswith(WORLD_SPEC_FORM)
+
+
+def test_a_long_upstream_world_spec_is_cut_in_its_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_upstream_world("tp=1," + "x" * 10_000)
+    assert len(str(info.value)) < 250
+
+
+def test_without_dp_attention_the_cp_size_must_divide_tp() -> None:
+    assert "must be a multiple of attn_cp_size" in error_of(
+        {"upstreams": [{"url": "http://e/metrics", "world": {"tp_size": 4, "attn_cp_size": 3}}]})
 
 
 # --- persistence (the durable state) ---

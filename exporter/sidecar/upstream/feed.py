@@ -51,7 +51,14 @@ that pushed ranks go through, so rollups, restarts, staleness and expiry follow 
   spaces, underscores, leading zeros or non-ASCII digits, at most 65535): a series with any other
   is refused (counted, logged once) and makes no rank;
 * an upstream that cannot be read sends no snapshots, so its ranks turn stale, then expire, on
-  the registry's clock exactly as silent pushed ranks do; rollups keep their contribution.
+  the registry's clock exactly as silent pushed ranks do; rollups keep their contribution;
+* with `world:` configured, every rank says hello with that world, completed by the engine's
+  storage labels (upstream/world.py), so a position no rank reports for is missing, as for pushed
+  ranks. Each read judges it anew: a read whose labels or ranks contradict it withdraws it from
+  every rank of the upstream (nothing is expected; `world_problems` says why, logged once per
+  change), and the first read that agrees gives it back. A changed judgement reaches the ranks
+  in place, not by a new hello, so it is no reconnect or restart. The durable state keeps no world:
+  a restored feed judges it at its first read.
 
 A text upstream is read by prometheus_client's parser, and a read with the last read's shape
 (every line the same but for its values: upstream_text.py) by its values alone, which gives
@@ -91,13 +98,14 @@ from exporter.catalog import Catalog, FamilySpec, MetricType
 from exporter.config import UpstreamConfig
 from exporter.errors import ErrorCode, LabelError, ProtocolError
 from exporter.labels import MAX_RANK_AXIS, RANK_AXES, RANK_KEYS, rank_axis, split_rank_labels
-from exporter.protocol.messages import RankId, Sample
+from exporter.protocol.messages import RankId, Sample, World
 from exporter.sidecar.core.health import UpstreamHealth
 from exporter.sidecar.core.keys import static_key
 from exporter.sidecar.core.ranks import Join, RankIdentity, RankState
 from exporter.sidecar.core.state import Push, SidecarState
 from exporter.sidecar.upstream.files import MERGED, Reading, TooLarge
 from exporter.sidecar.upstream.text import Number, TextLayout
+from exporter.sidecar.upstream.world import NO_WORLD, Judgement, judge
 
 log = logging.getLogger("hicache_exporter.upstream")
 MULTIPROCESS_HELP = "Multiprocess metric"  # what a multiprocess /metrics says for every family: not worth keeping
@@ -198,6 +206,7 @@ class ReadPlan:
     passed_timestamps: Sequence[Stamp] | None = None
     duplicates: set[str] = field(default_factory=set)  # families passed through that another one already names
     cut: dict[str, str] = field(default_factory=dict)  # what a bound left out of this read: error kind -> message
+    judgement: Judgement = NO_WORLD  # the configured world, completed by this read's labels and judged by its ranks
 
 
 @dataclass(eq=False)
@@ -347,6 +356,10 @@ class UpstreamFeed:
         # The series flapping now, and their names (for the line that says they calmed down): the
         # flapping gauge is their number as of the last read.
         self._flapping: dict[_Continuity, str] = {}
+        # The world every rank of this upstream says hello with (upstream/world.py), as the last read
+        # judged it; until a read lists ranks, the configured one is shown and nothing is expected.
+        self.world: World | None = None
+        health.world = judge(config.world, (), self.catalog.streams).shown
 
     def spec_of(self, name: str) -> FamilySpec | None:
         for prefix in self.prefixes:
@@ -516,6 +529,8 @@ class UpstreamFeed:
                     plan.ranks.append(rank)
         plan.pass_through = passed.families
         plan.clashes, plan.duplicates = passed.clashes, passed.duplicates
+        plan.judgement = judge(self.config.world, ((rank.rank_id, rank.identity[4]) for rank in plan.ranks),
+                               self.catalog.streams)
         duplicated += passed.duplicated
         if duplicated:
             plan.cut["duplicate_series"] = (
@@ -573,6 +588,7 @@ class UpstreamFeed:
             result.rejected += 1
             self._log_once("refused", message, logging.WARNING, "upstream %s: %s", self.health.name, message)
         self._flag(result)
+        self._judge(plan.judgement)
         # What this read no longer lists departs first: its slots are free for the identities it lists.
         result.departed = self._depart({rank.identity for rank in plan.ranks})
         done = 0
@@ -588,6 +604,7 @@ class UpstreamFeed:
                 done = 0
                 yield
         self._calm_unlisted()
+        self._expect()
         passed = self._passed(plan, values, timestamps, parsed)
         if len(passed) != len(self.pass_through) or any(a is not b for a, b in zip(passed, self.pass_through)):
             self._rendered = {}  # a family passed through changed: its text is made again when asked
@@ -611,7 +628,8 @@ class UpstreamFeed:
         if self.state.rank(identity) is not rank or rank.connected:  # forgotten, or held by another
             entry.rank = None  # `_feed` says hello anew
             return
-        join = Join(rank=plan.rank_id, labels=plan.static, epoch=entry.epoch, pid=_int_or_zero(entry.pid or "0"))
+        join = Join(rank=plan.rank_id, labels=plan.static, epoch=entry.epoch, pid=_int_or_zero(entry.pid or "0"),
+                    world=self.world)
         try:
             self.state.join(entry.token, join, self.source)
         except ProtocolError:
@@ -738,6 +756,30 @@ class UpstreamFeed:
         self.health.unranked |= result.unranked
         self.health.cp_colliding |= result.cp_colliding
 
+    def _judge(self, judgement: Judgement) -> None:
+        """Take a read's judgement of the configured world: its ranks are expected in it, or (where the
+        read contradicts it) in none; a line is logged when the problems change."""
+        problems = list(judgement.problems)
+        if problems != self.health.world_problems:
+            if problems:
+                log.warning("upstream %s: the configured world is not trusted, so none of its ranks is counted "
+                            "missing: %s", self.health.name, "; ".join(problems))
+            else:
+                log.info("upstream %s: the engine's labels agree with the configured world again: its ranks "
+                         "are expected in it", self.health.name)
+            self.health.world_problems = problems
+        self.health.world = judgement.shown
+        self.world = judgement.world
+
+    def _expect(self) -> None:
+        """Give every identity this upstream holds the world of the last read, listed this read or not: a
+        judgement that changed reaches the ranks that said hello before it, without a hello (which would
+        read as a reconnect)."""
+        for identity, entry in self.ranks.items():
+            rank = entry.rank
+            if rank is not None and rank.world != self.world and self.state.rank(identity) is rank:
+                rank.world = self.world
+
     def _log_once(self, kind: str, name: str, level: int, message: str, *args: object) -> None:
         """Log a problem unless it was logged within LOG_AGAIN_SECONDS or this read has logged its share."""
         key, now = (kind, name), self.state.clock()
@@ -790,7 +832,8 @@ class UpstreamFeed:
                 name += f"-{entry.generation}"  # a process's second epoch (a new layout): an epoch never comes back
             entry.pid = pid
             entry.epoch = f"{self.tag}-{name}"[:64]
-            join = Join(rank=plan.rank_id, labels=plan.static, epoch=entry.epoch, pid=_int_or_zero(pid or "0"))
+            join = Join(rank=plan.rank_id, labels=plan.static, epoch=entry.epoch, pid=_int_or_zero(pid or "0"),
+                        world=self.world)
             try:
                 entry.rank = self.state.join(entry.token, join, self.source).rank
             except ProtocolError as err:

@@ -2,6 +2,9 @@
 restarted sidecar tells an engine that went on (each series reads at least its saved raw value) from
 one that restarted (lower), and a directory rank's new process from the one it read before.
 
+The expected world is not kept: the feed judges it from its config and its first read (world.py),
+and gives it to every rank it took back then.
+
 Times on the state's monotonic clock (a series' drops, when it was last listed) are saved as ages and
 taken back relative to the load. No I/O here: the file is the durable layer's.
 """

@@ -36,8 +36,14 @@ from playwright.sync_api import Error as PlaywrightError
 
 from exporter.api import v1
 from exporter.client import RankClient
+from exporter.config import RanksConfig, SidecarConfig
+from exporter.protocol.messages import World
+from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.expose import page
 from exporter.sidecar.expose import status as api
+from exporter.sidecar.expose.status import StatusView
+from tests.exporter.sidecar.expose.test_page import RADIX, join
+from tests.exporter.sidecar.harness import Harness
 from tests.helpers import RawClient, SidecarThread, hello, http_get, sidecar_config, steady_rank, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,7 +58,6 @@ MODELS = {0: "llama", 1: HOSTILE}  # the `model` static label of each steady dp 
 STALE_AFTER = 2.0
 PUSH_INTERVAL = 0.2
 SPAWN = multiprocessing.get_context("spawn")
-RADIX = {"cache_type": "UnifiedRadixCache"}
 
 
 def rank_process(socket_path: str, tp: int, pp: int, dp: int, model: str) -> None:
@@ -427,21 +432,13 @@ SECTION_HTML_JS = """() => Object.fromEntries(
     ['summary', 'updated', 'version'].map(id => [id, document.getElementById(id).innerHTML])))"""
 
 
-def test_the_script_draws_the_same_dom_as_the_server(demo: tuple[SidecarThread, Demo], browser: Browser) -> None:
-    """One status document, as page.py renders it (JavaScript off) and as status.js builds it from the JSON:
-    every section and the header are the same markup. The document has a missing rank, an upstream-free
-    sidecar's sections, and traffic in every section that has numbers."""
-    sidecar, server = demo
-    for position in DEMO_POSITIONS[:-1]:
-        server.start(*position)
-    wait_until(lambda: json.loads(http_get(sidecar.url + "/api/v1/status")[1])["totals"]["streams"] == 18, timeout=30)
-    wait_until(lambda: any(len(f["history"]) >= 2 for f in
-                           json.loads(http_get(sidecar.url + "/api/v1/status")[1])["bandwidth"]["families"]), timeout=20)
-    _, body, _ = http_get(sidecar.url + "/api/v1/status")
+def drawn_both_ways(browser: Browser, url: str, body: bytes) -> tuple[dict[str, str], dict[str, str]]:
+    """A status document as page.py renders it (JavaScript off) and as status.js builds it from the JSON (the
+    page and every refresh get this one document; the script and style sheet come from the sidecar at `url`):
+    each section's and the header's markup, as the browser serializes it."""
     served = page.render_page(msgspec.json.decode(body, type=v1.StatusDocument))
-    assert 'class="rank state-missing"' in served and "No rank has connected yet." not in served
 
-    def fixed(route: Route) -> None:  # the same document for the page and every refresh
+    def fixed(route: Route) -> None:
         if route.request.url.endswith("/api/v1/status"):
             route.fulfill(status=200, content_type="application/json; charset=utf-8", body=body)
         else:
@@ -453,16 +450,61 @@ def test_the_script_draws_the_same_dom_as_the_server(demo: tuple[SidecarThread, 
         tab = Watched(context.new_page())
         try:
             tab.page.route(re.compile(r".*/(api/v1/status)?$"), fixed)
-            tab.page.goto(sidecar.url + "/")
+            tab.page.goto(url + "/")
             if script:
                 wait_until(lambda: tab.refreshes() >= 1, timeout=20)  # noqa: B023 (called within the iteration)
             drawn[script] = tab.page.evaluate(SECTION_HTML_JS)
-            assert tab.errors == []
+            assert tab.errors == [] and tab.dialogs == []
         finally:
             context.close()
-    server_side, script_side = drawn[False], drawn[True]
-    assert set(server_side) == {f"{name}-body" for name, _, _ in page.SECTIONS} | {"summary", "updated", "version"}
-    assert {k: v for k, v in script_side.items() if v != server_side[k]} == {}
+    assert set(drawn[False]) == {f"{name}-body" for name, _, _ in page.SECTIONS} | {"summary", "updated", "version"}
+    return drawn[False], drawn[True]
+
+
+def upstream_rows() -> list[dict[str, Any]]:
+    """Two upstreams as the document lists them: one with a configured world its engine's labels contradict
+    (markup in a problem, to stay text), one down with none."""
+    common = {"last_scrape_time": None, "last_scrape_duration_seconds": None, "pass_through_families": 0,
+              "errors": {}, "unranked_families": [], "cp_colliding_families": []}
+    return [
+        {**common, "name": "engine-0", "source": "http://127.0.0.1:30000/metrics", "up": True, "samples": 10,
+         "scrapes": 3, "ranks": 2, "last_error": None,
+         "world": {"tp_size": 4, "pp_size": 2, "dp_size": 1, "attn_tp_size": 4, "attn_cp_size": 1},
+         "world_problems": [f"pp_size {HOSTILE} on the storage series, 2 configured"]},
+        {**common, "name": "engine-1", "source": "/tmp/multiproc", "up": False, "samples": 0, "scrapes": 0,
+         "ranks": 0, "last_error": "connection refused", "world": None, "world_problems": []},
+    ]
+
+
+def test_the_script_draws_the_same_dom_as_the_server(demo: tuple[SidecarThread, Demo], browser: Browser) -> None:
+    """The demo's server with a rank missing and traffic in every section that has numbers, with upstreams;
+    then servers with a world conflict, an implausible world, ranks outside their world, a node's share, a cut
+    grid and a hostile label; then no rank at all: each document is the same markup from both."""
+    sidecar, server = demo
+    for position in DEMO_POSITIONS[:-1]:
+        server.start(*position)
+    wait_until(lambda: json.loads(http_get(sidecar.url + "/api/v1/status")[1])["totals"]["streams"] == 18, timeout=30)
+    wait_until(lambda: any(len(f["history"]) >= 2 for f in
+                           json.loads(http_get(sidecar.url + "/api/v1/status")[1])["bandwidth"]["families"]), timeout=20)
+    live = {**json.loads(http_get(sidecar.url + "/api/v1/status")[1]), "upstreams": upstream_rows()}
+    h = Harness(ranks_config=RanksConfig(nodes=2, node_rank=1, max_ranks=256))
+    join(h, 2, labels={**RADIX, "model": "shared"}, world=World(tp_size=4, pp_size=1, dp_size=1))
+    join(h, 0, labels={**RADIX, "model": "shared"}, world=World(tp_size=4, pp_size=1, dp_size=1))  # node 0's
+    join(h, 0, labels={**RADIX, "model": HOSTILE}, world=World(tp_size=2, pp_size=1, dp_size=1))
+    join(h, 1, labels={**RADIX, "model": HOSTILE}, world=World(tp_size=4, pp_size=1, dp_size=1))
+    join(h, 0, labels={**RADIX, "model": "huge"}, world=World(tp_size=1 << 16, pp_size=1 << 16, dp_size=1))
+    for i in range(40):
+        join(h, i, pp=i, cp=i, labels={**RADIX, "model": "diagonal"})
+    made, empty = (StatusView(SidecarConfig(), state, SidecarHealth()).encode() for state in (h.state, Harness().state))
+    # What each document was made to have, as the server draws it.
+    assert 'class="rank state-missing"' in page.render_page(msgspec.convert(live, v1.StatusDocument))
+    marked = page.render_page(msgspec.json.decode(made, type=v1.StatusDocument))
+    for needle in ('class="warning world-conflict"', 'class="note node-share"', 'class="note grid-cut"', " unexpected",
+                   "more positions than", 'class="rank state-missing"'):
+        assert needle in marked, needle
+    for body in (json.dumps(live).encode(), made, empty):
+        server_side, script_side = drawn_both_ways(browser, sidecar.url, body)
+        assert {k: v for k, v in script_side.items() if v != server_side[k]} == {}
 
 
 def test_label_markup_is_shown_as_text(fed: tuple[SidecarThread, Ranks], browser: Browser) -> None:

@@ -2,7 +2,8 @@
 
 Readable without JavaScript. With it, static/status.js rebuilds the same sections from
 /api/v1/status every few seconds: the element ids and classes here are what it fills in, and
-the two must agree (tests/e2e/test_status_page_browser.py reads both). Every value goes through
+the two draw the same markup for one document, to the character (tests/e2e/test_status_page_browser.py
+compares them in Chromium; the number formats round as JavaScript rounds). Every value goes through
 `esc`; the page has no inline script or style, so its Content-Security-Policy can forbid them.
 """
 

@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo lint test bench serve venv clean upstream-wheel prometheus-tools chromium image-tools
+.PHONY: demo lint test bench serve venv clean upstream-wheel prometheus-tools chromium image-tools screenshot
 
 venv: $(STAMP)
 
@@ -71,6 +71,12 @@ lint: $(STAMP)
 
 test: prometheus-tools chromium image-tools $(STAMP) lint
 	$(PY) -m pytest
+
+# The README's screenshot of the status page (docs/status_page.png, 1280 px wide): the browser test of
+# the demo's server (tp 2 x pp 2 x dp 2, 20 streams) takes it in headless Chromium.
+screenshot: chromium $(STAMP)
+	HICACHE_SCREENSHOT=docs/status_page.png $(PY) -m pytest -q \
+		tests/e2e/test_status_page_browser.py::test_the_demo_server_is_8_rank_cells_each_listing_its_streams
 
 # The released SGLang wheel (39 MB, without its dependencies) whose collectors tests/integrations run,
 # cached in .cache/sglang/. The tests fetch it themselves on first use, and fail (never skip) without it.

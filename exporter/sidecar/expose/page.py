@@ -2,7 +2,8 @@
 
 Readable without JavaScript. With it, static/status.js rebuilds the same sections from
 /api/v1/status every few seconds: the element ids and classes here are what it fills in, and
-the two must agree (tests/e2e/test_status_page_browser.py reads both). Every value goes through
+the two draw the same markup for one document, to the character (tests/e2e/test_status_page_browser.py
+compares them in Chromium; the number formats round as JavaScript rounds). Every value goes through
 `esc`; the page has no inline script or style, so its Content-Security-Policy can forbid them.
 """
 
@@ -12,6 +13,7 @@ import html
 import math
 import time
 from collections.abc import Iterable, Sequence
+from decimal import ROUND_HALF_UP, Context, Decimal
 
 import msgspec
 
@@ -21,7 +23,9 @@ from exporter.sidecar.expose.status import identity_text, quoted_labels
 REFRESH_MS = 2000  # how often the script fetches /api/v1/status
 NOSCRIPT_REFRESH_SECONDS = 15  # without JavaScript, the browser reloads the page this often
 STATES = ("live", "stale", "departed", "expired")
-MISSING = "missing"  # a grid position, or a dp group, that the ranks' world expects and no known rank holds
+MISSING = "missing"  # a rank (position) that its server's world expects and no unexpired stream reports for
+KINDS = ("radix", "storage", "scheduler")  # a cell lists its streams in this order, pushed clients last
+UNEXPECTED = "outside world"  # a rank or dp group that its server's expected world does not hold
 SPARK_WIDTH, SPARK_HEIGHT = 120, 24
 
 
@@ -30,7 +34,29 @@ def esc(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
-# --- number formats (static/status.js has the same ones) ---
+# --- number formats (static/status.js has the same ones, to the character) ---
+
+_EXACT = Context(prec=400)  # room for any float's every digit: a float converts to Decimal exactly
+
+
+def fixed(value: float, digits: int) -> str:
+    """`value` with `digits` decimals, a tie rounded away from zero as JavaScript's toFixed rounds it
+    (Python's format rounds a tie to even: 12.25 MiB would read 12.2 here and 12.3 in the script)."""
+    return f"{Decimal(value).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP, context=_EXACT):f}"
+
+
+def js_number(value: float) -> str:
+    """A number as JavaScript's String(number) writes it: `432`, not `432.0`; `0.000015`, not `1.5e-05`."""
+    if float(value).is_integer() and abs(value) < 1e21:
+        return str(int(value))
+    text = repr(float(value))
+    if "e" not in text:
+        return text
+    mantissa, exponent = text.split("e")
+    power = int(exponent)
+    if -7 < power < 21:
+        return f"{Decimal(text):f}"
+    return f"{mantissa}e{'+' if power > 0 else '-'}{abs(power)}"
 
 
 def fmt_number(value: float | None) -> str:
@@ -39,7 +65,11 @@ def fmt_number(value: float | None) -> str:
         return "–"
     if float(value).is_integer():
         return f"{int(value):,}"
-    return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    if abs(value) >= 1000:
+        return f"{int(Decimal(value).quantize(Decimal(1), rounding=ROUND_HALF_UP, context=_EXACT)):,}"
+    exact = Decimal(value)  # three significant digits, a tie rounded up as toPrecision(3) rounds it
+    rounded = exact.quantize(Decimal(1).scaleb(exact.adjusted() - 2), rounding=ROUND_HALF_UP, context=_EXACT)
+    return js_number(float(rounded))
 
 
 def fmt_bytes(value: float | None) -> str:
@@ -48,7 +78,7 @@ def fmt_bytes(value: float | None) -> str:
         return "–"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+            return f"{fixed(value, 0)} {unit}" if unit == "B" else f"{fixed(value, 1)} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
 
@@ -59,7 +89,7 @@ def fmt_rate(value: float | None) -> str:
         return "idle"
     for unit in ("B/s", "kB/s", "MB/s", "GB/s"):
         if abs(value) < 1000 or unit == "GB/s":
-            return f"{value:.2f} {unit}" if unit != "B/s" else f"{value:.0f} B/s"
+            return f"{fixed(value, 2)} {unit}" if unit != "B/s" else f"{fixed(value, 0)} B/s"
         value /= 1000
     raise AssertionError("unreachable")
 
@@ -69,7 +99,7 @@ def fmt_seconds(value: float | None) -> str:
     if value is None:
         return "never"
     if value < 10:
-        return f"{value:.1f} s"
+        return f"{fixed(value, 1)} s"
     whole = int(value)
     for size, unit, sub_size, sub_unit in ((86400, "d", 3600, "h"), (3600, "h", 60, "m"), (60, "m", 1, "s")):
         if whole >= size:
@@ -83,7 +113,7 @@ def fmt_time(value: float) -> str:
 
 
 def fmt_ratio(value: float) -> str:
-    return f"{value * 100:.1f}%"
+    return f"{fixed(value * 100, 1)}%"
 
 
 def sparkline_path(history: Sequence[Sequence[float | None]], points: int) -> str:
@@ -102,7 +132,7 @@ def sparkline_path(history: Sequence[Sequence[float | None]], points: int) -> st
             continue
         x = (first + index) * step
         y = (SPARK_HEIGHT - 1) - value / top * (SPARK_HEIGHT - 2)
-        parts.append(f"{'L' if pen_down else 'M'}{x:.1f} {y:.1f}")
+        parts.append(f"{'L' if pen_down else 'M'}{fixed(x, 1)} {fixed(y, 1)}")
         pen_down = True
     return " ".join(parts)
 
@@ -128,136 +158,181 @@ def legend() -> str:
 
 
 def by_state(sidecar: v1.Sidecar) -> dict[str, int]:
-    """Known ranks by state, in the document's order (live, stale, departed, expired)."""
-    return msgspec.structs.asdict(sidecar.ranks_by_state)
+    """Known streams by state, in the document's order (live, stale, departed, expired)."""
+    return msgspec.structs.asdict(sidecar.streams_by_state)
 
 
-def fmt_world(world: v1.WorldSizes) -> str:
-    return f"tp {world.tp_size} × pp {world.pp_size} × dp {world.dp_size}"
+def plural(count: int, word: str) -> str:
+    """`1 rank`, `20 streams`."""
+    return f"{fmt_number(count)} {word}{'' if count == 1 else 's'}"
 
 
 def label_text(labels: dict[str, str]) -> str:
-    return " ".join(f"{name}={value}" for name, value in labels.items()) or "no static labels"
+    """Static labels as /metrics quotes them (unambiguous), or "" when there are none."""
+    return " ".join(quoted_labels(tuple(labels.items())))
+
+
+def server_name(server: v1.Server) -> str:
+    """A server by its labels, or `server` when its streams share none."""
+    return label_text(server.labels) or "server"
+
+
+def server_world(server: v1.Server) -> str:
+    """The world a server is expected in, or why there is none."""
+    if server.expected is not None:
+        return v1.world_name(server.expected)
+    return "world conflict" if server.world_conflict else "no world reported"
+
+
+def world_key(world: v1.WorldSizes) -> tuple[int, ...]:
+    return (world.dp_size, world.pp_size, world.attn_cp_size, world.attn_tp_size, world.tp_size)
 
 
 class Names:
-    """What the document writes once and references by id, read back as text: a group's `dp=<n>` and
-    quoted static labels, and a rank's full identity (`status.identity_text`), both as /metrics quotes them."""
+    """What the document writes once and references by id, read back as text: a replica group's `dp=<n>`
+    and quoted static labels, and a stream's full identity (`status.identity_text`), both as /metrics
+    quotes them."""
 
     def __init__(self, doc: v1.StatusDocument) -> None:
         self.labels: dict[str, dict[str, str]] = {s.id: s.labels for s in doc.label_sets}
         self.groups: dict[str, v1.Group] = {g.id: g for g in doc.groups}
+        self.streams: dict[str, v1.Stream] = {s.id: s for s in doc.streams}
 
-    def group(self, group: v1.Group | v1.MissingGroup) -> str:
-        """A group, or a missing group (which has no id): `dp=<n> name="value" ...`."""
+    def group(self, group: v1.Group) -> str:
+        """A replica group: `dp=<n> name="value" ...`."""
         return " ".join((f"dp={group.dp_rank}", *quoted_labels(tuple(self.labels[group.label_set].items()))))
 
-    def rank(self, rank: v1.Rank) -> str:
-        """`tp=.. pp=.. dp=.. [cp=..] name="value" ...`: the axes, then every static label in name order."""
-        labels = {**self.labels[self.groups[rank.group].label_set], **rank.own_labels}
-        return identity_text(rank.tp_rank, rank.pp_rank, rank.dp_rank, rank.attn_cp_rank,
+    def stream(self, stream: v1.Stream) -> str:
+        """`tp=.. pp=.. dp=.. [cp=..] name="value" ...`: the axes as labelled, then every static label in name order."""
+        labels = {**self.labels[self.groups[stream.group].label_set], **stream.own_labels}
+        return identity_text(stream.tp_rank, stream.pp_rank, stream.dp_rank, stream.attn_cp_rank,
                              tuple(sorted(labels.items())))
 
 
-def world_conflicts(doc: v1.StatusDocument) -> list[str]:
-    """One warning per static label set whose ranks reported different worlds, or a world larger than the
-    sidecar can hold (`world_implausible`): which worlds, by how many ranks."""
-    names = Names(doc)
-    allowed = doc.sidecar.limits.ranks_allowed
-    lines = []
-    for key, implausible, counts in v1.world_conflicts(doc, fmt_world):
-        worlds = ", ".join(f"{world} ({n} rank{'' if n == 1 else 's'})" for world, n in counts.items())
-        said = (f"report {worlds}, more positions than the {fmt_number(allowed)} rank identities this sidecar "
-                "keeps (ranks.max_ranks)" if implausible else f"report different parallel sizes: {worlds}")
-        lines.append(f"world conflict: the ranks with {label_text(names.labels[key])} {said}; "
-                     "no missing rank can be worked out for them")
-    return lines
+def world_conflict(doc: v1.StatusDocument, server: v1.Server) -> str:
+    """The warning of a server whose streams reported different worlds, or one larger than the sidecar can
+    hold (`world_implausible`): which worlds, by how many streams."""
+    counts: dict[tuple[int, ...], int] = {}
+    for stream in doc.streams:
+        if stream.server == server.id and stream.world is not None:
+            counts[world_key(stream.world)] = counts.get(world_key(stream.world), 0) + 1
+    names = [v1.world_name(w) for w in server.worlds]
+    listed = ", ".join(
+        # Two worlds that differ only in the engine's tp size read alike: that size tells them apart.
+        f"{name}{f' (engine tp {w.tp_size})' if names.count(name) > 1 else ''} "
+        f"({plural(counts.get(world_key(w), 0), 'stream')})"
+        for name, w in zip(names, server.worlds, strict=True))
+    if server.world_implausible:
+        said = (f"report {listed}, more positions than the {fmt_number(doc.sidecar.limits.ranks_allowed)} rank "
+                "identities this sidecar keeps (ranks.max_ranks)")
+    else:
+        said = f"report different worlds: {listed}"
+    return f"world conflict: the streams of this server {said}; no missing rank can be worked out for it"
 
 
-def grid_cut(group: v1.Group) -> str:
-    """What the group's grid leaves out (status.grid_model caps it), with exact counts; empty when nothing."""
-    grid = group.grid
+def node_share(node: v1.NodeShare) -> str:
+    """What part of a multi-node server this sidecar expects."""
+    tp, pp = node.tp_ranks, node.pp_ranks
+    return (f"node {node.node_rank} of {node.nodes}: this sidecar expects the ranks at global tp "
+            f"{tp[0]}–{tp[1] - 1} of pp stages {pp[0]}–{pp[1] - 1}")
+
+
+def grid_cut(grid: v1.Grid) -> str:
+    """What a dp group's grid leaves out (status.grid_model caps it), with exact counts; empty when nothing."""
     rows, columns = len(grid.rows), len(grid.tp_ranks)
     if rows == grid.row_count and columns == grid.column_count:
         return ""
-    hidden = grid.hidden_ranks
     return (f"drawn: {rows} of {grid.row_count} rows, {columns} of {grid.column_count} tp columns; "
-            f"{hidden} rank{'' if hidden == 1 else 's'} not drawn (all are under All ranks)")
+            f"{plural(grid.hidden_ranks, 'rank')} not drawn (their streams are under All streams)")
+
+
+def stream_tip(names: Names, stream: v1.Stream) -> str:
+    """A stream's full identity and how it goes: the tooltip of its line in a cell."""
+    pushed = ("never pushed" if stream.seconds_since_push is None
+              else f"last push {fmt_seconds(stream.seconds_since_push)} ago")
+    return f"{names.stream(stream)}\nstate {stream.state}, {pushed}, restarts {stream.restarts}, {stream.source}"
+
+
+def kind_order(stream: v1.Stream) -> int:
+    return KINDS.index(stream.kind) if stream.kind in KINDS else len(KINDS)
+
+
+def cell(names: Names, server: v1.Server, rank: v1.RankCell) -> str:
+    """One rank: its tp rank, its state, a mark when the server's world does not expect it, and a line per
+    stream (kind and state, its identity in the tooltip)."""
+    unexpected = server.expected is not None and not rank.expected
+    where = f"dp {rank.dp_rank} pp {rank.pp_rank} cp {rank.attn_cp_rank} tp {rank.tp_rank} of {server_name(server)}"
+    said = ("expected by the server's world, no unexpired stream reports for it" if rank.state == MISSING
+            else plural(len(rank.streams), "stream"))
+    tip = f"{where}: {rank.state}, {said}" + ("; outside the server's expected world" if unexpected else "")
+    streams = sorted((names.streams[s] for s in rank.streams if s in names.streams), key=kind_order)
+    lines = "".join(f'<span class="stream state-{esc(s.state)}" title="{esc(stream_tip(names, s))}">'
+                    f"{esc(s.kind)} {esc(s.state)}</span>" for s in streams)
+    return (f'<td class="rank state-{esc(rank.state)}{" unexpected" if unexpected else ""}" '
+            f'data-rank="{esc(rank.id)}" title="{esc(tip)}"><span class="tp">tp {esc(rank.tp_rank)}</span>'
+            f'<span class="st">{esc(rank.state)}</span>'
+            + (f'<span class="mark">{UNEXPECTED}</span>' if unexpected else "")
+            + (f'<span class="streams">{lines}</span>' if lines else "") + "</td>")
+
+
+def dp_group(names: Names, server: v1.Server, group: v1.ServerGroup, at: dict[tuple[int, int, int], v1.RankCell]
+             ) -> str:
+    """One dp group of a server as a table: pp stage (× cp rank) rows by attention tp rank columns."""
+    grid = group.grid
+    tps = grid.tp_ranks
+    with_cp = any(row.attn_cp_rank for row in grid.rows)
+    head = "".join(f"<th>tp {esc(tp)}</th>" for tp in tps)
+    body = []
+    for row in grid.rows:
+        label = f"pp {row.pp_rank}" + (f" cp {row.attn_cp_rank}" if with_cp else "")
+        cells = []
+        for tp in tps:
+            rank = at.get((row.pp_rank, row.attn_cp_rank, tp))
+            cells.append('<td class="rank absent">–</td>' if rank is None else cell(names, server, rank))
+        body.append(f'<tr><th scope="row">{esc(label)}</th>{"".join(cells)}</tr>')
+    caption = (f"dp {group.dp_rank}: {group.live} of {plural(group.ranks, 'rank')} live"
+               + (f", {group.missing} {MISSING}" if group.missing else "")
+               + (f"; {UNEXPECTED}" if server.expected is not None and not group.expected else ""))
+    cut = grid_cut(grid)
+    foot = (f'<tfoot><tr><td class="note grid-cut" colspan="{len(tps) + 1}">{esc(cut)}</td></tr></tfoot>'
+            if cut else "")
+    return (f'<table class="grid" data-server="{esc(server.id)}" data-dp="{esc(group.dp_rank)}">'
+            f"<caption>{esc(caption)}</caption><thead><tr><th></th>{head}</tr></thead>"
+            f"<tbody>{''.join(body)}</tbody>{foot}</table>")
+
+
+def server_block(doc: v1.StatusDocument, names: Names, server: v1.Server,
+                 cells: dict[int, dict[tuple[int, int, int], v1.RankCell]]) -> str:
+    """A server: its name and world, its counts, its warnings, and a grid per dp group."""
+    counts = (f"{plural(server.ranks, 'rank')}, {plural(server.streams, 'stream')}; {server.live_ranks} live"
+              + (f", {server.missing} {MISSING}" if server.missing else ""))
+    notes = "".join((
+        f'<p class="warning world-conflict">{esc(world_conflict(doc, server))}</p>' if server.world_conflict else "",
+        f'<p class="note node-share">{esc(node_share(server.node))}</p>' if server.node is not None else "",
+    ))
+    groups = "".join(
+        dp_group(names, server, group, cells.get(group.dp_rank, {}))
+        for group in server.dp_groups)
+    return (f'<div class="server" data-server="{esc(server.id)}"><h3><span class="server-name">'
+            f'{esc(server_name(server))}</span> · <span class="world">{esc(server_world(server))}</span></h3>'
+            f'<p class="note server-counts">{esc(counts)}</p>{notes}<div class="groups">{groups}</div></div>')
 
 
 def grid(doc: v1.StatusDocument) -> str:
-    """The ranks of each replica group as a table: pp stage (× cp rank) rows by tp rank columns.
+    """Every server's ranks, one cell per rank (position) listing its streams, a grid per dp group.
 
-    What is drawn is the group's `grid` (status.grid_model: bounded, with exact counts of what it leaves
-    out). Positions the group's world expects and no rank holds are `missing` cells; one cell spans
-    its pp stage's rows (no rank holds that pp and tp at any cp rank). Missing dp groups follow.
+    What is drawn is each dp group's `grid` (status.grid_model: bounded, with exact counts of what it
+    leaves out) and the `ranks` it holds; a position of a drawn row and column that no cell holds is
+    blank. Positions the server's world expects and no unexpired stream reports for are `missing`.
     """
-    if not doc.groups:
+    if not doc.servers:
         return '<p class="empty">No rank has connected yet.</p>'
     names = Names(doc)
-    members: dict[str, list[v1.Rank]] = {}
+    by_server: dict[str, dict[int, dict[tuple[int, int, int], v1.RankCell]]] = {}
     for rank in doc.ranks:
-        members.setdefault(rank.group, []).append(rank)
-    parts = []
-    for group in doc.groups:
-        name = names.group(group)
-        at: dict[tuple[int, int | None, int], v1.Rank] = {}
-        for rank in members.get(group.id, ()):
-            at[(rank.pp_rank, rank.attn_cp_rank, rank.tp_rank)] = rank
-        missing = {(m.pp_rank, m.tp_rank) for m in group.missing}
-        rows = [(row.pp_rank, row.attn_cp_rank) for row in group.grid.rows]
-        tps = group.grid.tp_ranks
-        span: dict[int, int] = {}  # a pp stage's rows drawn: what its missing cells span
-        for pp, _ in rows:
-            span[pp] = span.get(pp, 0) + 1
-        head = "".join(f"<th>tp {esc(tp)}</th>" for tp in tps)
-        body = []
-        started: set[int] = set()
-        for pp, cp in rows:
-            first = pp not in started  # the later rows of a stage are under its missing cells' rowspan
-            started.add(pp)
-            label = f"pp {pp}" + ("" if cp is None else f" cp {cp}")
-            cells = []
-            for tp in tps:
-                if (pp, tp) in missing:
-                    if first:
-                        attr = f' rowspan="{span[pp]}"' if span[pp] > 1 else ""
-                        tip = (f"pp {pp} tp {tp} of {name}: expected by the ranks' world, "
-                               "no known rank holds it")
-                        cells.append(f'<td class="rank state-{MISSING}"{attr} data-missing="{esc(f"{pp}/{tp}")}" '
-                                     f'title="{esc(tip)}"><span class="tp">tp {esc(tp)}</span>'
-                                     f'<span class="st">{MISSING}</span></td>')
-                    continue
-                held = at.get((pp, cp, tp))
-                if held is None:
-                    cells.append('<td class="rank absent">–</td>')
-                    continue
-                tip = (f"{names.rank(held)}\nstate {held.state}, last push {fmt_seconds(held.seconds_since_push)} "
-                       f"ago, restarts {held.restarts}, {held.source}")
-                cells.append(f'<td class="rank state-{esc(held.state)}" data-rank="{esc(held.id)}" '
-                             f'title="{esc(tip)}"><span class="tp">tp {esc(tp)}</span>'
-                             f'<span class="st">{esc(held.state)}</span></td>')
-            body.append(f'<tr><th scope="row">{esc(label)}</th>{"".join(cells)}</tr>')
-        caption = f"{group.id} {name}: {group.live} of {group.size} live" + (
-            f", {group.missing_count} {MISSING}" if group.missing_count else "")
-        cut = grid_cut(group)
-        foot = (f'<tfoot><tr><td class="note grid-cut" colspan="{len(tps) + 1}">{esc(cut)}</td></tr></tfoot>'
-                if cut else "")
-        parts.append(f'<table class="grid" data-group="{esc(group.id)}"><caption>{esc(caption)}</caption>'
-                     f"<thead><tr><th></th>{head}</tr></thead><tbody>{''.join(body)}</tbody>{foot}</table>")
-    for absent in doc.missing_groups:
-        expected = absent.expected
-        text = (f"{MISSING}: no rank of this dp group has reported "
-                f"(expected tp {expected.tp_size} × pp {expected.pp_size})")
-        name = names.group(absent)
-        parts.append(f'<table class="grid missing-group" data-missing-group="{esc(name)}">'
-                     f"<caption>{esc(name)}: {MISSING}</caption>"
-                     f'<tbody><tr><td class="rank state-{MISSING}">{esc(text)}</td></tr></tbody></table>')
-    listed = len(doc.missing_groups)
-    more = doc.missing_totals.groups - listed
-    tail = f'<p class="note">and {esc(more)} more missing dp groups</p>' if more > 0 else ""
-    warnings = "".join(f'<p class="warning world-conflict">{esc(line)}</p>' for line in world_conflicts(doc))
-    return warnings + '<div class="groups">' + "".join(parts) + "</div>" + tail
+        by_dp = by_server.setdefault(rank.server, {}).setdefault(rank.dp_rank, {})
+        by_dp[(rank.pp_rank, rank.attn_cp_rank, rank.tp_rank)] = rank
+    return "".join(server_block(doc, names, server, by_server.get(server.id, {})) for server in doc.servers)
 
 
 def totals(doc: v1.StatusDocument) -> str:
@@ -289,7 +364,7 @@ def reasons(doc: v1.StatusDocument) -> str:
     for family in doc.reasons:
         top = max((r.value for r in family.by_reason), default=0.0) or 1.0
         rows = (f"<tr><td>{esc(r.reason)}</td><td>{esc(fmt_number(r.value))}</td>"
-                f'<td><meter min="0" max="{esc(top)}" value="{esc(r.value)}"></meter></td></tr>'
+                f'<td><meter min="0" max="{esc(js_number(top))}" value="{esc(js_number(r.value))}"></meter></td></tr>'
                 for r in family.by_reason)
         note = " (attempt-level: not a final cache-miss count)" if family.attempt_level else ""
         more = (f'<p class="note">and {esc(fmt_number(family.other_reasons))} more reasons, '
@@ -327,11 +402,15 @@ def health(doc: v1.StatusDocument) -> str:
     s = doc.sidecar
     limits = s.limits
     states = ", ".join(f"{count} {state}" for state, count in by_state(s).items())
+    t = doc.totals
+    ranks = (f"{t.ranks} in {plural(t.servers, 'server')}: {t.live_ranks} live"
+             + (f", {t.missing} {MISSING}" if t.missing else ""))
     items = (
         ("ready", "yes" if s.ready else "no: the ingest socket is not listening"),
         ("ingest socket", s.ingest.socket_path),
         ("uptime", fmt_seconds(s.uptime_seconds)),
-        ("ranks", states),
+        ("ranks", ranks),
+        ("streams", states),
         ("connections", f"{s.connections.open} open of {s.connections.allowed}, "
                         f"{s.connections.accepted} accepted"),
         ("snapshots applied", f"{fmt_number(s.snapshots_applied)} of {fmt_number(s.snapshots_received)} received"),
@@ -353,22 +432,28 @@ def health(doc: v1.StatusDocument) -> str:
             f"rejected in all</p>{rejections}{extra}</div></div>")
 
 
-def rank_table(doc: v1.StatusDocument) -> str:
+def stream_table(doc: v1.StatusDocument) -> str:
+    """Every stream: its identity, kind, the rank it reports for and how it goes."""
     names = Names(doc)
-    rows = (_row(names.rank(r), r.group, r.state, r.source, fmt_seconds(r.seconds_since_push), r.restarts,
+    rows = (_row(names.stream(r), r.kind, r.rank, r.state, r.source, fmt_seconds(r.seconds_since_push), r.restarts,
                  r.epoch, r.pid, r.series, cls=f"state-{r.state}")
-            for r in doc.ranks)
-    return _table(("rank", "group", "state", "source", "last push", "restarts", "epoch", "pid", "series"), rows,
-                  "no ranks", 9)
+            for r in doc.streams)
+    return _table(("stream", "kind", "rank", "state", "source", "last push", "restarts", "epoch", "pid", "series"),
+                  rows, "no streams", 10)
 
 
 def upstreams(doc: v1.StatusDocument) -> str:
+    """The upstreams read (proxy mode), their expected worlds, and a line per way the engine's labels
+    contradict a configured world."""
     rows = (_row(u.name, u.source, "up" if u.up else "down", u.ranks, u.samples,
+                 "–" if u.world is None else v1.world_name(u.world),
                  fmt_time(u.last_scrape_time) if u.last_scrape_time is not None else "never",
                  u.last_error or "", cls="up" if u.up else "down")
             for u in doc.upstreams)
-    return _table(("upstream", "source", "status", "ranks", "samples", "last read", "last error"), rows,
-                  "no upstreams configured", 7)
+    problems = "".join(f'<p class="warning world-problem">{esc(u.name)}: {esc(problem)}</p>'
+                       for u in doc.upstreams for problem in u.world_problems)
+    return _table(("upstream", "source", "status", "ranks", "samples", "world", "last read", "last error"), rows,
+                  "no upstreams configured", 8) + problems
 
 
 SECTIONS = (
@@ -378,7 +463,7 @@ SECTIONS = (
     ("reasons", "Reasons", reasons),
     ("spread", "Replica spread", spread),
     ("health", "Sidecar", health),
-    ("ranks", "All ranks", rank_table),
+    ("streams", "All streams", stream_table),
     ("upstreams", "Upstreams", upstreams),
 )
 
@@ -414,11 +499,14 @@ def render_page(doc: v1.StatusDocument) -> str:
 
 
 def summary(doc: v1.StatusDocument) -> str:
-    """The header line: ranks by state, uptime, revision."""
-    s = doc.sidecar
-    states = ", ".join(f"{count} {state}" for state, count in by_state(s).items() if count) or "no ranks"
-    missing = doc.missing_totals.positions
-    if missing:
-        states += f", {missing} {MISSING}"
-    ready = "ready" if s.ready else "NOT READY"
-    return f"{ready} · {states} · up {fmt_seconds(s.uptime_seconds)} · revision {s.revision[:12]}"
+    """The header line: ranks and streams counted apart, ranks live and missing, streams by state, uptime,
+    revision."""
+    s, t = doc.sidecar, doc.totals
+    parts = [f"{'ready' if s.ready else 'NOT READY'}", f"{plural(t.ranks, 'rank')}, {plural(t.streams, 'stream')}"]
+    if t.ranks or t.missing:
+        parts.append(f"ranks: {t.live_ranks} live" + (f", {t.missing} {MISSING}" if t.missing else ""))
+    states = ", ".join(f"{count} {state}" for state, count in by_state(s).items() if count)
+    if states:
+        parts.append(f"streams: {states}")
+    parts += [f"up {fmt_seconds(s.uptime_seconds)}", f"revision {s.revision[:12]}"]
+    return " · ".join(parts)

@@ -5,7 +5,9 @@
 
 (function () {
   const STATES = ["live", "stale", "departed", "expired"];
-  const MISSING = "missing";  // a position or dp group the ranks' world expects and no known rank holds
+  const MISSING = "missing";  // a rank (position) its server's world expects and no unexpired stream reports for
+  const KINDS = ["radix", "storage", "scheduler"];  // a cell lists its streams in this order, pushed clients last
+  const UNEXPECTED = "outside world";  // a rank or dp group its server's expected world does not hold
   const SPARK_WIDTH = 120;
   const SPARK_HEIGHT = 24;
   const SVG = "http://www.w3.org/2000/svg";
@@ -115,146 +117,170 @@
     return el("p", { class: "legend" }, STATES.concat([MISSING]).map((s) => text("span", s, { class: `swatch state-${s}` })));
   }
 
-  function fmtWorld(w) {
-    return `tp ${w.tp_size} × pp ${w.pp_size} × dp ${w.dp_size}`;
+  function plural(n, word) {
+    return `${fmtNumber(n)} ${word}${n === 1 ? "" : "s"}`;
   }
 
-  function labelText(labels) {
-    return Object.entries(labels).map(([k, v]) => `${k}=${v}`).join(" ") || "no static labels";
+  // A world as the page and top name it (v1.world_name).
+  function worldName(w) {
+    const cp = w.attn_cp_size > 1 ? ` × cp ${w.attn_cp_size}` : "";
+    return `dp ${w.dp_size} × pp ${w.pp_size}${cp} × tp ${w.attn_tp_size}`;
   }
 
-  // What the document writes once and references by id, read back as text (page.py's Names).
+  function worldKey(w) {
+    return [w.dp_size, w.pp_size, w.attn_cp_size, w.attn_tp_size, w.tp_size].join(",");
+  }
+
   function quoted(labels) {  // name="value", backslash, quote and newline escaped, as /metrics writes them
     return Object.entries(labels).map(([k, v]) =>
       `${k}="${v.replace(/\\/g, "\\\\").replace(/"/g, '\\"').replace(/\n/g, "\\n")}"`);
   }
 
+  function serverName(server) {
+    return quoted(server.labels).join(" ") || "server";
+  }
+
+  function serverWorld(server) {
+    if (server.expected !== null) return worldName(server.expected);
+    return server.world_conflict ? "world conflict" : "no world reported";
+  }
+
+  // What the document writes once and references by id, read back as text (page.py's Names).
   function names(doc) {
     const labels = new Map(doc.label_sets.map((s) => [s.id, s.labels]));
     const groups = new Map(doc.groups.map((g) => [g.id, g]));
+    const streams = new Map(doc.streams.map((s) => [s.id, s]));
     return {
-      labels, groups,
+      labels, groups, streams,
       group: (g) => [`dp=${g.dp_rank}`].concat(quoted(labels.get(g.label_set))).join(" "),
-      rank: (r) => {
-        const all = Object.assign({}, labels.get(groups.get(r.group).label_set), r.own_labels);
-        const sorted = Object.fromEntries(Object.keys(all).sort().map((k) => [k, all[k]]));
-        const cp = r.attn_cp_rank === null ? [] : [`cp=${r.attn_cp_rank}`];
-        return [`tp=${r.tp_rank}`, `pp=${r.pp_rank}`, `dp=${r.dp_rank}`].concat(cp, quoted(sorted)).join(" ");
-      },
     };
   }
 
-  // One warning per label set whose ranks reported different worlds, or a world larger than the sidecar
-  // can hold (world_implausible): which worlds, by how many ranks. One pass over the ranks.
-  function worldConflicts(doc) {
-    const n = names(doc);
-    const conflicting = new Map();  // label set -> whether its one world is implausible
-    for (const group of doc.groups) {
-      if (group.world_conflict) conflicting.set(group.label_set, group.world_implausible);
-    }
-    const counts = new Map(Array.from(conflicting.keys(), (key) => [key, new Map()]));
-    for (const r of doc.ranks) {
-      const key = n.groups.get(r.group).label_set;
-      if (r.world !== null && counts.has(key)) {
-        const byWorld = counts.get(key);
-        byWorld.set(fmtWorld(r.world), (byWorld.get(fmtWorld(r.world)) || 0) + 1);
-      }
-    }
-    const allowed = doc.sidecar.limits.ranks_allowed;
-    const lines = [];
-    for (const [key, implausible] of conflicting) {
-      const worlds = Array.from(counts.get(key), ([w, c]) => `${w} (${c} rank${c === 1 ? "" : "s"})`).join(", ");
-      const said = implausible
-        ? `report ${worlds}, more positions than the ${fmtNumber(allowed)} rank identities this sidecar keeps ` +
-          "(ranks.max_ranks)"
-        : `report different parallel sizes: ${worlds}`;
-      lines.push(`world conflict: the ranks with ${labelText(n.labels.get(key))} ${said}; ` +
-        "no missing rank can be worked out for them");
-    }
-    return lines;
+  // `tp=.. pp=.. dp=.. [cp=..] name="value" ...`: a stream's axes as labelled, then every static label in name order.
+  function streamIdentity(n, r) {
+    const all = Object.assign({}, n.labels.get(n.groups.get(r.group).label_set), r.own_labels);
+    const sorted = Object.fromEntries(Object.keys(all).sort().map((k) => [k, all[k]]));
+    const cp = r.attn_cp_rank === null ? [] : [`cp=${r.attn_cp_rank}`];
+    return [`tp=${r.tp_rank}`, `pp=${r.pp_rank}`, `dp=${r.dp_rank}`].concat(cp, quoted(sorted)).join(" ");
   }
 
-  // What a group's grid leaves out (the sidecar caps it, status.grid_model), with exact counts; "" when nothing.
-  function gridCut(group) {
-    const g = group.grid;
+  // The warning of a server whose streams reported different worlds, or one larger than the sidecar can
+  // hold (world_implausible): which worlds, by how many streams (page.py: world_conflict).
+  function worldConflict(doc, server) {
+    const counts = new Map();
+    for (const s of doc.streams) {
+      if (s.server === server.id && s.world !== null) counts.set(worldKey(s.world), (counts.get(worldKey(s.world)) || 0) + 1);
+    }
+    const worldNames = server.worlds.map(worldName);
+    // Two worlds that differ only in the engine's tp size read alike: that size tells them apart.
+    const listed = server.worlds.map((w, i) => {
+      const alike = worldNames.filter((name) => name === worldNames[i]).length > 1;
+      return `${worldNames[i]}${alike ? ` (engine tp ${w.tp_size})` : ""} (${plural(counts.get(worldKey(w)) || 0, "stream")})`;
+    }).join(", ");
+    const said = server.world_implausible
+      ? `report ${listed}, more positions than the ${fmtNumber(doc.sidecar.limits.ranks_allowed)} rank identities ` +
+        "this sidecar keeps (ranks.max_ranks)"
+      : `report different worlds: ${listed}`;
+    return `world conflict: the streams of this server ${said}; no missing rank can be worked out for it`;
+  }
+
+  function nodeShare(node) {
+    const [tp0, tp1] = node.tp_ranks;
+    const [pp0, pp1] = node.pp_ranks;
+    return `node ${node.node_rank} of ${node.nodes}: this sidecar expects the ranks at global tp ${tp0}–${tp1 - 1} ` +
+      `of pp stages ${pp0}–${pp1 - 1}`;
+  }
+
+  // What a dp group's grid leaves out (the sidecar caps it, status.grid_model), with exact counts; "" when nothing.
+  function gridCut(g) {
     if (g.rows.length === g.row_count && g.tp_ranks.length === g.column_count) return "";
     return `drawn: ${g.rows.length} of ${g.row_count} rows, ${g.tp_ranks.length} of ${g.column_count} tp columns; ` +
-      `${g.hidden_ranks} rank${g.hidden_ranks === 1 ? "" : "s"} not drawn (all are under All ranks)`;
+      `${plural(g.hidden_ranks, "rank")} not drawn (their streams are under All streams)`;
   }
 
-  // The group's `grid` as the sidecar bounded it: pp (× cp) rows by tp columns, as page.py draws it.
+  function streamTip(n, s) {
+    const pushed = s.seconds_since_push === null ? "never pushed" : `last push ${fmtSeconds(s.seconds_since_push)} ago`;
+    return `${streamIdentity(n, s)}\nstate ${s.state}, ${pushed}, restarts ${s.restarts}, ${s.source}`;
+  }
+
+  function kindOrder(s) {
+    const at = KINDS.indexOf(s.kind);
+    return at < 0 ? KINDS.length : at;
+  }
+
+  // One rank: its tp rank, its state, a mark when the server's world does not expect it, and a line per
+  // stream (kind and state, its identity in the tooltip), as page.py's cell.
+  function cell(n, server, rank) {
+    const unexpected = server.expected !== null && !rank.expected;
+    const where = `dp ${rank.dp_rank} pp ${rank.pp_rank} cp ${rank.attn_cp_rank} tp ${rank.tp_rank} of ${serverName(server)}`;
+    const said = rank.state === MISSING ? "expected by the server's world, no unexpired stream reports for it"
+      : plural(rank.streams.length, "stream");
+    const tip = `${where}: ${rank.state}, ${said}` + (unexpected ? "; outside the server's expected world" : "");
+    const streams = rank.streams.filter((id) => n.streams.has(id)).map((id) => n.streams.get(id))
+      .sort((a, b) => kindOrder(a) - kindOrder(b));
+    const children = [text("span", `tp ${rank.tp_rank}`, { class: "tp" }), text("span", rank.state, { class: "st" })];
+    if (unexpected) children.push(text("span", UNEXPECTED, { class: "mark" }));
+    if (streams.length) {
+      children.push(el("span", { class: "streams" }, streams.map((s) =>
+        text("span", `${s.kind} ${s.state}`, { class: `stream state-${s.state}`, title: streamTip(n, s) }))));
+    }
+    return el("td", { class: `rank state-${rank.state}${unexpected ? " unexpected" : ""}`, "data-rank": rank.id, title: tip },
+      children);
+  }
+
+  // One dp group of a server: pp (× cp) rows by attention tp columns, as page.py's dp_group.
+  function dpGroup(n, server, group, at) {
+    const g = group.grid;
+    const tps = g.tp_ranks;
+    const withCp = g.rows.some((row) => row.attn_cp_rank !== 0);
+    const head = el("tr", {}, [el("th")].concat(tps.map((tp) => text("th", `tp ${tp}`))));
+    const body = el("tbody");
+    for (const { pp_rank: pp, attn_cp_rank: cp } of g.rows) {
+      const tr = el("tr", {}, [text("th", `pp ${pp}` + (withCp ? ` cp ${cp}` : ""), { scope: "row" })]);
+      for (const tp of tps) {
+        const rank = at.get(`${pp}/${cp}/${tp}`);
+        tr.appendChild(rank ? cell(n, server, rank) : text("td", "–", { class: "rank absent" }));
+      }
+      body.appendChild(tr);
+    }
+    const caption = `dp ${group.dp_rank}: ${group.live} of ${plural(group.ranks, "rank")} live` +
+      (group.missing ? `, ${group.missing} ${MISSING}` : "") +
+      (server.expected !== null && !group.expected ? `; ${UNEXPECTED}` : "");
+    const parts = [text("caption", caption), el("thead", {}, [head]), body];
+    const cut = gridCut(g);
+    if (cut) {
+      parts.push(el("tfoot", {}, [el("tr", {}, [text("td", cut, { class: "note grid-cut", colspan: tps.length + 1 })])]));
+    }
+    return el("table", { class: "grid", "data-server": server.id, "data-dp": group.dp_rank }, parts);
+  }
+
+  function serverBlock(doc, n, server, cells) {
+    const counts = `${plural(server.ranks, "rank")}, ${plural(server.streams, "stream")}; ${server.live_ranks} live` +
+      (server.missing ? `, ${server.missing} ${MISSING}` : "");
+    const children = [
+      el("h3", {}, [text("span", serverName(server), { class: "server-name" }), " · ",
+        text("span", serverWorld(server), { class: "world" })]),
+      text("p", counts, { class: "note server-counts" }),
+    ];
+    if (server.world_conflict) children.push(text("p", worldConflict(doc, server), { class: "warning world-conflict" }));
+    if (server.node !== null) children.push(text("p", nodeShare(server.node), { class: "note node-share" }));
+    children.push(el("div", { class: "groups" },
+      server.dp_groups.map((group) => dpGroup(n, server, group, cells.get(group.dp_rank) || new Map()))));
+    return el("div", { class: "server", "data-server": server.id }, children);
+  }
+
+  // Every server's ranks, one cell per rank listing its streams, a grid per dp group (page.py: grid).
   function grid(doc) {
-    if (doc.groups.length === 0) return [text("p", "No rank has connected yet.", { class: "empty" })];
+    if (doc.servers.length === 0) return [text("p", "No rank has connected yet.", { class: "empty" })];
     const n = names(doc);
-    const members = new Map();
+    const byServer = new Map();  // server id -> dp rank -> "pp/cp/tp" -> rank
     for (const r of doc.ranks) {
-      if (!members.has(r.group)) members.set(r.group, []);
-      members.get(r.group).push(r);
+      if (!byServer.has(r.server)) byServer.set(r.server, new Map());
+      const byDp = byServer.get(r.server);
+      if (!byDp.has(r.dp_rank)) byDp.set(r.dp_rank, new Map());
+      byDp.get(r.dp_rank).set(`${r.pp_rank}/${r.attn_cp_rank}/${r.tp_rank}`, r);
     }
-    const out = worldConflicts(doc).map((line) => text("p", line, { class: "warning world-conflict" }));
-    const groups = el("div", { class: "groups" });
-    for (const group of doc.groups) {
-      const name = n.group(group);
-      const own = members.get(group.id) || [];
-      const at = new Map();
-      for (const r of own) at.set(`${r.pp_rank}/${r.attn_cp_rank}/${r.tp_rank}`, r);
-      const missing = new Set(group.missing.map((m) => `${m.pp_rank}/${m.tp_rank}`));
-      const tps = group.grid.tp_ranks;
-      const span = new Map();  // a pp stage's rows drawn: what its missing cells span
-      for (const row of group.grid.rows) span.set(row.pp_rank, (span.get(row.pp_rank) || 0) + 1);
-      const head = el("tr", {}, [el("th")].concat(tps.map((tp) => text("th", `tp ${tp}`))));
-      const body = el("tbody");
-      const started = new Set();
-      for (const { pp_rank: pp, attn_cp_rank: cp } of group.grid.rows) {
-        const first = !started.has(pp);  // the later rows of a stage are under its missing cells' rowspan
-        started.add(pp);
-        const tr = el("tr", {}, [text("th", `pp ${pp}` + (cp === null ? "" : ` cp ${cp}`), { scope: "row" })]);
-        for (const tp of tps) {
-          if (missing.has(`${pp}/${tp}`)) {
-            if (first) {
-              tr.appendChild(el("td", {
-                class: `rank state-${MISSING}`, rowspan: span.get(pp) > 1 ? span.get(pp) : null,
-                "data-missing": `${pp}/${tp}`,
-                title: `pp ${pp} tp ${tp} of ${name}: expected by the ranks' world, no known rank holds it`,
-              }, [text("span", `tp ${tp}`, { class: "tp" }), text("span", MISSING, { class: "st" })]));
-            }
-            continue;
-          }
-          const r = at.get(`${pp}/${cp}/${tp}`);
-          if (!r) {
-            tr.appendChild(text("td", "–", { class: "rank absent" }));
-            continue;
-          }
-          const tip = `${n.rank(r)}\nstate ${r.state}, last push ${fmtSeconds(r.seconds_since_push)} ago, ` +
-            `restarts ${r.restarts}, ${r.source}`;
-          tr.appendChild(el("td", { class: `rank state-${r.state}`, "data-rank": r.id, title: tip }, [
-            text("span", `tp ${tp}`, { class: "tp" }), text("span", r.state, { class: "st" }),
-          ]));
-        }
-        body.appendChild(tr);
-      }
-      const caption = `${group.id} ${name}: ${group.live} of ${group.size} live` +
-        (group.missing_count ? `, ${group.missing_count} ${MISSING}` : "");
-      const parts = [text("caption", caption), el("thead", {}, [head]), body];
-      const cut = gridCut(group);
-      if (cut) {
-        parts.push(el("tfoot", {}, [el("tr", {}, [text("td", cut, { class: "note grid-cut", colspan: tps.length + 1 })])]));
-      }
-      groups.appendChild(el("table", { class: "grid", "data-group": group.id }, parts));
-    }
-    for (const absent of doc.missing_groups) {
-      const e = absent.expected;
-      const note = `${MISSING}: no rank of this dp group has reported (expected tp ${e.tp_size} × pp ${e.pp_size})`;
-      const name = n.group(absent);
-      groups.appendChild(el("table", { class: "grid missing-group", "data-missing-group": name }, [
-        text("caption", `${name}: ${MISSING}`),
-        el("tbody", {}, [el("tr", {}, [text("td", note, { class: `rank state-${MISSING}` })])]),
-      ]));
-    }
-    out.push(groups);
-    const more = doc.missing_totals.groups - doc.missing_groups.length;
-    if (more > 0) out.push(text("p", `and ${more} more missing dp groups`, { class: "note" }));
-    return out;
+    return doc.servers.map((server) => serverBlock(doc, n, server, byServer.get(server.id) || new Map()));
   }
 
   function totals(doc) {
@@ -334,12 +360,16 @@
   function health(doc) {
     const s = doc.sidecar;
     const limits = s.limits;
-    const byState = Object.entries(s.ranks_by_state).map(([state, n]) => `${n} ${state}`).join(", ");
+    const byState = Object.entries(s.streams_by_state).map(([state, n]) => `${n} ${state}`).join(", ");
+    const t = doc.totals;
+    const ranks = `${t.ranks} in ${plural(t.servers, "server")}: ${t.live_ranks} live` +
+      (t.missing ? `, ${t.missing} ${MISSING}` : "");
     const items = [
       ["ready", s.ready ? "yes" : "no: the ingest socket is not listening"],
       ["ingest socket", s.ingest.socket_path],
       ["uptime", fmtSeconds(s.uptime_seconds)],
-      ["ranks", byState],
+      ["ranks", ranks],
+      ["streams", byState],
       ["connections", `${s.connections.open} open of ${s.connections.allowed}, ${s.connections.accepted} accepted`],
       ["snapshots applied", `${fmtNumber(s.snapshots_applied)} of ${fmtNumber(s.snapshots_received)} received`],
       ["samples applied", fmtNumber(s.samples_applied)],
@@ -363,33 +393,42 @@
     return [el("div", { class: "cols" }, [el("div", {}, [table(["", ""], items.map((i) => row(i)), "", 2)]), right])];
   }
 
-  function rankTable(doc) {
+  function streamTable(doc) {
     const n = names(doc);
-    const rows = doc.ranks.map((r) => row([n.rank(r), r.group, r.state, r.source, fmtSeconds(r.seconds_since_push), r.restarts,
-      r.epoch, r.pid, r.series], `state-${r.state}`));
-    return [table(["rank", "group", "state", "source", "last push", "restarts", "epoch", "pid", "series"], rows,
-      "no ranks", 9)];
+    const rows = doc.streams.map((r) => row([streamIdentity(n, r), r.kind, r.rank, r.state, r.source, fmtSeconds(r.seconds_since_push),
+      r.restarts, r.epoch, r.pid, r.series], `state-${r.state}`));
+    return [table(["stream", "kind", "rank", "state", "source", "last push", "restarts", "epoch", "pid", "series"], rows,
+      "no streams", 10)];
   }
 
+  // The upstreams, their expected worlds, and a line per way the engine's labels contradict a configured world.
   function upstreams(doc) {
     const rows = doc.upstreams.map((u) => row([u.name, u.source, u.up ? "up" : "down", u.ranks, u.samples,
+      u.world === null ? "–" : worldName(u.world),
       u.last_scrape_time === null ? "never" : fmtTime(u.last_scrape_time), u.last_error || ""], u.up ? "up" : "down"));
-    return [table(["upstream", "source", "status", "ranks", "samples", "last read", "last error"], rows,
-      "no upstreams configured", 7)];
+    const out = [table(["upstream", "source", "status", "ranks", "samples", "world", "last read", "last error"], rows,
+      "no upstreams configured", 8)];
+    for (const u of doc.upstreams) {
+      for (const problem of u.world_problems) out.push(text("p", `${u.name}: ${problem}`, { class: "warning world-problem" }));
+    }
+    return out;
   }
 
+  // The header line: ranks and streams counted apart, ranks live and missing, streams by state (page.py: summary).
   function summary(doc) {
     const s = doc.sidecar;
-    let states = Object.entries(s.ranks_by_state).filter(([, n]) => n > 0).map(([st, n]) => `${n} ${st}`).join(", ");
-    states = states || "no ranks";
-    if (doc.missing_totals.positions) states += `, ${doc.missing_totals.positions} ${MISSING}`;
-    return `${s.ready ? "ready" : "NOT READY"} · ${states} · up ${fmtSeconds(s.uptime_seconds)} · ` +
-      `revision ${s.revision.slice(0, 12)}`;
+    const t = doc.totals;
+    const parts = [s.ready ? "ready" : "NOT READY", `${plural(t.ranks, "rank")}, ${plural(t.streams, "stream")}`];
+    if (t.ranks || t.missing) parts.push(`ranks: ${t.live_ranks} live` + (t.missing ? `, ${t.missing} ${MISSING}` : ""));
+    const states = Object.entries(s.streams_by_state).filter(([, n]) => n > 0).map(([st, n]) => `${n} ${st}`).join(", ");
+    if (states) parts.push(`streams: ${states}`);
+    parts.push(`up ${fmtSeconds(s.uptime_seconds)}`, `revision ${s.revision.slice(0, 12)}`);
+    return parts.join(" · ");
   }
 
   const SECTIONS = {
     grid: (doc) => [legend(), ...grid(doc)],
-    totals, bandwidth, reasons, spread, health, ranks: rankTable, upstreams,
+    totals, bandwidth, reasons, spread, health, streams: streamTable, upstreams,
   };
 
   // --- refresh ---

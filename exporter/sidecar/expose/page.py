@@ -172,9 +172,9 @@ def label_text(labels: dict[str, str]) -> str:
     return " ".join(quoted_labels(tuple(labels.items())))
 
 
-def server_name(server: v1.Server) -> str:
+def server_name(names: Names, server: v1.Server) -> str:
     """A server by its labels, or `server` when its streams share none."""
-    return label_text(server.labels) or "server"
+    return label_text(names.labels[server.label_set]) or "server"
 
 
 def server_world(server: v1.Server) -> str:
@@ -261,7 +261,7 @@ def cell(names: Names, server: v1.Server, rank: v1.RankCell) -> str:
     """One rank: its tp rank, its state, a mark when the server's world does not expect it, and a line per
     stream (kind and state, its identity in the tooltip)."""
     unexpected = server.expected is not None and not rank.expected
-    where = f"dp {rank.dp_rank} pp {rank.pp_rank} cp {rank.attn_cp_rank} tp {rank.tp_rank} of {server_name(server)}"
+    where = f"dp {rank.dp_rank} pp {rank.pp_rank} cp {rank.attn_cp_rank} tp {rank.tp_rank} of {server_name(names, server)}"
     said = ("expected by the server's world, no unexpired stream reports for it" if rank.state == MISSING
             else plural(len(rank.streams), "stream"))
     tip = f"{where}: {rank.state}, {said}" + ("; outside the server's expected world" if unexpected else "")
@@ -314,7 +314,7 @@ def server_block(doc: v1.StatusDocument, names: Names, server: v1.Server,
         dp_group(names, server, group, cells.get(group.dp_rank, {}))
         for group in server.dp_groups)
     return (f'<div class="server" data-server="{esc(server.id)}"><h3><span class="server-name">'
-            f'{esc(server_name(server))}</span> · <span class="world">{esc(server_world(server))}</span></h3>'
+            f'{esc(server_name(names, server))}</span> · <span class="world">{esc(server_world(server))}</span></h3>'
             f'<p class="note server-counts">{esc(counts)}</p>{notes}<div class="groups">{groups}</div></div>')
 
 

@@ -136,8 +136,8 @@
       `${k}="${v.replace(/\\/g, "\\\\").replace(/"/g, '\\"').replace(/\n/g, "\\n")}"`);
   }
 
-  function serverName(server) {
-    return quoted(server.labels).join(" ") || "server";
+  function serverName(n, server) {
+    return quoted(n.labels.get(server.label_set)).join(" ") || "server";
   }
 
   function serverWorld(server) {
@@ -212,7 +212,7 @@
   // stream (kind and state, its identity in the tooltip), as page.py's cell.
   function cell(n, server, rank) {
     const unexpected = server.expected !== null && !rank.expected;
-    const where = `dp ${rank.dp_rank} pp ${rank.pp_rank} cp ${rank.attn_cp_rank} tp ${rank.tp_rank} of ${serverName(server)}`;
+    const where = `dp ${rank.dp_rank} pp ${rank.pp_rank} cp ${rank.attn_cp_rank} tp ${rank.tp_rank} of ${serverName(n, server)}`;
     const said = rank.state === MISSING ? "expected by the server's world, no unexpired stream reports for it"
       : plural(rank.streams.length, "stream");
     const tip = `${where}: ${rank.state}, ${said}` + (unexpected ? "; outside the server's expected world" : "");
@@ -258,7 +258,7 @@
     const counts = `${plural(server.ranks, "rank")}, ${plural(server.streams, "stream")}; ${server.live_ranks} live` +
       (server.missing ? `, ${server.missing} ${MISSING}` : "");
     const children = [
-      el("h3", {}, [text("span", serverName(server), { class: "server-name" }), " · ",
+      el("h3", {}, [text("span", serverName(n, server), { class: "server-name" }), " · ",
         text("span", serverWorld(server), { class: "world" })]),
       text("p", counts, { class: "note server-counts" }),
     ];

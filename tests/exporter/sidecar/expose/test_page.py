@@ -206,7 +206,7 @@ def test_a_dp_group_with_no_stream_is_a_grid_of_missing_cells() -> None:
 def test_a_position_is_missing_per_attention_cp_rank() -> None:
     h = Harness()
     world = World(tp_size=4, pp_size=1, dp_size=1, attn_tp_size=2, attn_cp_size=2)
-    for tp, cp in ((0, 0), (0, 1), (1, 0)):
+    for tp, cp in ((0, 0), (2, 1), (1, 0)):  # without DP attention the radix label is the engine's tp rank
         join(h, tp, world=world, cp=cp)
     shown = drawn(h)
     assert shown.tag_texts["th"][:5] == ["", "tp 0", "tp 1", "pp 0 cp 0", "pp 0 cp 1"]  # rows of (pp, cp)

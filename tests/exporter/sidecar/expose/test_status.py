@@ -418,10 +418,10 @@ def test_the_demos_server_is_eight_ranks_of_twenty_streams_and_a_rank_that_never
         sidecar: SidecarThread) -> None:
     clients = demo_streams(sidecar.socket_path, left_out=(1, 0, 1))
     try:
-        wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["streams"]) == 17)
+        wait_until(lambda: sum(r["snapshots"] > 0 for r in get_json(sidecar.url + "/api/v1/status")["streams"]) == 18)
         doc = get_json(sidecar.url + "/api/v1/status")
         assert_valid("status", doc)
-        assert doc["totals"] == {"servers": 1, "ranks": 7, "live_ranks": 7, "streams": 17, "missing": 1}
+        assert doc["totals"] == {"servers": 1, "ranks": 7, "live_ranks": 7, "streams": 18, "missing": 1}
         (server,) = doc["servers"]
         assert label_set(doc, server["label_set"]) == {} and not server["world_conflict"]
         assert server["expected"] == {**DEMO_WORLD, "attn_cp_size": 1}

@@ -16,6 +16,9 @@ from exporter.defaults import DEFAULT_PUSH_INTERVAL, DEFAULT_SOCKET_PATH, ENV_SO
 from exporter.labels import OPTIONAL_RANK_KEYS, RANK_AXES, RANK_KEYS, split_rank_labels, static_label_problem
 from exporter.protocol.messages import MAX_HELP_LENGTH, PROTOCOL_VERSION, Hello, RankId, Snapshot, World
 
+# A world's required sizes (tp, pp, dp); the attention sizes after them have defaults.
+_WORLD_KEYS = World.__struct_fields__[:len(World.__struct_fields__) - len(World.__struct_defaults__)]
+
 __all__ = ["RankClient", "CounterChild", "GaugeChild", "HistogramChild", "LabelError", "PushStats"]
 
 
@@ -53,8 +56,9 @@ class RankClient:
         if interval <= 0:
             raise ValueError("interval must be positive")
         self.world = dict(world) if world else None
-        if self.world and set(self.world) != set(World.__struct_fields__):
-            raise LabelError(f"world must have exactly the keys {list(World.__struct_fields__)}, got {sorted(self.world)}")
+        if self.world and not set(_WORLD_KEYS) <= set(self.world) <= set(World.__struct_fields__):
+            raise LabelError(f"world must have the keys {list(_WORLD_KEYS)} and may have "
+                             f"{[key for key in World.__struct_fields__ if key not in _WORLD_KEYS]}, got {sorted(self.world)}")
         self._world = World(**self.world) if self.world else None
         self.epoch = uuid.uuid4().hex
         self._help: dict[str, str] = {}

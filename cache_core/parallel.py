@@ -61,6 +61,13 @@ class ParallelState:
         return self.dp_size > 1
 
     @property
+    def server_world(self) -> dict[str, int]:
+        """The whole server's layout (exporter.protocol.messages.World), the same from every collector of
+        every rank, as the engine hook sends it: the engine's tp size, the dp and pp sizes, the attention sizes."""
+        return {"tp_size": self.tp_size, "pp_size": self.pp_size, "dp_size": self.dp_size,
+                "attn_tp_size": self.attn_tp_size, "attn_cp_size": self.attn_cp_size}
+
+    @property
     def is_stats_logging_rank(self) -> bool:
         """Ranks whose scheduler logs statistics (metrics_collector.py:1361-1363)."""
         return self.attn_tp_rank == 0 and self.attn_cp_rank == 0

@@ -81,13 +81,10 @@ class RankClients:
             client.close()
 
 
-def _client(spec: RankSpec, collector: Collector, labels: dict[str, Any], tp_size: int | None) -> RankClient:
-    """`tp_size`: how many tp_rank values this label set takes; None sends no world (a sparse label set)."""
+def _client(spec: RankSpec, collector: Collector, labels: dict[str, Any]) -> RankClient:
     rank, static = split_rank_labels(labels)
-    parallel = spec.parallel
-    world = None if tp_size is None else {"tp_size": tp_size, "pp_size": parallel.pp_size, "dp_size": parallel.dp_size}
     return RankClient(spec.socket_path, rank=rank, labels=static, interval=spec.interval,
-                      catalog=client_catalog(collector), preset=False, world=world)
+                      catalog=client_catalog(collector), preset=False, world=spec.parallel.server_world)
 
 
 def storage_capacity_pages(spec: RankSpec) -> int | None:
@@ -106,14 +103,13 @@ def build_rank(spec: RankSpec) -> tuple[RankClients, HiCache]:
     """The rank's clients and cache, labelled exactly as the engine's three collectors label them."""
     parallel = spec.parallel
     extra = dict(spec.extra_labels)
-    _, cache_tp_size = parallel.cache_tp
     clients = RankClients(
-        radix=_client(spec, Collector.RADIX, parallel.radix_labels(CACHE_TYPE, extra), cache_tp_size),
-        storage=_client(spec, Collector.STORAGE, parallel.storage_labels(STORAGE_BACKEND, extra), cache_tp_size),
-        # Only the attention-TP leaders log scheduler statistics, at their global tp rank: a world would
-        # make the sidecar expect every tp rank of the server there (docs/api.md, missing ranks).
-        scheduler=(_client(spec, Collector.SCHEDULER, parallel.scheduler_labels(MODEL_NAME, ENGINE_TYPE, extra),
-                           None) if parallel.is_stats_logging_rank else None),
+        radix=_client(spec, Collector.RADIX, parallel.radix_labels(CACHE_TYPE, extra)),
+        storage=_client(spec, Collector.STORAGE, parallel.storage_labels(STORAGE_BACKEND, extra)),
+        # Only the attention-TP leaders log scheduler statistics, at their global tp rank, which the
+        # sidecar maps to its rank's position through the world.
+        scheduler=(_client(spec, Collector.SCHEDULER, parallel.scheduler_labels(MODEL_NAME, ENGINE_TYPE, extra))
+                   if parallel.is_stats_logging_rank else None),
     )
     # The KV heads are split over the attention tp group, each cp rank holds its slice of every page.
     shard = spec.geometry.shard(parallel.attn_tp_rank, parallel.attn_tp_size, parallel.pp_rank, parallel.pp_size,

@@ -18,6 +18,8 @@ from exporter.defaults import DEFAULT_PUSH_INTERVAL, DEFAULT_SOCKET_PATH, ENV_SO
 from exporter.labels import OPTIONAL_RANK_KEYS, RANK_AXES, RANK_KEYS, split_rank_labels, static_label_problem
 from exporter.protocol.messages import MAX_HELP_LENGTH, PROTOCOL_VERSION, Hello, RankId, Snapshot, World
 
+# A world's required sizes (tp, pp, dp); the attention sizes after them have defaults.
+
 __all__ = ["RankClient", "CounterChild", "GaugeChild", "HistogramChild", "LabelError", "PushStats"]
 
 
@@ -141,7 +143,8 @@ class RankClient:
         return Snapshot(seq=seq, time=time.time(), samples=self.metrics.wire_samples(), help=help_texts)
 
 
-WORLD_REQUIRED = ("tp_size", "pp_size", "dp_size")
+# The world keys a hello must have: World's fields without a default (the attention sizes are optional).
+WORLD_REQUIRED = World.__struct_fields__[:len(World.__struct_fields__) - len(World.__struct_defaults__)]
 
 
 def _world(sizes: dict[str, int]) -> World:

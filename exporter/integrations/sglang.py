@@ -27,6 +27,11 @@ three connections. The radix cache's labels carry no context-parallel rank, so i
 process where `attn_cp_size > 1` the process's `attn_cp_rank` joins identities that lack one:
 CP peers are then replicas of one dp group instead of one identity claimed twice.
 
+Every hello carries the server's world (tp, pp and dp sizes, attention tp and cp sizes) as the
+engine's runtime context has it in the scheduler process, so that the sidecar knows which ranks
+should be there and counts the ones that never report as missing; outside an engine, or before
+the engine has published its layout, a client sends none.
+
 The engine's HELP texts go with the series (`RankClient.describe`), and the engine's buckets
 (including `SGLANG_BUCKET_*` overrides) are the pushed layout. Clients start in the process that
 first binds a series: the engine spawns its scheduler processes after importing this module, and
@@ -114,7 +119,8 @@ class _ProcessClients:
                 raise RuntimeError("this process has pushed its last snapshot (interpreter exit)")
             client = self.clients.get(key)
             if client is None:
-                client = RankClient(rank=rank, labels=static, interval=_push_interval(), preset=False)
+                client = RankClient(rank=rank, labels=static, interval=_push_interval(), preset=False,
+                                    world=_server_world())
                 _push_at_exit()
                 client.start()
                 self.clients[key] = client
@@ -200,6 +206,32 @@ def _push_interval() -> float:
                     ENV_PUSH_INTERVAL, text, DEFAULT_PUSH_INTERVAL)
         return DEFAULT_PUSH_INTERVAL
     return interval
+
+
+def _server_world() -> dict[str, int] | None:
+    """The server's world (World's keys) from the engine's runtime context; None outside an engine or before it is published."""
+    # sglang 0.5.23: get_parallel() (sglang/srt/runtime_context.py:1285) reads the widths the scheduler
+    # process computed when it published its config (runtime_context.py:910; publish at
+    # managers/scheduler.py:6327). num_dp_ranks counts the dp groups, DP-attention groups or DP-controller
+    # replicas, one of the two being 1 (runtime_context.py:202-207): the deprecated
+    # `--enable-dp-attention --dp-size N` is attn_dp_size=N, dp_size=1 by then (arg_groups/parallel_hook.py:39-61).
+    # attn_tp_size is tp_size over the attention dp and cp widths (runtime_context.py:73-76).
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        world = {
+            "tp_size": int(parallel.tp_size),
+            "pp_size": int(parallel.pp_size),
+            "dp_size": int(parallel.num_dp_ranks),
+            "attn_tp_size": int(parallel.attn_tp_size),
+            "attn_cp_size": int(parallel.attn_cp_size),
+        }
+    except Exception:  # not an engine process, or its parallel state is not published yet
+        return None
+    if min(world.values()) < 1:
+        return None  # the sidecar would refuse the hello, and with it every series of the identity
+    return world
 
 
 def _context_parallel_rank() -> int | None:

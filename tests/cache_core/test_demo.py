@@ -111,8 +111,16 @@ def logical_bytes_per_token(shard: Any) -> float:
     return shard.page_bytes / shard.model.page_size
 
 
+def missing_by_dp(scrape: Scrape) -> dict[str, float]:
+    """hicache_exporter_ranks_missing per dp group: a series only where the server's streams agree on one world."""
+    return {s.labels["dp_rank"]: s.value for s in scrape.find("hicache_exporter_ranks_missing")}
+
+
 def test_demo_replicas_agree_and_rollups_follow_the_rules() -> None:
     scrape = run_demo("--tp", "2", "--pp", "2", "--dp", "2")
+    # Every collector sent the one server world, and every rank of it reported (the scheduler's
+    # streams under their global tp rank included): none missing in either dp group.
+    assert missing_by_dp(scrape) == {"0": 0, "1": 0}
     assert scrape.total(name("load_back_tokens_total")) > 0, "the workload exercises load-back"
     assert scrape.total(name("prefetched_tokens_total")) > 0, "the workload exercises L3 prefetch"
     check_families_and_labels(scrape)
@@ -144,6 +152,7 @@ def test_demo_replicas_agree_and_rollups_follow_the_rules() -> None:
 
 def test_demo_with_context_parallelism_counts_tokens_once() -> None:
     scrape = run_demo("--attn-tp", "2", "--cp", "2", "--dp", "2")
+    assert missing_by_dp(scrape) == {"0": 0, "1": 0}  # 2 dp groups x 2 cp ranks x 2 attention tp ranks, all there
     # With DP attention the radix labels of cp peers would collide: they carry attn_cp_rank.
     check_families_and_labels(scrape, extra_radix={"attn_cp_rank"})
     check_rollups(scrape)

@@ -141,7 +141,9 @@ def test_build_rank_labels_and_shard(tmp_path: Path) -> None:
         assert radix.rank == {"tp_rank": 1, "pp_rank": 1, "dp_rank": 1}
         assert radix.labels == {"cache_type": CACHE_TYPE, "model": "tiny"}
         assert CACHE_TYPE == "UnifiedRadixCache"
-        assert radix.world == {"tp_size": 2, "pp_size": 2, "dp_size": 2}
+        # The whole server's world from every collector: tp 4 is the engine's (2 dp groups x 2 attention tp).
+        server = {"tp_size": 4, "pp_size": 2, "dp_size": 2, "attn_tp_size": 2, "attn_cp_size": 1}
+        assert radix.world == server and storage.world == server
         assert storage.rank == {"tp_rank": 1, "pp_rank": 1, "dp_rank": 1, "attn_cp_rank": 0}
         assert storage.labels == {"storage_backend": STORAGE_BACKEND, "pp_size": "2", "attn_cp_size": "1", "model": "tiny"}
         assert clients.scheduler is None, "attn_tp_rank 1 logs no scheduler statistics"
@@ -170,8 +172,9 @@ def test_build_rank_on_a_logging_cp_rank(tmp_path: Path) -> None:
         assert scheduler.rank == {"tp_rank": 4, "pp_rank": 0, "dp_rank": 1}  # (1 * 2 + 0) * 2 + 0
         assert scheduler.labels == {"model_name": MODEL_NAME, "engine_type": "unified", "moe_ep_rank": "0",
                                     "model": "tiny"}
-        # Only attention-TP leaders run this collector: a world would make the other tp ranks read as missing.
-        assert scheduler.world is None and clients.radix.world == {"tp_size": 2, "pp_size": 2, "dp_size": 2}
+        # The scheduler sends the server's world too (the sidecar maps its global tp rank 4 to dp 1, cp 0, tp 0).
+        server = {"tp_size": 8, "pp_size": 2, "dp_size": 2, "attn_tp_size": 2, "attn_cp_size": 2}
+        assert scheduler.world == clients.radix.world == clients.storage.world == server
         assert clients.radix.rank == {"tp_rank": 0, "pp_rank": 0, "dp_rank": 1, "attn_cp_rank": 0}
         # Each cp rank holds half the token slots of every page.
         assert cache.shard.page_tokens == 2 and cache.shard.page_bytes == spec.geometry.shard(0, 2, 0, 2).page_bytes // 2

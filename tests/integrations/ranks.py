@@ -7,6 +7,7 @@ classes it is given: they travel by reference, as they do into the engine's sche
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -152,11 +153,8 @@ def serve_rank(loggers: Mapping[str, type], rank: Rank, commands: Connection) ->
         commands.send("done")
 
 
-def run_scheduler(loggers: Mapping[str, type], labels: dict[str, Any], results: Connection) -> None:
-    """The released scheduler collector through the stat-logger class: log statistics and prefill
-    tokens, then send back what prometheus_client's own registry holds in this process."""
-    from prometheus_client import REGISTRY, generate_latest
-
+def report_scheduler(loggers: Mapping[str, type], labels: dict[str, Any]) -> Any:
+    """The released scheduler collector through the stat-logger class, having logged statistics and prefill tokens."""
     collector = loggers["scheduler"](labels=labels, server_args=None, enable_hierarchical_cache=True)
     collector.log_stats(released.SchedulerStats(
         num_running_reqs=released.QueueCount(total=3), hicache_host_used_tokens=512, hicache_host_total_tokens=4096,
@@ -164,7 +162,111 @@ def run_scheduler(loggers: Mapping[str, type], labels: dict[str, Any], results: 
     ))
     collector.increment_effective_prefill_tokens(input_tokens=100, device_hit_tokens=40, host_hit_tokens=25,
                                                  storage_hit_tokens=10)
+    return collector
+
+
+def run_scheduler(loggers: Mapping[str, type], labels: dict[str, Any], results: Connection) -> None:
+    """The released scheduler collector: log statistics and prefill tokens, then send back what
+    prometheus_client's own registry holds in this process."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    report_scheduler(loggers, labels)
     results.send(generate_latest(REGISTRY).decode())
+
+
+# --- an engine process's runtime context: the released sglang/srt/runtime_context.py ---
+
+
+@dataclass(frozen=True)
+class Server:
+    """A server's configured parallel leaves (ServerArgs' `parallel` namespace, as resolved: DP attention
+    is `attn_dp_size`, DP-controller replicas `dp_size`)."""
+
+    tp_size: int
+    attn_dp_size: int = 1
+    dp_size: int = 1
+    pp_size: int = 1
+    attn_cp_size: int = 1
+
+
+def runtime_context() -> ModuleType:
+    """The released sglang.srt.runtime_context, imported from the wheel itself (zipimport) in this process.
+
+    The module needs msgspec and the wheel's arg_groups package, nothing else, until it asks
+    sglang.srt.server_args's `ServerArgs` which of its fields are parallel leaves; ServerArgs imports
+    most of the engine, so a module whose `ServerArgs` is the wheel's own `parallel` namespace class
+    (arg_groups/fields/parallel.py `Parallel`, exactly those leaves) stands in for that module.
+    """
+    wheel = released.__released_from__
+    for package in ("sglang", "sglang.srt"):
+        inside = f"{wheel}/{package.replace('.', '/')}"
+        if inside not in sys.modules[package].__path__:
+            sys.modules[package].__path__.append(inside)
+    if "sglang.srt.server_args" not in sys.modules:
+        from sglang.srt.arg_groups.fields.parallel import Parallel
+
+        stand_in = ModuleType("sglang.srt.server_args")
+        stand_in.ServerArgs = Parallel  # type: ignore[attr-defined]
+        sys.modules[stand_in.__name__] = stand_in
+    return importlib.import_module("sglang.srt.runtime_context")
+
+
+def publish_parallel(server: Server, tp_rank: int, pp_rank: int = 0) -> Any:
+    """This process's `get_parallel()`, stated as a scheduler process of `server` at (tp_rank, pp_rank) has it.
+
+    The engine's publish (managers/scheduler.py:6327) computes the derived widths and ranks from the
+    configured leaves; here the wheel's own functions compute them (runtime_context.py:73-225), and
+    `override_permanently`, the context's way to state values without a published ServerArgs,
+    sets them. Its own check rejects an inconsistent topology.
+    """
+    context = runtime_context()
+    leaves = {"tp_size": server.tp_size, "pp_size": server.pp_size, "dp_size": server.dp_size,
+              "attn_dp_size": server.attn_dp_size, "attn_cp_size": server.attn_cp_size}
+    config = SimpleNamespace(**leaves, ep_size=1, moe_dp_size=1, dcp_size=1)
+    widths = context.parallel_widths_of(config)
+    ranks = context.derive_spawn_ranks(
+        world_rank=server.tp_size * pp_rank + tp_rank, tp_size=server.tp_size, ep_join_rank_offset=0,
+        attn_cp_size=server.attn_cp_size, attn_tp_size=widths["attn_tp_size"], moe_dp_size=1, moe_ep_size=1)
+    attn_tp_rank, attn_dp_rank = context.derive_attention_ranks(
+        tp_rank=tp_rank, attn_tp_size=widths["attn_tp_size"], attn_cp_size=server.attn_cp_size)
+    parallel = context.get_parallel()
+    parallel.override_permanently(
+        **leaves, attn_tp_size=widths["attn_tp_size"], num_dp_ranks=context.num_dp_ranks_of(config),
+        # attn_dp_enabled_of (runtime_context.py:191) also counts elastic EP scale joiners, not modelled here.
+        attn_dp_enabled=server.attn_dp_size > 1,
+        tp_rank=ranks["tp_rank"], pp_rank=ranks["pp_rank"], attn_cp_rank=ranks["attn_cp_rank"],
+        attn_tp_rank=attn_tp_rank, attn_dp_rank=attn_dp_rank,
+        # The launcher numbers a DP-attention scheduler by its attention dp group
+        # (managers/data_parallel_controller.py:717-723), a replica's by the replica.
+        dp_rank=attn_dp_rank if server.attn_dp_size > 1 else None,
+    )
+    return parallel
+
+
+def serve_engine_rank(loggers: Mapping[str, type], server: Server, tp_rank: int, commands: Connection) -> None:
+    """A scheduler process of `server` at the engine's tp rank `tp_rank`: its runtime context published, its
+    radix and storage collectors labelled from it as the engine labels them and one round of events
+    reported; an attention-TP leader also runs the scheduler collector (metrics_collector.py:1361-1391).
+    Sends "ready", then leaves on "shutdown"."""
+    parallel = publish_parallel(server, tp_rank)
+    rank = Rank(tp_rank=parallel.attn_tp_rank, dp_rank=parallel.attn_dp_rank, pp_rank=parallel.pp_rank,
+                tp_size=parallel.attn_tp_size, dp_size=parallel.num_dp_ranks, pp_size=parallel.pp_size)
+    collectors = {
+        # The engine's call (mem_cache/base_prefix_cache.py:408), on the published context.
+        "radix": loggers["radix_cache"](labels=released.radix_cache_metric_labels(
+            CACHE_TYPE, parallel, parallel.attn_dp_enabled)),
+        "storage": loggers["storage"](labels=storage_labels(rank)),
+    }
+    drive(collectors, rank)
+    if parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0:
+        labels = {"model_name": "qwen", "engine_type": "unified", "tp_rank": parallel.tp_rank,
+                  "pp_rank": parallel.pp_rank, "moe_ep_rank": 0}
+        if parallel.dp_rank is not None:
+            labels["dp_rank"] = parallel.dp_rank
+        collectors["scheduler"] = report_scheduler(loggers, labels)
+    commands.send("ready")
+    command = commands.recv()
+    assert command == "shutdown", command
 
 
 def first_events(rank: Rank, count: int) -> list[Event]:
@@ -182,3 +284,18 @@ def run_released_rank_partly(rank: Rank, count: int) -> None:
     collectors = collectors_for(None, rank)
     for which, method, args in first_events(rank, count):
         getattr(collectors[which], method)(*args)
+
+
+
+def report_worlds(servers: list[Server], results: Connection) -> None:
+    """What the hook reads as the server's world in a scheduler process: before any layout is published,
+    then as a rank of each of `servers` in turn (World's keys, or None where it would send none)."""
+    from exporter.integrations.sglang import _server_world
+
+    parallel = runtime_context().get_parallel()
+    worlds = [_server_world()]
+    for server in servers:
+        publish_parallel(server, tp_rank=0)
+        worlds.append(_server_world())
+        parallel.clear_stamp()
+    results.send(worlds)

@@ -247,6 +247,23 @@ def _context_parallel_rank() -> int | None:
     return None
 
 
+def _replica_dp_rank() -> int | None:
+    """This process's data-parallel replica when a DP controller runs replicas without DP attention, else None.
+
+    The radix and storage collectors then label every replica dp_rank 0 (metrics_collector.py:2423-2426,
+    cache_controller.py:755-763); only the scheduler's labels carry the replica (parallel.dp_rank,
+    metrics_collector.py:1390). Without it the replicas' identities would be one identity claimed twice."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        if int(parallel.attn_dp_size) <= 1 and parallel.dp_rank is not None:
+            return int(parallel.dp_rank)
+    except Exception:  # not an engine process, or its parallel state is not published yet
+        return None
+    return None
+
+
 # --- routing a family ---
 
 _catalog: Catalog | None = None
@@ -347,6 +364,9 @@ class _SidecarMetric:
                 cp_rank = _context_parallel_rank()
                 if cp_rank is not None:
                     rank["attn_cp_rank"] = cp_rank
+            replica = _replica_dp_rank()
+            if replica is not None and rank["dp_rank"] == 0:
+                rank["dp_rank"] = replica
             client = _this_process().client(rank, static)
             if self._documentation:
                 client.describe(spec.name, self._documentation)

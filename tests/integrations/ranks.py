@@ -211,7 +211,7 @@ def runtime_context() -> ModuleType:
     return importlib.import_module("sglang.srt.runtime_context")
 
 
-def publish_parallel(server: Server, tp_rank: int, pp_rank: int = 0) -> Any:
+def publish_parallel(server: Server, tp_rank: int, pp_rank: int = 0, replica: int | None = None) -> Any:
     """This process's `get_parallel()`, stated as a scheduler process of `server` at (tp_rank, pp_rank) has it.
 
     The engine's publish (managers/scheduler.py:6327) computes the derived widths and ranks from the
@@ -238,7 +238,7 @@ def publish_parallel(server: Server, tp_rank: int, pp_rank: int = 0) -> Any:
         attn_tp_rank=attn_tp_rank, attn_dp_rank=attn_dp_rank,
         # The launcher numbers a DP-attention scheduler by its attention dp group
         # (managers/data_parallel_controller.py:717-723), a replica's by the replica.
-        dp_rank=attn_dp_rank if server.attn_dp_size > 1 else None,
+        dp_rank=attn_dp_rank if server.attn_dp_size > 1 else replica,
     )
     return parallel
 
@@ -299,3 +299,17 @@ def report_worlds(servers: list[Server], results: Connection) -> None:
         worlds.append(_server_world())
         parallel.clear_stamp()
     results.send(worlds)
+
+
+def report_replicas(results: Connection) -> None:
+    """The dp_rank the hook gives a replica's radix and storage streams (whose labels say 0): the
+    DP-controller replica under replicas, none under DP attention (its labels carry the dp group)."""
+    from exporter.integrations.sglang import _replica_dp_rank
+
+    parallel = runtime_context().get_parallel()
+    found = []
+    for server, replica in ((Server(tp_size=2, dp_size=3), 2), (Server(tp_size=4, attn_dp_size=2), None)):
+        publish_parallel(server, tp_rank=3 if server.attn_dp_size > 1 else 1, replica=replica)
+        found.append(_replica_dp_rank())
+        parallel.clear_stamp()
+    results.send(found)

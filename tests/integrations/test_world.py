@@ -103,7 +103,8 @@ def test_a_rank_of_the_declared_world_that_never_started_is_missing_until_it_sta
     assert cells(document) == {**dict.fromkeys(started, "live"), absent: "missing"}
     assert document["totals"] == {"servers": 1, "ranks": 3, "live_ranks": 3, "streams": 8, "missing": 1}
     (only,) = document["servers"]
-    assert only["labels"] == {}  # the collectors' own labels are not the server's
+    (server_labels,) = (s["labels"] for s in document["label_sets"] if s["id"] == only["label_set"])
+    assert server_labels == {}  # the collectors' own labels are not the server's
     world = {"tp_size": 4, "pp_size": 1, "dp_size": 2, "attn_tp_size": 2, "attn_cp_size": 1}
     assert only["expected"] == world and not only["world_conflict"]
     assert [stream["world"] for stream in document["streams"]] == [world] * 8  # every collector's hello carries it
@@ -145,3 +146,11 @@ def test_the_hook_reads_the_world_of_each_layout_from_the_engines_runtime_contex
         {"tp_size": 1, "pp_size": 1, "dp_size": 1, "attn_tp_size": 1, "attn_cp_size": 1},
     ]
     assert integration._server_world() is None  # outside an engine (this process has no runtime context)
+
+
+def test_a_replicas_radix_and_storage_streams_take_the_replica_as_their_dp_rank(ranks, integration):
+    """DP-controller replicas label their radix and storage series dp_rank 0, every one of them; the hook
+    gives such a stream its replica's number, so the replicas are not one identity claimed twice."""
+    (found,) = run_processes(ranks.report_replicas, [()], receive=True)
+    assert found == [2, None]
+    assert integration._replica_dp_rank() is None  # outside an engine

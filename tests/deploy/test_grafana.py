@@ -199,6 +199,12 @@ def collector_names(ns: str = DEFAULT_NAMESPACE, prefix: str = "") -> frozenset[
     upstream.last_scrape_wall, upstream.last_duration, upstream.errors = 1.0, 0.1, {"connect": 1}
     stats.upstreams["engine"] = upstream
     stats.persistence.enabled = True  # --persistence.file, as every generated pod has: its families are declared
+    # A rank that said hello with a world: hicache_exporter_ranks_missing is declared for its server.
+    from exporter.protocol.messages import RankId, World
+    from exporter.sidecar.core.ranks import Join
+
+    state.join(object(), Join(rank=RankId(tp_rank=0, pp_rank=0, dp_rank=0), labels={"cache_type": "c"}, epoch="e",
+                              pid=1, world=World(tp_size=1, pp_size=1, dp_size=1)))
     names: set[str] = set()
     for metric in SidecarCollector(state, stats, ns).collect():
         if not metric.name.startswith(prefix):

@@ -69,7 +69,7 @@ def test_status_js_reads_only_fields_the_schema_names() -> None:
     fields = script_fields(SCRIPT.read_text(encoding="utf-8")) - JS_MEMBERS
     known = schema_properties(json.loads(SCHEMA.read_text(encoding="utf-8")))
     assert fields, "no document field found in status.js: the extraction is broken"
-    assert {"tp_rank", "ranks_by_state", "history_points", "from", "pp_rank"} <= fields  # the ways it reads them
+    assert {"tp_rank", "streams_by_state", "history_points", "from", "pp_rank"} <= fields  # the ways it reads them
     assert fields <= known, f"status.js reads fields the model does not have: {sorted(fields - known)}"
 
 
@@ -79,6 +79,6 @@ def test_the_script_check_catches_a_renamed_field() -> None:
 
 
 def test_top_reads_past_fields_it_does_not_know_and_the_schema_refuses_them() -> None:
-    decoded = msgspec.json.decode(b'{"pp_rank": 1, "tp_rank": 2, "later": true}', type=v1.Position)
-    assert decoded == v1.Position(pp_rank=1, tp_rank=2)
-    assert v1.json_schema()["$defs"]["position"]["additionalProperties"] is False
+    decoded = msgspec.json.decode(b'{"pp_rank": 1, "attn_cp_rank": 0, "later": true}', type=v1.GridRow)
+    assert decoded == v1.GridRow(pp_rank=1, attn_cp_rank=0)
+    assert v1.json_schema()["$defs"]["grid_row"]["additionalProperties"] is False

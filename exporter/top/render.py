@@ -182,6 +182,7 @@ LEGEND = (" a cell is a rank: its attention tp rank, then one letter per stream 
 
 
 def plural(n: object) -> str:
+    """`s` unless `n` is 1."""
     return "" if n == 1 else "s"
 
 
@@ -316,9 +317,10 @@ def group_block(server: v1.Server, group: v1.ServerGroup, cells: Sequence[v1.Ran
     parts: list[RenderableType] = [title, grid]
     if len(rows) < row_count or len(tps) < column_count:
         drawn_rows, drawn_columns = set(rows), set(tps)
-        cut = sum(1 for pp, cp, tp in at if (pp, cp) not in drawn_rows or tp not in drawn_columns)  # cut here, not by the sidecar
+        # The sidecar counts what it left out; a document listing past the caps is cut here too.
+        cut = sum(1 for pp, cp, tp in at if (pp, cp) not in drawn_rows or tp not in drawn_columns)
         hidden = integer(group.grid.hidden_ranks) + cut
-        parts.append(Text(f"drawn {len(rows)} of {count(row_count)} rows, {len(tps)} of {count(column_count)} tp "
+        parts.append(Text(f"drawn {count(len(rows))} of {count(row_count)} rows, {count(len(tps))} of {count(column_count)} tp "
                           f"columns; {count(hidden)} rank{plural(hidden)} not drawn", style="yellow"))
     return GridBlock(len(rows) * len(tps), *parts)
 
@@ -410,13 +412,14 @@ def missing_lines(doc: v1.StatusDocument, cells_of: Mapping[tuple[str, int], lis
                             f"{integer(expected.attn_tp_size)}), no stream has reported")
                 lines.append(line)
                 continue
-            shown = [c for c in cells_of.get((server.id, integer(group.dp_rank)), []) if c.state == "missing"]
+            drawn = [c for c in cells_of.get((server.id, integer(group.dp_rank)), []) if c.state == "missing"]
             cp_named = expected is not None and expected.attn_cp_size > 1
-            line.append(": " + ", ".join(
-                f"pp{integer(c.pp_rank)}" + (f" cp{integer(c.attn_cp_rank)}" if cp_named else "")
-                + f" tp{integer(c.tp_rank)}" for c in shown[:MISSING_SHOWN]))
-            if missing > min(len(shown), MISSING_SHOWN):
-                line.append(f" and {count(missing - min(len(shown), MISSING_SHOWN))} more", style="bold")
+            named = [f"pp{integer(c.pp_rank)}" + (f" cp{integer(c.attn_cp_rank)}" if cp_named else "")
+                     + f" tp{integer(c.tp_rank)}" for c in drawn[:MISSING_SHOWN]]
+            rest = missing - len(named)
+            line.append(": " + ", ".join(named) if named else f": {count(missing)} not drawn")
+            if named and rest > 0:
+                line.append(f" and {count(rest)} more", style="bold")
             lines.append(line)
     out = lines[:NOT_LIVE_SHOWN]
     if len(lines) > NOT_LIVE_SHOWN:

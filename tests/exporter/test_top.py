@@ -467,6 +467,15 @@ def test_each_server_is_a_block_of_its_own_and_a_node_says_its_share() -> None:
                                        ("2", STATE_STYLE["live"], "Rl"), ("3?", MISSING_STYLE, "")]}}
 
 
+def test_a_grid_past_its_cap_says_what_it_leaves_out_and_missing_ranks_there_are_counted() -> None:
+    # 2 x 1,024 ranks in one dp group: the 1,024 cells a grid may draw hold the first row only.
+    doc = status_document(dp=1, pp=2, tp=1024, world=True, missing={(0, 1, 5)})
+    text = screen_text(render_frame(view_of(doc), now=NOW), width=200)
+    assert "drawn 1 of 2 rows, 1,024 of 1,024 tp columns; 1,024 ranks not drawn" in text
+    assert "   missing  dp0: 1 not drawn\n" in text
+    assert "dp0  2047/2047 live  1 missing" in text and "pp1" not in text.split("Transfers")[0]
+
+
 def test_totals_bandwidth_history_occupancy_and_reasons_are_shown() -> None:
     doc = status_document(unfulfilled={"below_threshold": 512, "deadline": 4096, "storage_transfer": 64})
     text = screen_text(render_frame(view_of(doc), now=NOW))

@@ -66,6 +66,13 @@ def render_header(view: View, now: float) -> RenderableType:
             title.append(f"  up {duration(sidecar.uptime_seconds)}")
         title.append("  ")
         title.append(*(("ready", "green") if sidecar.ready else ("NOT READY", "bold red")))
+        totals = doc.totals
+        if shows_as_number(totals.ranks) and shows_as_number(totals.streams):
+            title.append(f"  {count(totals.ranks)} rank{plural(totals.ranks)}, {count(totals.streams)} "
+                         f"stream{plural(totals.streams)}")
+            if totals.missing and shows_as_number(totals.missing):
+                title.append("  ")
+                title.append(f"{count(totals.missing)} missing", style=MISSING_STYLE)
     if view.document_at is not None:
         title.append(f"  read {duration(max(0.0, now - view.document_at))} ago")
     title.append("   q quits", "dim")

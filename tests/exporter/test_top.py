@@ -404,7 +404,8 @@ def test_a_cell_is_a_rank_and_lists_its_streams_on_their_states_colours() -> Non
             'push  seq 90  restarts 0  7m00s since a push\n') in text
     assert ('   departed  storage  tp=1 pp=1 dp=1 cp=0 attn_cp_size="1" pp_size="2" storage_backend="file"  push  '
             'seq 90  restarts 0  31s since a push\n') in text
-    assert "read 3s ago" in text and "sidecar 0.1.0 (0123456789ab)" in text and "up 3m12s" in text
+    assert lines[0] == ("hicache-exporter top  http://sidecar:9400  sidecar 0.1.0 (0123456789ab)  up 3m12s  ready  "
+                        "8 ranks, 20 streams  read 3s ago   q quits")
     # A server of pushed clients, one stream a rank: the cell is the rank's tp number alone.
     plain = status_document(dp=1, pp=1, tp=2, kinds=("client",), states={(0, 0, 1): "departed"})
     assert grids(plain) == {0: {"pp0": [("0", live, ""), ("1", STATE_STYLE["departed"], "")]}}
@@ -423,6 +424,7 @@ def test_missing_ranks_and_whole_dp_groups_are_marked_in_the_grid_and_counted() 
     }
     text = screen_text(render_frame(view_of(doc), now=NOW))
     assert " ranks    4 live    2 not live    7 missing " in text  # one in dp 0, two in dp 1, and dp 2's four
+    assert "  ready  6 ranks, 12 streams  7 missing  read 0s ago" in text.splitlines()[0]
     assert "expects dp 3 × pp 2 × tp 2  6 ranks, 12 streams  4/6 live   7 missing " in text
     assert "dp0  2/3 live  1 missing" in text and "dp1  2/3 live  2 missing" in text
     assert "dp2  0/0 live  4 missing" in text
@@ -597,7 +599,7 @@ def test_256_ranks_in_eight_groups_sit_side_by_side() -> None:
 def test_a_frame_taller_than_the_screen_scrolls_under_a_fixed_header() -> None:
     view = view_of(status_document(dp=8, pp=4, tp=8))
     scroll = Scroll()
-    out = console(width=120, height=20)
+    out = console(width=140, height=20)  # the header on one line
     lines = out.render_lines(Frame(view, scroll), out.options, pad=False)
     text = ["".join(seg.text for seg in line).rstrip() for line in lines]
     assert len(text) == 20 and text[0].startswith("hicache-exporter top  http://sidecar:9400")

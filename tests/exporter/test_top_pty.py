@@ -284,6 +284,7 @@ def test_top_shows_one_cell_per_rank_its_streams_turn_stale_departed_expired_mis
                       "8 ranks of 20 streams in two dp groups")
         text = term.text
         assert text.splitlines()[0].startswith(f"hicache-exporter top  {sidecar.url}  sidecar ")
+        assert "  ready  8 ranks, 20 streams  read " in text.splitlines()[0]
         assert " ranks    8 live    0 not live    0 missing\n" in text
         assert " streams  20 live    0 stale    0 departed    0 expired " in text
         assert "server (no labels of its own)  expects dp 2 × pp 2 × tp 2  8 ranks, 20 streams  8/8 live" in text
@@ -302,17 +303,24 @@ def test_top_shows_one_cell_per_rank_its_streams_turn_stale_departed_expired_mis
         assert term.grid("dp0  ")["pp0"] == [_all_live(0), ("1", "yellow", "RySy")]
         assert "dp0  3/4 live" in term.text
 
-        # Killed: its connections close (departed), and past expire_after its streams expire: the rank is missing.
+        # Killed: its connections close (departed). Past expire_after the streams of both ranks expire (the frozen
+        # one's connections still open): the two ranks are missing, and their cells still list their streams.
         scheduler = 'scheduler  tp=2 pp=1 dp=1 engine_type="unified" model_name="m" moe_ep_rank="2"  (rank tp=0)'
         ranks[(1, 1, 0)].kill()
         ranks[(1, 1, 0)].join(10)
         term.wait_for(lambda text: _listed(text, "departed", scheduler) and " 3 departed " in text, 20,
                       "the killed rank's streams departed")
         assert term.grid("dp1  ")["pp1"] == [("0", "blue", "RbSbEb"), _all_live(1)]
-        term.wait_for(lambda text: _listed(text, "expired", scheduler) and " 1 missing\n" in text, EXPIRE_AFTER + 20,
-                      "the killed rank's streams expired, the rank missing")
+        term.wait_for(lambda text: " 0 stale    0 departed    5 expired " in text, EXPIRE_AFTER + 20,
+                      "the streams of both ranks expired")
+        text = term.text
+        assert _listed(text, "expired", scheduler) and _listed(text, "expired", radix)
+        assert term.grid("dp0  ")["pp0"] == [_all_live(0), ("1?", "magenta", "RrSr")]
         assert term.grid("dp1  ")["pp1"] == [("0?", "magenta", "RrSrEr"), _all_live(1)]
-        assert "   missing  dp1: pp1 tp0" in term.text and "dp1  3/4 live  1 missing" in term.text
+        assert "   missing  dp0: pp0 tp1\n" in text and "   missing  dp1: pp1 tp0\n" in text
+        assert "dp0  3/4 live  1 missing" in text and "dp1  3/4 live  1 missing" in text
+        assert " ranks    6 live    2 not live    2 missing\n" in text
+        assert "  ready  8 ranks, 20 streams  2 missing  read " in text.splitlines()[0]
 
         # The sidecar goes away: said on screen, the last status stays below it, top keeps polling.
         sidecar.stop()

@@ -14,6 +14,7 @@ and the others are still shown.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -30,12 +31,12 @@ from exporter.top.view import View
 STATES = ("live", "stale", "departed", "expired")
 STATE_STYLE = {"live": "black on green", "stale": "black on yellow", "departed": "white on blue",
                "expired": "white on red"}
-ABSENT_STYLE = "dim"  # a grid position no rank of the group has reported from
-# A position the ranks' world expects and no known rank holds: its own colour, and a mark after the
-# tp number so that it reads without colour too.
+ABSENT_STYLE = "dim"  # a grid position no stream reports for and no world expects
+# A rank the server's world expects and no unexpired stream reports for: its own colour, and a mark
+# after the tp number so that it reads without colour too.
 MISSING_STYLE = "bold white on magenta"
 MISSING_MARK = "?"
-MISSING_SHOWN = 8  # positions named per line under the grid; the rest are counted
+MISSING_SHOWN = 8  # missing ranks named per line under the grids; the rest are counted
 # The sidecar's caps on what a grid draws (status.GRID_CELLS_PER_GROUP, status.GRID_CELLS): top draws no more
 # than they allow whatever a document lists, and bounds a sidecar's from before the grid was bounded alike.
 GRID_CELLS_PER_GROUP = 1024
@@ -43,7 +44,7 @@ GRID_CELLS = 4096
 SECTION = "bold underline"
 BLOCKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 30
-NOT_LIVE_SHOWN = 6  # ranks listed under the grid, one a line; the rest are counted
+NOT_LIVE_SHOWN = 6  # streams (and dp groups with missing ranks) listed under the grids, one a line; the rest counted
 SPREAD_SHOWN = 6  # replica groups listed; the rest are counted
 OCCUPANCY = ("hicache_host_used_tokens", "hicache_host_total_tokens")
 
@@ -65,6 +66,13 @@ def render_header(view: View, now: float) -> RenderableType:
             title.append(f"  up {duration(sidecar.uptime_seconds)}")
         title.append("  ")
         title.append(*(("ready", "green") if sidecar.ready else ("NOT READY", "bold red")))
+        totals = doc.totals
+        if shows_as_number(totals.ranks) and shows_as_number(totals.streams):
+            title.append(f"  {count(totals.ranks)} rank{plural(totals.ranks)}, {count(totals.streams)} "
+                         f"stream{plural(totals.streams)}")
+            if totals.missing and shows_as_number(totals.missing):
+                title.append("  ")
+                title.append(f"{count(totals.missing)} missing", style=MISSING_STYLE)
     if view.document_at is not None:
         title.append(f"  read {duration(max(0.0, now - view.document_at))} ago")
     title.append("   q quits", "dim")
@@ -130,169 +138,216 @@ def body_or_problem(view: View) -> list[RenderableType]:
 
 
 def ranks_section(doc: v1.StatusDocument) -> list[RenderableType]:
-    """Counts by state (also the legend), a grid per replica group, and the ranks that are not live or missing."""
-    sidecar = doc.sidecar
-    by_state = sidecar.ranks_by_state
-    missing_groups = doc.missing_groups
-    totals = doc.missing_totals
-    head = Text("Ranks", style=SECTION)
-    for state in STATES:
-        head.append("  ")
-        head.append(f" {count(getattr(by_state, state))} {state} ", style=STATE_STYLE[state])
-    if missing_groups or any(group.expected for group in doc.groups):  # some layout is known
-        head.append("  ")
-        head.append(f" {count(totals.positions)} missing ", style=MISSING_STYLE)
-    limits = sidecar.limits
-    head.append(f"   {count(limits.ranks_known)} known, at most {count(limits.ranks_allowed)}", style="dim")
+    """Ranks and streams counted apart (also the legend), a block per server with a grid per dp group, then
+    the streams that are not live and the ranks that are missing."""
     names = Names(doc)
-    members: dict[str, list[v1.Rank]] = {}
-    for rank in doc.ranks:
-        members.setdefault(rank.group, []).append(rank)
-    blocks: list[RenderableType] = []
+    totals = doc.totals
+    head = Text("Ranks", style=SECTION)
+    head.append(f"   {count(totals.ranks)} rank{plural(totals.ranks)}, {count(totals.streams)} "
+                f"stream{plural(totals.streams)}", style="bold")
+    if len(doc.servers) > 1:
+        head.append(f" of {count(totals.servers)} servers", style="bold")
+    live = integer(totals.live_ranks)
+    ranks = Text(" ranks   ")
+    ranks.append(f" {live} live ", style=STATE_STYLE["live"])
+    ranks.append("  ")
+    not_live = max(integer(totals.ranks) - live, 0)
+    ranks.append(f" {count(not_live)} not live ", style="reverse" if not_live else "dim")
+    if totals.missing or any(server.expected is not None for server in doc.servers):  # some layout is known
+        ranks.append("  ")
+        ranks.append(f" {count(totals.missing)} missing ", style=MISSING_STYLE)
+    streams = Text(" streams ")
+    by_state = doc.sidecar.streams_by_state
+    for state in STATES:
+        streams.append(f" {count(getattr(by_state, state))} {state} ", style=STATE_STYLE[state])
+        streams.append("  ")
+    limits = doc.sidecar.limits
+    streams.append(f" {count(limits.ranks_known)} known, at most {count(limits.ranks_allowed)}", style="dim")
+    out: list[RenderableType] = [head, ranks, streams]
+    cells_of: dict[tuple[str, int], list[v1.RankCell]] = {}
+    for cell in doc.ranks:
+        cells_of.setdefault((cell.server, cell.dp_rank), []).append(cell)
+    if any(lettered(cells, names) for cells in cells_of.values()):
+        out.append(Text(LEGEND, style="dim"))
     room = GRID_CELLS
-    for group in doc.groups:
-        block = group_block(group, members.get(group.id, []), names, min(GRID_CELLS_PER_GROUP, room))
+    for server in doc.servers:
+        out.append(Text(""))
+        block, room = server_block(server, cells_of, names, room)
+        out.extend(block)
+    if not doc.servers:
+        out.append(Text("no ranks have connected yet", style="yellow"))
+    out.extend(stream_lines(doc, names))
+    out.extend(missing_lines(doc, cells_of, names))
+    return out
+
+
+# A cell: its attention tp rank (`N?` when missing), then one letter per stream on the stream's state colour.
+KIND_LETTERS = {"radix": "R", "storage": "S", "scheduler": "E", "client": "C"}
+LETTERS_SHOWN = 6  # per cell; a seventh stream and more are one `+`
+LEGEND = (" a cell is a rank: its attention tp rank, then one letter per stream on the stream's state colour "
+          "(R radix, S storage, E scheduler, C client); N? missing")
+
+
+def plural(n: object) -> str:
+    """`s` unless `n` is 1."""
+    return "" if n == 1 else "s"
+
+
+def kind_letter(kind: str) -> str:
+    """A stream kind's letter; a kind this top does not know is its first letter, lower case."""
+    return KIND_LETTERS.get(kind) or literal(kind[:1].lower() or "?").plain
+
+
+def letters(cell: v1.RankCell, names: Names) -> list[tuple[str, str]]:
+    """(letter, state) of each stream of a cell, radix, storage, scheduler then client; at most LETTERS_SHOWN."""
+    order = {kind: i for i, kind in enumerate(KIND_LETTERS)}
+    streams = sorted((names.streams[sid] for sid in cell.streams), key=lambda s: (order.get(s.kind, len(order)), s.kind))
+    shown: list[tuple[str, str]] = [(kind_letter(s.kind), s.state) for s in streams]
+    if len(shown) > LETTERS_SHOWN:
+        shown = [*shown[:LETTERS_SHOWN - 1], ("+", "")]
+    return shown
+
+
+def lettered(cells: Sequence[v1.RankCell], names: Names) -> bool:
+    """Whether a grid's cells list their streams: not when every rank is one pushed client (the rank itself)."""
+    return any(len(cell.streams) > 1 or any(names.streams[sid].kind != "client" for sid in cell.streams)
+               for cell in cells)
+
+
+def world_text(world: v1.WorldSizes, engine_tp: bool = False) -> str:
+    """`dp 2 × pp 2 × tp 2` (v1.world_name), every size checked as an integer first; with `engine_tp`, the
+    engine's tp size after it where it is not the attention tp size (two worlds may differ only there)."""
+    for size in (world.tp_size, world.pp_size, world.dp_size, world.attn_tp_size, world.attn_cp_size):
+        integer(size)
+    engine = f" (engine tp {world.tp_size})" if engine_tp and world.tp_size != world.attn_tp_size else ""
+    return v1.world_name(world) + engine
+
+
+def span(what: str, bounds: tuple[int, int]) -> str:
+    """`tp ranks 0-3`, `pp stage 1`: the range [first, last + 1] of a node share."""
+    first, end = integer(bounds[0]), integer(bounds[1])
+    return f"{what} {first}" if end - first == 1 else f"{what}s {first}-{end - 1}"
+
+
+def server_block(server: v1.Server, cells_of: Mapping[tuple[str, int], list[v1.RankCell]], names: Names,
+                 room: int) -> tuple[list[RenderableType], int]:
+    """A server's title (labels, expected world, counts), its warnings and node share, then its dp groups' grids
+    side by side, within `room` cells; and the room left."""
+    title = Text("server ", style="bold")
+    labels = names.server(server)
+    labels.stylize("bold" if labels.plain != NO_LABELS else "dim")
+    title.append_text(labels)
+    expected = server.expected
+    if expected is not None:
+        title.append(f"  expects {world_text(expected)}")
+    elif not server.world_conflict:
+        title.append("  no world reported: only the ranks seen are drawn", style="dim")
+    ranks, live = integer(server.ranks), integer(server.live_ranks)
+    title.append(f"  {count(ranks)} rank{plural(ranks)}, {count(server.streams)} stream{plural(server.streams)}")
+    title.append(f"  {live}/{ranks} live", style="green" if live == ranks else "yellow")
+    if server.missing:
+        title.append("  ")
+        title.append(f" {count(server.missing)} missing ", style=MISSING_STYLE)
+    out: list[RenderableType] = [title]
+    if server.world_conflict:
+        out.append(literal(conflict_line(server, names.ranks_allowed), style="bold yellow"))
+    node = server.node
+    if node is not None:
+        out.append(Text(f"node {integer(node.node_rank)} of {integer(node.nodes)}: this sidecar expects "
+                        f"{span('global tp rank', node.tp_ranks)} of {span('pp stage', node.pp_ranks)}", style="cyan"))
+    blocks = []
+    show_cp = (expected is not None and expected.attn_cp_size > 1) or any(
+        row.attn_cp_rank for group in server.dp_groups for row in group.grid.rows)
+    for group in server.dp_groups:
+        block = group_block(server, group, cells_of.get((server.id, integer(group.dp_rank)), []), names,
+                            min(GRID_CELLS_PER_GROUP, room), show_cp)
         blocks.append(block)
         room -= block.cells
-    blocks += [missing_group_block(absent, names) for absent in missing_groups]
-    out: list[RenderableType] = [head, *(literal(line, style="bold yellow") for line in world_conflicts(doc))]
     if blocks:
         out.append(Columns(blocks, padding=(0, 3)))
+    return out, room
+
+
+def conflict_line(server: v1.Server, allowed: object) -> str:
+    """Why a server expects nothing: its streams' worlds disagree, or the one world is larger than the sidecar keeps."""
+    worlds = ", ".join(world_text(world, engine_tp=True) for world in server.worlds) or "no world"
+    if server.world_implausible:
+        said = (f"its streams report {worlds}, more positions than the {count(allowed)} rank identities this "
+                "sidecar keeps (ranks.max_ranks)")
     else:
-        out.append(Text("no ranks have connected yet", style="yellow"))
-    not_live = [rank for rank in doc.ranks if rank.state != "live"]
-    for rank in not_live[:NOT_LIVE_SHOWN]:
-        line = chip(rank.state, STATE_STYLE.get(rank.state, "reverse"))
-        line.append_text(literal(names.rank(rank)))
-        since = rank.seconds_since_push
-        line.append(f"  {duration(since)} since a push" if since is not None else "  never pushed", style="dim")
-        out.append(line)
-    if len(not_live) > NOT_LIVE_SHOWN:
-        out.append(Text(f"   and {len(not_live) - NOT_LIVE_SHOWN} more ranks not live", style="bold"))
-    out.extend(missing_lines(doc.groups, missing_groups, integer(totals.groups), names))
-    return out
+        said = f"its streams report different worlds: {worlds}"
+    return f"world conflict: {said}; no missing rank can be worked out"
 
 
-def chip(word: str, style: str) -> Text:
-    """`   word  `, the word on its state's colour, to start a line naming ranks."""
-    line = Text("   ")
-    line.append_text(literal(word))
-    line.append(" ")
-    line.stylize(style, 2)  # a chip: " stale " in the grid's colour
-    line.append(" ")
-    return line
-
-
-def missing_lines(groups: Sequence[v1.Group], missing_groups: Sequence[v1.MissingGroup],
-                  groups_missing: int, names: Names) -> list[Text]:
-    """One line per group with missing positions, then per missing dp group; at most NOT_LIVE_SHOWN lines."""
-    lines = []
-    for group in groups:
-        missing = integer(group.missing_count)
-        if not missing:
-            continue
-        line = chip("missing", MISSING_STYLE)
-        line.append_text(names.group(group))
-        shown = group.missing[:MISSING_SHOWN]
-        line.append(": " + ", ".join(f"pp{integer(m.pp_rank)} tp{integer(m.tp_rank)}" for m in shown))
-        if missing > len(shown):
-            line.append(f" and {count(missing - len(shown))} more", style="bold")
-        lines.append(line)
-    for absent in missing_groups:
-        line = chip("missing", MISSING_STYLE)
-        line.append_text(names.group(absent))
-        expected = absent.expected
-        line.append(f": the whole dp group (tp {integer(expected.tp_size)} × pp {integer(expected.pp_size)}), "
-                    "no rank has reported")
-        lines.append(line)
-    unlisted = groups_missing - len(missing_groups)  # the sidecar lists a bounded number
-    out = lines[:NOT_LIVE_SHOWN]
-    if len(lines) > NOT_LIVE_SHOWN or unlisted > 0:
-        out.append(Text(f"   and {len(lines) - len(out) + max(unlisted, 0)} more groups with missing ranks",
-                        style="bold"))
-    return out
-
-
-def world_conflicts(doc: v1.StatusDocument) -> list[str]:
-    """One warning per static label set whose ranks reported different worlds, or a world larger than the
-    sidecar can hold (`world_implausible`): which worlds, by how many ranks."""
-    names = Names(doc)
-    allowed = doc.sidecar.limits.ranks_allowed
-    lines = []
-    for key, implausible, counts in v1.world_conflicts(doc, world_name):
-        worlds = ", ".join(f"{name} ({n} rank{'' if n == 1 else 's'})" for name, n in counts.items())
-        labels = literal(" ".join(f"{k}={v}" for k, v in names.labels[key].items()) or "no static labels").plain
-        said = (f"report {worlds}, more positions than the {count(allowed)} rank identities this sidecar keeps "
-                "(ranks.max_ranks)" if implausible else f"report different parallel sizes: {worlds}")
-        lines.append(f"world conflict: the ranks with {labels} {said}; no missing rank can be worked out for them")
-    return lines
-
-
-def world_name(world: v1.WorldSizes) -> str:
-    """`tp 2 × pp 1 × dp 2`: a reported world as the conflict warning names it."""
-    return f"tp {integer(world.tp_size)} × pp {integer(world.pp_size)} × dp {integer(world.dp_size)}"
-
-
-Row = tuple[int, int | None]  # (pp_rank, attn_cp_rank)
-
-
-def grid_of(group: v1.Group, room: int) -> tuple[list[Row], list[int], int, int]:
-    """The rows and tp columns of a group's grid that fit `room` cells, and how many rows and columns it has.
+def grid_of(grid: v1.Grid, room: int) -> tuple[list[tuple[int, int]], list[int], int, int]:
+    """The rows (pp, cp) and tp columns of a dp group's grid that fit `room` cells, and how many it has.
 
     Read from the group's `grid` (the sidecar's status.grid_model), cut to the room as the sidecar cuts it:
     a document listing more than the caps allow is still drawn within them.
     """
-    grid = group.grid
     columns = [integer(tp) for tp in grid.tp_ranks[:max(room, 0)]]
     fit = room // len(columns) if columns else 0
-    rows = [(integer(row.pp_rank), optional_integer(row.attn_cp_rank)) for row in grid.rows[:fit]]
+    rows = [(integer(row.pp_rank), integer(row.attn_cp_rank)) for row in grid.rows[:fit]]
     return rows, columns, integer(grid.row_count), integer(grid.column_count)
 
 
-def group_block(group: v1.Group, members: Sequence[v1.Rank], names: Names,
-                room: int = GRID_CELLS_PER_GROUP) -> GridBlock:
-    """One replica group: pp stage (and cp rank) rows by tp rank columns, each cell its rank's state colour,
-    at most `room` cells (`grid_of`), and a line saying what is left out.
-
-    A position the world expects and no rank holds (at any cp rank) is a missing cell, `1?`, on each
-    of its pp stage's rows.
-    """
-    title = names.group(group)
-    title.stylize("bold")
-    live, size = integer(group.live), integer(group.size)
-    title.append(f"  {live}/{size} live", style="green" if live == size else "yellow")
-    missing = {(integer(m.pp_rank), integer(m.tp_rank)) for m in group.missing}
-    if group.missing_count:
+def group_block(server: v1.Server, group: v1.ServerGroup, cells: Sequence[v1.RankCell], names: Names,
+                room: int = GRID_CELLS_PER_GROUP, show_cp: bool = False) -> GridBlock:
+    """One dp group of a server: pp stage (and cp rank) rows by attention tp columns, each cell a rank on its
+    state's colour with its streams' letters (`lettered`), at most `room` cells (`grid_of`), and a line saying
+    what is left out. A missing rank is `N?` on the missing colour."""
+    title = Text(f"dp{integer(group.dp_rank)}", style="bold")
+    ranks, live, missing = integer(group.ranks), integer(group.live), integer(group.missing)
+    title.append(f"  {live}/{ranks} live", style="green" if live == ranks else "yellow")
+    if missing:
         title.append("  ")
-        title.append(f"{integer(group.missing_count)} missing", style=MISSING_STYLE)
-    at = {(integer(rank.pp_rank), optional_integer(rank.attn_cp_rank), integer(rank.tp_rank)): rank
-          for rank in members}
-    rows, tps, row_count, column_count = grid_of(group, room)
-    # One more column for the mark, in every cell of a group that has one, to keep the columns aligned.
-    width = max((len(str(tp)) for tp in tps), default=1) + (len(MISSING_MARK) if missing else 0)
+        title.append(f"{missing} missing", style=MISSING_STYLE)
+    if server.expected is not None and not group.expected:
+        title.append("  outside the expected world", style="dim")
+    at = {(integer(c.pp_rank), integer(c.attn_cp_rank), integer(c.tp_rank)): c for c in cells}
+    rows, tps, row_count, column_count = grid_of(group.grid, room)
+    drawn = [at[(pp, cp, tp)] for pp, cp in rows for tp in tps if (pp, cp, tp) in at]
+    with_letters = lettered(drawn, names)
+    marked = any(c.state == "missing" for c in drawn)
+    digits = max((len(str(tp)) for tp in tps), default=1)
+    if with_letters:
+        room_for = max((len(letters(c, names)) for c in drawn), default=0)
+        width = digits + 1 + room_for
+    else:
+        room_for, width = 0, digits + (len(MISSING_MARK) if marked else 0)
     grid = Table.grid(padding=(0, 1))
     grid.add_column(no_wrap=True)
     grid.add_column()
     for pp, cp in rows:
-        cells = []
-        for tp in tps:
-            if (pp, tp) in missing:
-                cells.append(Text(f"{f'{tp}{MISSING_MARK}':>{width}}", style=MISSING_STYLE))
-                continue
-            rank = at.get((pp, cp, tp))
-            style = STATE_STYLE.get(rank.state, "reverse") if rank is not None else ABSENT_STYLE
-            cells.append(Text(f"{tp:>{width}}", style=style))
-        label = f"pp{pp}" if cp is None else f"pp{pp} cp{cp}"
-        grid.add_row(Text(label, style="dim"), CellRow(cells, width))
+        row = [cell_text(at.get((pp, cp, tp)), tp, digits, room_for, width, with_letters, names) for tp in tps]
+        grid.add_row(Text(f"pp{pp} cp{cp}" if show_cp else f"pp{pp}", style="dim"), CellRow(row, width))
     parts: list[RenderableType] = [title, grid]
     if len(rows) < row_count or len(tps) < column_count:
         drawn_rows, drawn_columns = set(rows), set(tps)
-        hidden = sum(1 for pp, cp, tp in ((integer(r.pp_rank), optional_integer(r.attn_cp_rank),
-                                           integer(r.tp_rank)) for r in members)
-                     if (pp, cp) not in drawn_rows or tp not in drawn_columns)
-        parts.append(Text(f"drawn {len(rows)} of {count(row_count)} rows, {len(tps)} of {count(column_count)} tp "
-                          f"columns; {hidden} rank{'' if hidden == 1 else 's'} not drawn", style="yellow"))
+        # The sidecar counts what it left out; a document listing past the caps is cut here too.
+        cut = sum(1 for pp, cp, tp in at if (pp, cp) not in drawn_rows or tp not in drawn_columns)
+        hidden = integer(group.grid.hidden_ranks) + cut
+        parts.append(Text(f"drawn {count(len(rows))} of {count(row_count)} rows, {count(len(tps))} of {count(column_count)} tp "
+                          f"columns; {count(hidden)} rank{plural(hidden)} not drawn", style="yellow"))
     return GridBlock(len(rows) * len(tps), *parts)
+
+
+def cell_text(cell: v1.RankCell | None, tp: int, digits: int, room_for: int, width: int, with_letters: bool,
+              names: Names) -> Text:
+    """A grid cell `width` wide: the tp rank (and `?` when missing) on the rank's colour, then its streams' letters."""
+    if cell is None:  # a position of the grid no stream reports for and the world does not expect
+        return Text(f"{tp:>{digits}}".ljust(width), style=ABSENT_STYLE)
+    missing = cell.state == "missing"
+    style = MISSING_STYLE if missing else STATE_STYLE.get(cell.state, "reverse")
+    if not with_letters:
+        return Text(f"{f'{tp}{MISSING_MARK}' if missing else str(tp):>{width}}", style=style)
+    text = Text()  # no style of its own: the letters are on their own colours, not the rank's
+    text.append(f"{tp:>{digits}}{MISSING_MARK if missing else ' '}", style=style)
+    shown = letters(cell, names)
+    for letter, state in shown:
+        text.append(letter, style=STATE_STYLE.get(state, "reverse"))
+    text.append(" " * (room_for - len(shown)), style=style if not shown else "")
+    return text
 
 
 class GridBlock(Group):
@@ -303,15 +358,80 @@ class GridBlock(Group):
         self.cells = cells
 
 
-def missing_group_block(absent: v1.MissingGroup, names: Names) -> RenderableType:
-    """A dp group the world expects and no rank is in: its name, `missing`, and the layout it should have."""
-    title = names.group(absent)
-    title.stylize("bold")
-    title.append("  ")
-    title.append("missing", style=MISSING_STYLE)
-    expected = absent.expected
-    return Group(title, Text(f"no rank has reported (tp {integer(expected.tp_size)} × "
-                             f"pp {integer(expected.pp_size)} expected)", style="magenta"))
+def chip(word: str, style: str) -> Text:
+    """`   word  `, the word on its state's colour, to start a line naming streams or ranks."""
+    line = Text("   ")
+    line.append_text(literal(word))
+    line.append(" ")
+    line.stylize(style, 2)  # a chip: " stale " in the grid's colour
+    line.append(" ")
+    return line
+
+
+def stream_lines(doc: v1.StatusDocument, names: Names) -> list[Text]:
+    """The streams that are not live, one a line (at most NOT_LIVE_SHOWN; the rest counted): state, kind,
+    identity, the rank it reports for when its tp rank is not the attention one, source, seq, restarts, silence."""
+    not_live = [stream for stream in doc.streams if stream.state != "live"]
+    out = []
+    for stream in not_live[:NOT_LIVE_SHOWN]:
+        line = chip(stream.state, STATE_STYLE.get(stream.state, "reverse"))
+        line.append_text(literal(stream.kind))
+        line.append("  ")
+        line.append_text(literal(names.stream(stream)))
+        position = CELL_ID.fullmatch(stream.rank)
+        if position is not None and (int(position["tp"]), int(position["cp"])) != (
+                integer(stream.tp_rank), stream.attn_cp_rank or 0):
+            line.append(f"  (rank tp={position['tp']}" + (f" cp={position['cp']}" if position["cp"] != "0" else "")
+                        + ")")
+        line.append("  ")
+        line.append_text(literal(stream.source))
+        line.append(f"  seq {integer(stream.seq)}  restarts {count(stream.restarts)}", style="dim")
+        since = stream.seconds_since_push
+        line.append(f"  {duration(since)} since a push" if since is not None else "  never pushed", style="dim")
+        out.append(line)
+    if len(not_live) > NOT_LIVE_SHOWN:
+        out.append(Text(f"   and {len(not_live) - NOT_LIVE_SHOWN} more streams not live", style="bold"))
+    return out
+
+
+CELL_ID = re.compile(r"v[0-9]+/dp=(?P<dp>[0-9]+),pp=(?P<pp>[0-9]+),cp=(?P<cp>[0-9]+),tp=(?P<tp>[0-9]+)")
+
+
+def missing_lines(doc: v1.StatusDocument, cells_of: Mapping[tuple[str, int], list[v1.RankCell]],
+                  names: Names) -> list[Text]:
+    """One line per dp group with missing ranks, naming them (the drawn ones; the rest counted); at most
+    NOT_LIVE_SHOWN lines."""
+    lines = []
+    for server in doc.servers:
+        expected = server.expected
+        for group in server.dp_groups:
+            missing = integer(group.missing)
+            if not missing:
+                continue
+            line = chip("missing", MISSING_STYLE)
+            if names.labels[server.label_set] or len(doc.servers) > 1:  # else the one server needs no name
+                line.append_text(names.server(server))
+                line.append(" ")
+            line.append(f"dp{integer(group.dp_rank)}")
+            if not group.ranks and expected is not None:
+                cp = f" × cp {integer(expected.attn_cp_size)}" if expected.attn_cp_size > 1 else ""
+                line.append(f": the whole dp group (pp {integer(expected.pp_size)}{cp} × tp "
+                            f"{integer(expected.attn_tp_size)}), no stream has reported")
+                lines.append(line)
+                continue
+            drawn = [c for c in cells_of.get((server.id, integer(group.dp_rank)), []) if c.state == "missing"]
+            cp_named = expected is not None and expected.attn_cp_size > 1
+            named = [f"pp{integer(c.pp_rank)}" + (f" cp{integer(c.attn_cp_rank)}" if cp_named else "")
+                     + f" tp{integer(c.tp_rank)}" for c in drawn[:MISSING_SHOWN]]
+            rest = missing - len(named)
+            line.append(": " + ", ".join(named) if named else f": {count(missing)} not drawn")
+            if named and rest > 0:
+                line.append(f" and {count(rest)} more", style="bold")
+            lines.append(line)
+    out = lines[:NOT_LIVE_SHOWN]
+    if len(lines) > NOT_LIVE_SHOWN:
+        out.append(Text(f"   and {len(lines) - NOT_LIVE_SHOWN} more dp groups with missing ranks", style="bold"))
+    return out
 
 
 class CellRow:
@@ -457,15 +577,20 @@ def spread_section(doc: v1.StatusDocument) -> list[RenderableType]:
     return out
 
 
+NO_LABELS = "(no labels of its own)"
+
+
 class Names:
-    """What the document writes once and references by id (label sets, groups), read back as text."""
+    """What the document writes once and references by id (label sets, groups, servers, streams), read back as text."""
 
     def __init__(self, doc: v1.StatusDocument) -> None:
         self.labels: dict[str, Mapping[str, str]] = {s.id: s.labels for s in doc.label_sets}
         self.groups: dict[str, v1.Group] = {g.id: g for g in doc.groups}
+        self.streams: dict[str, v1.Stream] = {s.id: s for s in doc.streams}
+        self.ranks_allowed = doc.sidecar.limits.ranks_allowed
 
-    def group(self, group: v1.Group | v1.MissingGroup) -> Text:
-        """`dp0 cache_type=...`: a replica group (or a missing one) as its dp rank and static labels."""
+    def group(self, group: v1.Group) -> Text:
+        """`dp0 cache_type=...`: a replica group as its dp rank and static labels."""
         name = Text(f"dp{integer(group.dp_rank)}")
         labels = self.labels[group.label_set]
         if labels:
@@ -473,12 +598,17 @@ class Names:
             name.append_text(labels_text(labels))
         return name
 
-    def rank(self, rank: v1.Rank) -> str:
-        """`tp=1 pp=0 dp=0 [cp=0] name="value" ...`: a rank's axes and every static label in name order,
-        quoted as /metrics writes them (the sidecar's `status.identity_text`); shown through `literal`."""
-        labels = {**self.labels[self.groups[rank.group].label_set], **rank.own_labels}
-        cp = rank.attn_cp_rank
-        axes = [f"tp={integer(rank.tp_rank)}", f"pp={integer(rank.pp_rank)}", f"dp={integer(rank.dp_rank)}",
+    def server(self, server: v1.Server) -> Text:
+        """`model=m, pod=a`: a server as its labels (what its streams share, less what their collectors add)."""
+        labels = self.labels[server.label_set]
+        return labels_text(labels) if labels else Text(NO_LABELS)
+
+    def stream(self, stream: v1.Stream) -> str:
+        """`tp=1 pp=0 dp=0 [cp=0] name="value" ...`: a stream's axes as labelled and every static label in name
+        order, quoted as /metrics writes them (the sidecar's `status.identity_text`); shown through `literal`."""
+        labels = {**self.labels[self.groups[stream.group].label_set], **stream.own_labels}
+        cp = stream.attn_cp_rank
+        axes = [f"tp={integer(stream.tp_rank)}", f"pp={integer(stream.pp_rank)}", f"dp={integer(stream.dp_rank)}",
                 *(() if cp is None else (f"cp={integer(cp)}",))]
         return " ".join((*axes, *(f'{k}="{quote(str(v))}"' for k, v in sorted(labels.items()))))
 
@@ -489,22 +619,37 @@ def quote(value: str) -> str:
 
 
 def upstreams_section(doc: v1.StatusDocument) -> list[RenderableType]:
-    """The engines the sidecar proxies (none when every rank pushes)."""
+    """The engines the sidecar proxies (none when every rank pushes), the world each is expected in, and
+    where an engine's labels contradict it."""
     if not doc.upstreams:
         return [Text("Upstreams", style=SECTION).append("   none: every rank pushes", style="dim")]
     table = Table(box=None, padding=(0, 2), show_edge=False, header_style="bold")
-    for name in ("upstream", "source", "state", "ranks", "samples", "last read", "errors", "last error"):
+    for name in ("upstream", "source", "state", "ranks", "world", "samples", "last read", "errors", "last error"):
         table.add_column(name, overflow="fold")
+    problems: list[Text] = []
     for upstream in doc.upstreams:
         errors = sum(number(n) for n in upstream.errors.values())
         took = upstream.last_scrape_duration_seconds
+        world = upstream.world
         table.add_row(literal(upstream.name), literal(upstream.source),
                       Text("up", style="green") if upstream.up else Text("DOWN", style="bold red"),
-                      Text(count(upstream.ranks)), Text(count(upstream.samples)),
+                      Text(count(upstream.ranks)),
+                      Text(world_text(world) if world is not None else "–",
+                           style="bold yellow" if upstream.world_problems else ""),
+                      Text(count(upstream.samples)),
                       Text(f"{number(took) * 1000:.0f} ms" if took is not None else "never"),
                       Text(count(errors), style="red" if errors else ""),
                       literal(upstream.last_error or ""))
-    return [Text("Upstreams", style=SECTION), table]
+        for said in upstream.world_problems[:WORLD_PROBLEMS_SHOWN]:
+            line = literal(upstream.name, style="bold yellow")
+            line.append_text(literal(f": world not trusted: {said}"[:300], style="yellow"))
+            problems.append(line)
+        if len(upstream.world_problems) > WORLD_PROBLEMS_SHOWN:
+            problems.append(Text(f"   and {len(upstream.world_problems) - WORLD_PROBLEMS_SHOWN} more", style="yellow"))
+    return [Text("Upstreams", style=SECTION), table, *problems]
+
+
+WORLD_PROBLEMS_SHOWN = 8  # per upstream, as many as the sidecar lists
 
 
 def sidecar_section(doc: v1.StatusDocument) -> list[RenderableType]:

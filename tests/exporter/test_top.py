@@ -14,6 +14,7 @@ import contextlib
 import copy
 import gzip
 import io
+import itertools
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from rich.console import Console, RenderableType
 from exporter.api.v1 import StatusDocument
 from exporter.catalog import default_catalog
 from exporter.errors import ErrorCode, HicacheExporterError
+from exporter.sidecar.core.servers import Cell, Layout, NodeShare
 from exporter.sidecar.expose.status import GRID_CELLS, GRID_CELLS_PER_GROUP, grid_model
 from exporter.top.fetch import (
     ENV_PASSWORD,
@@ -50,7 +52,16 @@ from exporter.top.fetch import (
     fetch_status,
     received,
 )
-from exporter.top.render import BLOCKS, MISSING_STYLE, STATE_STYLE, Names, group_block, render_frame, sparkline
+from exporter.top.render import (
+    BLOCKS,
+    MISSING_STYLE,
+    STATE_STYLE,
+    Names,
+    group_block,
+    integer,
+    render_frame,
+    sparkline,
+)
 from exporter.top.screen import Frame, Scroll
 from exporter.top.view import View
 from tests.helpers import SidecarThread, free_port, self_signed_cert, sidecar_config
@@ -59,7 +70,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCHEMA = REPO / "docs" / "api" / "v1.schema.json"
 CLI = [sys.executable, "-m", "exporter.cli"]
 NOW = 1_764_400_000.0
-STATIC = {"cache_type": "UnifiedRadixCache"}
+SERVER: dict[str, str] = {}  # the labels of the one server, as under `make demo`: every label is a stream's own
 SINCE_PUSH = {"live": 0.4, "stale": 14.0, "departed": 31.0, "expired": 420.0}
 GiB = 1024 ** 3
 
@@ -70,75 +81,152 @@ def validate_status(document: Mapping[str, Any]) -> None:
     Draft202012Validator({"$defs": schema["$defs"], "$ref": "#/$defs/status"}).validate(document)
 
 
-def _id(tp: int, pp: int, dp: int) -> str:
-    return f"{_group_id(dp)}/tp={tp},pp={pp}"
+def _static(labels: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(labels.items()))
 
 
-def _group_id(dp: int) -> str:
-    return f"g{dp}"  # one label set, so the document numbers its groups by dp rank
+def kind_labels(kind: str, pp: int) -> dict[str, str]:
+    """The static labels a stream's collector adds (the catalog's `streams` table); a client adds none."""
+    return {"radix": {"cache_type": "UnifiedRadixCache"},
+            "storage": {"storage_backend": "file", "pp_size": str(pp), "attn_cp_size": "1"},
+            "scheduler": {"model_name": "m", "engine_type": "unified"}, "client": {}}[kind]
+
+
+def world_sizes(tp: int, pp: int, dp: int, global_tp: bool) -> dict[str, int]:
+    """dp groups of pp x tp ranks; with `global_tp` under DP attention (the engine's tp spans the dp groups)."""
+    return {"tp_size": tp * dp if global_tp else tp, "pp_size": pp, "dp_size": dp, "attn_tp_size": tp,
+            "attn_cp_size": 1}
 
 
 def status_document(
-    dp: int = 2, pp: int = 2, tp: int = 2, states: Mapping[tuple[int, int, int], str] | None = None,
-    labels: Mapping[str, str] = STATIC, diverging: Mapping[int, float] | None = None,
+    dp: int = 2, pp: int = 2, tp: int = 2, states: Mapping[tuple[Any, ...], str] | None = None,
+    labels: Mapping[str, str] = SERVER, kinds: Sequence[str] = ("radix",), diverging: Mapping[int, float] | None = None,
     unfulfilled: Mapping[str, float] | None = None, rejections: Mapping[str, int] | None = None,
     upstreams: list[dict[str, Any]] | None = None, history: int = 40,
     world: bool = False, missing: Iterable[tuple[int, int, int]] = (), absent_groups: Iterable[int] = (),
-    conflict: bool = False,
+    conflict: bool = False, implausible: bool = False, node: tuple[int, int] | None = None,
+    servers: Sequence[Mapping[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """A schema-valid status of dp × pp × tp ranks, `states` by (dp, pp, tp) and live otherwise."""
-    # diverging: a spread ratio by dp group; unfulfilled: tokens by reason; history: bandwidth points.
-    # world: every rank said hello with tp × pp × dp; missing: (dp, pp, tp) of ranks that never came;
-    # absent_groups: dp groups none of whose ranks came; conflict: the last rank said another tp size.
+    """A schema-valid status of servers of dp × pp × tp ranks, each rank reporting through one stream per kind.
+
+    A radix, storage or client stream reports for its rank; a scheduler stream only on attention tp 0,
+    labelled with the global tp rank (dp × tp) and its moe_ep_rank, as SGLang's scheduler under DP
+    attention is (a world is then needed to place it).
+    """
+    # states: by (dp, pp, tp) for every stream of a rank, or (dp, pp, tp, kind) for one; live otherwise.
+    # world: every stream said hello with its server's world; missing: (dp, pp, tp) of ranks no stream
+    # reports for; absent_groups: dp groups no stream reports for; conflict: the last stream said another
+    # tp size; implausible: every stream said a world of more positions than ranks.max_ranks; node:
+    # (node_rank, nodes), the share of the world this sidecar expects; servers: each server's labels
+    # (default: one, `labels`); diverging: a spread ratio by dp group; unfulfilled: tokens by reason;
+    # history: bandwidth points.
     states = dict(states or {})
-    labels = dict(labels)
     missing, absent = set(missing), set(absent_groups)
-    sizes = {"tp_size": tp, "pp_size": pp, "dp_size": dp} if world or missing or absent or conflict else None
-    ranks, groups = [], []
-    missing_groups = []
-    cells = GRID_CELLS
-    for d in range(dp):
-        if d in absent:
-            missing_groups.append({"label_set": "s0", "dp_rank": d, "expected": sizes})
-            continue
-        members = []
-        for p in range(pp):
-            for t in range(tp):
-                if (d, p, t) in missing:
+    server_labels = sorted((dict(s) for s in (servers or [labels])), key=_static)
+    sizes = world_sizes(tp, pp, dp, "scheduler" in kinds)
+    said = sizes if world or missing or absent or conflict or node else None
+    if implausible:
+        said = world_sizes(64, 64, 1, False)  # 4,096 positions, more than the 1,024 this sidecar keeps
+    layout = Layout(**sizes) if said == sizes and not conflict else None
+    share = NodeShare.of(layout, *node) if node is not None and layout is not None else None
+
+    def static(n: int, kind: str) -> tuple[tuple[str, str], ...]:
+        return _static({**server_labels[n], **kind_labels(kind, pp)})
+
+    # The streams: (server, kind, dp, pp, tp as labelled, attention tp, cp, own labels, state).
+    made: list[tuple[int, str, int, int, int, int, int | None, dict[str, str], str]] = []
+    for n in range(len(server_labels)):
+        for d, p, t in itertools.product(range(dp), range(pp), range(tp)):
+            if d in absent or (d, p, t) in missing or (
+                    share is not None and layout is not None and not share.holds(layout, (d, p, 0, t))):
+                continue  # no stream reports for it (and another node's sidecar sees those of its own)
+            for kind in kinds:
+                if kind == "scheduler" and t:
                     continue
-                state = states.get((d, p, t), "live")
-                rank_id = _id(t, p, d)
-                members.append((rank_id, state))
-                ranks.append({
-                    "id": rank_id, "group": _group_id(d), "tp_rank": t, "pp_rank": p, "dp_rank": d,
-                    "attn_cp_rank": None, "own_labels": {}, "state": state, "source": "push",
-                    "epoch": f"{d:02x}{p:02x}{t:02x}" + "0" * 26, "pid": 4000 + len(ranks), "seq": 90, "restarts": 0,
-                    "reconnects": 0, "snapshots": 90, "series": 40, "seconds_since_push": SINCE_PUSH[state],
-                    "seconds_since_activity": SINCE_PUSH[state], "last_push_time": NOW - SINCE_PUSH[state],
-                    "world": sizes,
-                })
-        groups.append({
-            "id": _group_id(d), "label_set": "s0", "dp_rank": d,
-            "size": len(members), "live": sum(1 for _, s in members if s == "live"),
-            "pp_ranks": sorted({p for p in range(pp) for t in range(tp) if (d, p, t) not in missing}),
-            "tp_ranks": sorted({t for p in range(pp) for t in range(tp) if (d, p, t) not in missing}),
-            "attn_cp_ranks": [], "expected": None if conflict else sizes, "world_conflict": conflict,
-            "missing": [] if conflict else [{"pp_rank": p, "tp_rank": t} for p in range(pp) for t in range(tp)
-                                            if (d, p, t) in missing],
-            "missing_count": 0 if conflict else sum(1 for m in missing if m[0] == d),
-            "world_implausible": False,
+                labelled = d * tp if kind == "scheduler" else t
+                own = {"moe_ep_rank": str(labelled)} if kind == "scheduler" else {}
+                state = states.get((d, p, t, kind), states.get((d, p, t), "live"))
+                made.append((n, kind, d, p, labelled, t, 0 if kind == "storage" else None, own, state))
+    label_set_of = {key: f"s{i}" for i, key in enumerate(sorted(
+        {_static(s) for s in server_labels} | {static(n, kind) for n, kind, *_ in made}))}
+    group_of = {key: f"g{i}" for i, key in enumerate(sorted({(static(n, kind), d) for n, kind, d, *_ in made}))}
+    streams: list[dict[str, Any]] = []
+    cells_of: dict[tuple[int, int, int, int], list[str]] = {}  # (server, dp, pp, tp): its streams' ids
+    for i, (n, kind, d, p, labelled, t, cp, own, state) in enumerate(made):
+        group = group_of[(static(n, kind), d)]
+        since = SINCE_PUSH[state]
+        stream_id = (f"{group}/tp={labelled},pp={p}" + ("" if cp is None else f",cp={cp}")
+                     + "".join(f' {k}="{v}"' for k, v in own.items()))
+        cells_of.setdefault((n, d, p, t), []).append(stream_id)
+        streams.append({
+            "id": stream_id, "group": group, "server": f"v{n}", "rank": f"v{n}/dp={d},pp={p},cp=0,tp={t}",
+            "kind": kind, "tp_rank": labelled, "pp_rank": p, "dp_rank": d, "attn_cp_rank": cp, "own_labels": own,
+            "state": state, "source": "push", "seconds_since_push": since,
+            "epoch": f"{d:02x}{p:02x}{t:02x}{i:04x}" + "0" * 22, "pid": 4000 + i, "seq": 90, "restarts": 0,
+            "reconnects": 0, "snapshots": 90, "series": 40, "seconds_since_activity": since,
+            "last_push_time": NOW - since,
+            "world": {**sizes, "tp_size": sizes["tp_size"] + 1} if conflict and i == len(made) - 1 else said,
         })
-        group = groups[-1]
-        group["grid"] = msgspec.to_builtins(grid_model(
-            ((p, None, t) for p in range(pp) for t in range(tp) if (d, p, t) not in missing),
-            ((m["pp_rank"], m["tp_rank"]) for m in group["missing"]), min(GRID_CELLS_PER_GROUP, cells)))
-        cells -= len(group["grid"]["rows"]) * len(group["grid"]["tp_ranks"])
-    if conflict:
-        ranks[-1]["world"] = {**(sizes or {}), "tp_size": tp + 1}
-        missing_groups = []
-    missing_totals = {"positions": sum(g["missing_count"] for g in groups) + len(missing_groups) * tp * pp,
-                      "groups": len(missing_groups)}
-    by_state = {state: sum(1 for r in ranks if r["state"] == state) for state in SINCE_PUSH}
+    liveliness = {state: i for i, state in enumerate(SINCE_PUSH)}
+    state_of = {stream["id"]: stream["state"] for stream in streams}
+    server_docs: list[dict[str, Any]] = []
+    cells: list[dict[str, Any]] = []
+    room = GRID_CELLS
+    for n in range(len(server_labels)):
+        expected = set()
+        if layout is not None:
+            expected = {(d, p, 0, t) for d, p, t in itertools.product(range(dp), range(pp), range(tp))
+                        if share is None or share.holds(layout, (d, p, 0, t))}
+        positions = {(d, p, 0, t) for (m, d, p, t) in cells_of if m == n} | expected
+        groups = []
+        for d in sorted({position[0] for position in positions}):
+            here = sorted(position for position in positions if position[0] == d)
+            grid, drawn = grid_model((Cell(position) for position in here), min(GRID_CELLS_PER_GROUP, room))
+            room -= len(grid.rows) * len(grid.tp_ranks)
+            cell_state, known, live, lacking = {}, 0, 0, 0
+            for position in here:
+                ids = cells_of.get((n, d, position[1], position[3]), [])
+                best = min((state_of[i] for i in ids), key=liveliness.__getitem__, default="missing")
+                held = best not in ("missing", "expired")
+                cell_state[position] = "missing" if position in expected and not held else best
+                known += bool(ids)
+                live += best == "live"
+                lacking += position in expected and not held
+            groups.append({"dp_rank": d, "ranks": known, "live": live, "missing": lacking,
+                           "expected": any(position[0] == d for position in expected),
+                           "grid": msgspec.to_builtins(grid)})
+            cells.extend({
+                "id": f"v{n}/dp={d},pp={c.position[1]},cp=0,tp={c.position[3]}", "server": f"v{n}", "dp_rank": d,
+                "pp_rank": c.position[1], "attn_cp_rank": 0, "tp_rank": c.position[3],
+                "state": cell_state[c.position], "expected": c.position in expected,
+                "streams": cells_of.get((n, d, c.position[1], c.position[3]), []),
+            } for c in drawn)
+        mine = [s for s in streams if s["server"] == f"v{n}"]
+        worlds = [json.loads(w) for w in sorted({json.dumps(s["world"]) for s in mine if s["world"] is not None})]
+        server_docs.append({
+            "id": f"v{n}", "label_set": label_set_of[_static(server_labels[n])],
+            "expected": dict(sizes) if layout is not None else None,
+            "world_conflict": conflict or implausible, "world_implausible": implausible, "worlds": worlds,
+            "node": None if share is None else {"node_rank": share.node_rank, "nodes": share.nodes,
+                                                "tp_ranks": [share.tp.start, share.tp.stop],
+                                                "pp_ranks": [share.pp.start, share.pp.stop]},
+            "ranks": sum(g["ranks"] for g in groups), "live_ranks": sum(g["live"] for g in groups),
+            "streams": len(mine), "missing": sum(g["missing"] for g in groups), "dp_groups": groups,
+        })
+    replica_groups = []
+    for (key, d), gid in group_of.items():
+        members = [s for s in streams if s["group"] == gid]
+        replica_groups.append({
+            "id": gid, "label_set": label_set_of[key], "server": members[0]["server"], "dp_rank": d,
+            "size": len(members), "live": sum(1 for s in members if s["state"] == "live"),
+            "pp_ranks": sorted({s["pp_rank"] for s in members}), "tp_ranks": sorted({s["tp_rank"] for s in members}),
+            "attn_cp_ranks": sorted({s["attn_cp_rank"] for s in members if s["attn_cp_rank"] is not None}),
+        })
+    by_state = {state: sum(1 for s in streams if s["state"] == state) for state in SINCE_PUSH}
+    totals = {"servers": len(server_docs), "ranks": sum(s["ranks"] for s in server_docs),
+              "live_ranks": sum(s["live_ranks"] for s in server_docs), "streams": len(streams),
+              "missing": sum(s["missing"] for s in server_docs)}
+    series_labels = dict(static(0, kinds[0]))
     catalog = default_catalog()
     reason_families = [spec for spec in catalog.families if "reason" in spec.labels]
     unfulfilled = dict(unfulfilled or {})
@@ -173,7 +261,7 @@ def status_document(
                                                                                         "_active_bandwidth_bytes_per_second"),
             "duration_family": duration_family, "transfer": name, "bytes_per_second": rate,
             "bytes_delta": rate * 6 if rate else 0, "seconds_delta": 6.0 if rate else 0,
-            "series": [{"labels": labels, "bytes_per_second": rate}] if rate else [], "series_count": 1 if rate else 0,
+            "series": [{"labels": series_labels, "bytes_per_second": rate}] if rate else [], "series_count": 1 if rate else 0,
             "history": [[NOW - 5 * (history - i), v] for i, v in enumerate(points)],
         })
     rollups = [
@@ -187,7 +275,9 @@ def status_document(
     spread_groups = []
     for d in range(dp):
         ratio = (diverging or {}).get(d, 0.01)
-        spread_groups.append({"group": _group_id(d), "max_ratio": ratio, "diverging": ratio > 0.2,
+        if (static(0, kinds[0]), d) not in group_of:
+            continue
+        spread_groups.append({"group": group_of[(static(0, kinds[0]), d)], "max_ratio": ratio, "diverging": ratio > 0.2,
                               "series": [{"family": "load_back_tokens_total", "labels": {"pool": "kv"}, "ratio": ratio}],
                               "series_count": 1})
     all_rejections = {code.value: 0 for code in ErrorCode} | dict(rejections or {})
@@ -197,17 +287,17 @@ def status_document(
             "version": "0.1.0", "revision": "0123456789abcdef0123456789abcdef01234567", "python_version": "3.11.7",
             "namespace": "sglang_", "started_at": NOW - 192, "uptime_seconds": 192.0, "ready": True,
             "ingest": {"listening": True, "socket_path": "/run/hicache/metrics.sock"},
-            "connections": {"open": by_state["live"] + by_state["stale"], "accepted": len(ranks), "allowed": 512},
+            "connections": {"open": by_state["live"] + by_state["stale"], "accepted": len(streams), "allowed": 512},
             "frames_received": 1234, "snapshots_received": 1200, "snapshots_applied": 1190, "samples_applied": 48000,
-            "ranks_by_state": by_state, "rejections": all_rejections, "rejections_total": sum(all_rejections.values()),
+            "streams_by_state": by_state, "rejections": all_rejections, "rejections_total": sum(all_rejections.values()),
             "rollup_layout_conflicts": {},
-            "limits": {"series_used": 40 * len(ranks) + 100, "series_rank": 40 * len(ranks), "series_rollup": 100,
-                       "series_allowed": 100_000, "series_per_rank_allowed": 2000, "ranks_known": len(ranks),
+            "limits": {"series_used": 40 * len(streams) + 100, "series_rank": 40 * len(streams), "series_rollup": 100,
+                       "series_allowed": 100_000, "series_per_rank_allowed": 2000, "ranks_known": len(streams),
                        "ranks_allowed": 1024, "stale_after_seconds": 10.0, "expire_after_seconds": 300.0,
                        "window_seconds": 60.0},
         },
-        "label_sets": [{"id": "s0", "labels": labels}],
-        "ranks": ranks, "groups": groups, "missing_groups": missing_groups, "missing_totals": missing_totals,
+        "label_sets": [{"id": sid, "labels": dict(key)} for key, sid in label_set_of.items()],
+        "totals": totals, "servers": server_docs, "ranks": cells, "streams": streams, "groups": replica_groups,
         "rollups": rollups, "transfers": transfers,
         "bandwidth": {"window_seconds": 60.0, "history_interval_seconds": 5.0, "history_points": history,
                       "families": bandwidth_families},
@@ -220,10 +310,6 @@ def status_document(
 def typed(doc: Mapping[str, Any]) -> StatusDocument:
     """A document as top reads it: its JSON decoded into the model."""
     return msgspec.json.decode(json.dumps(doc), type=StatusDocument)
-
-
-def members_of(doc: StatusDocument, group: Any) -> list[Any]:
-    return [rank for rank in doc.ranks if rank.group == group.id]
 
 
 TARGET = Target(url="http://sidecar:9400", status_url="http://sidecar:9400/api/v1/status")
@@ -260,63 +346,136 @@ def styled_cells(renderable: RenderableType, width: int = 160) -> list[list[tupl
 # --- rendering ------------------------------------------------------------------------------
 
 
-def test_the_grid_colours_every_rank_by_its_state() -> None:
-    states = {(0, 1, 1): "stale", (1, 0, 0): "expired", (1, 1, 1): "departed"}
-    doc = status_document(dp=2, pp=2, tp=2, states=states)
+def grids(doc: Mapping[str, Any], server: int = 0, width: int = 60) -> dict[int, dict[str, list[tuple[str, str, str]]]]:
+    """Each dp group's grid of a server as top draws it: by dp rank, then row label ("pp0"), the cells tp 0 first,
+    each (its tp rank and mark, the rank's colour, its letters each followed by its colour's first word)."""
     read = typed(doc)
-    for group in read.groups:
-        lines = styled_cells(group_block(group, members_of(read, group), Names(read)), width=60)
-        assert lines[0][0] == (f"dp{group.dp_rank} cache_type=UnifiedRadixCache", "bold")
-        rows = {line[0][0]: line[1:] for line in lines[1:]}  # "pp0": the cells of that row, tp 0 first
-        assert set(rows) == {"pp0", "pp1"}
-        for pp, cells in rows.items():
-            assert [text for text, _ in cells] == ["0", "1"]
-            for tp, (_, style) in enumerate(cells):
-                state = states.get((group.dp_rank, int(pp[2:]), tp), "live")
-                assert style == STATE_STYLE[state], (group.id, pp, tp)
+    names = Names(read)
+    shown = read.servers[server]
+    out: dict[int, dict[str, list[tuple[str, str, str]]]] = {}
+    for group in shown.dp_groups:
+        cells = [cell for cell in read.ranks if cell.server == shown.id and cell.dp_rank == group.dp_rank]
+        lines = styled_cells(group_block(shown, group, cells, names), width=width)
+        rows: dict[str, list[tuple[str, str, str]]] = {}
+        for line in lines[1:]:
+            if not line or not re.fullmatch(r"pp[0-9]+( cp[0-9]+)?", line[0][0]):
+                continue
+            row = rows.setdefault(line[0][0], [])
+            for text, style in line[1:]:
+                if text[0].isdigit():
+                    row.append((text.strip(), style, ""))
+                else:  # a letter: its stream's state, as the background colour's name
+                    tp, rank_style, letters = row[-1]
+                    row[-1] = (tp, rank_style, letters + text + STYLE_STATE[style][0])
+        out[integer(group.dp_rank)] = rows
+    return out
+
+
+STYLE_STATE = {style: state for state, style in STATE_STYLE.items()}
+
+
+def test_a_cell_is_a_rank_and_lists_its_streams_on_their_states_colours() -> None:
+    # make demo's shape: per rank a radix and a storage stream, and a scheduler one on attention tp 0.
+    states = {(0, 0, 1): "stale", (1, 0, 0, "scheduler"): "expired", (1, 1, 1, "storage"): "departed"}
+    doc = status_document(dp=2, pp=2, tp=2, kinds=("radix", "storage", "scheduler"), world=True, states=states)
+    live, stale = STATE_STYLE["live"], STATE_STYLE["stale"]
+    # Each letter is followed by its stream's state (l live, s stale, d departed, e expired).
+    assert grids(doc) == {
+        0: {"pp0": [("0", live, "RlSlEl"), ("1", stale, "RsSs")], "pp1": [("0", live, "RlSlEl"), ("1", live, "RlSl")]},
+        1: {"pp0": [("0", live, "RlSlEe"), ("1", live, "RlSl")], "pp1": [("0", live, "RlSlEl"), ("1", live, "RlSd")]},
+    }
     text = screen_text(render_frame(view_of(doc), now=NOW + 3))
-    assert " 5 live " in text and " 1 stale " in text and " 1 departed " in text and " 1 expired " in text
-    assert "dp0 cache_type=UnifiedRadixCache  3/4 live" in text and "dp1 cache_type=UnifiedRadixCache  2/4 live" in text
-    # Every rank that is not live is named, with how long it has been silent.
-    assert '   stale  tp=1 pp=1 dp=0 cache_type="UnifiedRadixCache"  14s since a push\n' in text
-    assert '   expired  tp=0 pp=0 dp=1 cache_type="UnifiedRadixCache"  7m00s since a push\n' in text
-    assert '   departed  tp=1 pp=1 dp=1 cache_type="UnifiedRadixCache"  31s since a push\n' in text
-    assert "read 3s ago" in text and "sidecar 0.1.0 (0123456789ab)" in text and "up 3m12s" in text
+    lines = text.splitlines()
+    assert lines[2] == "Ranks   8 ranks, 20 streams"
+    assert lines[3] == " ranks    7 live    1 not live    0 missing "
+    assert lines[4] == " streams  16 live    2 stale    1 departed    1 expired    20 known, at most 1,024"
+    assert lines[5].startswith(" a cell is a rank: its attention tp rank, then one letter per stream")
+    assert "R radix, S storage, E scheduler, C client); N? missing" in lines[5]
+    assert lines[7] == "server (no labels of its own)  expects dp 2 × pp 2 × tp 2  8 ranks, 20 streams  7/8 live"
+    assert lines[8].split() == ["dp0", "3/4", "live", "dp1", "4/4", "live"]
+    assert lines[9].split() == ["pp0", "0", "RSE", "1", "RS", "pp0", "0", "RSE", "1", "RS"]
+    # Every stream that is not live is named: its kind, identity, the rank it reports for when its tp rank is
+    # the engine's global one, its source, sequence, restarts and how long it has been silent.
+    assert ('   stale  radix  tp=1 pp=0 dp=0 cache_type="UnifiedRadixCache"  push  seq 90  restarts 0  '
+            '14s since a push\n') in text
+    assert ('   stale  storage  tp=1 pp=0 dp=0 cp=0 attn_cp_size="1" pp_size="2" storage_backend="file"  push  seq 90  '
+            'restarts 0  14s since a push\n') in text
+    assert ('   expired  scheduler  tp=2 pp=0 dp=1 engine_type="unified" model_name="m" moe_ep_rank="2"  (rank tp=0)  '
+            'push  seq 90  restarts 0  7m00s since a push\n') in text
+    assert ('   departed  storage  tp=1 pp=1 dp=1 cp=0 attn_cp_size="1" pp_size="2" storage_backend="file"  push  '
+            'seq 90  restarts 0  31s since a push\n') in text
+    assert lines[0] == ("hicache-exporter top  http://sidecar:9400  sidecar 0.1.0 (0123456789ab)  up 3m12s  ready  "
+                        "8 ranks, 20 streams  read 3s ago   q quits")
+    # A server of pushed clients, one stream a rank: the cell is the rank's tp number alone.
+    plain = status_document(dp=1, pp=1, tp=2, kinds=("client",), states={(0, 0, 1): "departed"})
+    assert grids(plain) == {0: {"pp0": [("0", live, ""), ("1", STATE_STYLE["departed"], "")]}}
+    assert "a cell is a rank" not in screen_text(render_frame(view_of(plain), now=NOW))
 
 
-def test_missing_ranks_and_groups_are_marked_in_the_grid_and_counted() -> None:
-    doc = status_document(dp=3, pp=2, tp=2, missing={(0, 1, 1), (1, 0, 0)}, absent_groups={2},
-                          states={(0, 0, 1): "stale"})
-    read = typed(doc)
-    first, second = read.groups
-    rows = {line[0][0]: line[1:] for line in styled_cells(group_block(first, members_of(read, first), Names(read)),
-                                                          width=60)[1:]}
-    assert rows["pp0"] == [(" 0", STATE_STYLE["live"]), (" 1", STATE_STYLE["stale"])]
-    assert rows["pp1"] == [(" 0", STATE_STYLE["live"]), ("1?", MISSING_STYLE)]  # the mark reads without colour
-    rows = {line[0][0]: line[1:] for line in styled_cells(group_block(second, members_of(read, second), Names(read)),
-                                                          width=60)[1:]}
-    assert rows["pp0"] == [("0?", MISSING_STYLE), (" 1", STATE_STYLE["live"])]
+def test_missing_ranks_and_whole_dp_groups_are_marked_in_the_grid_and_counted() -> None:
+    doc = status_document(dp=3, pp=2, tp=2, kinds=("radix", "storage"), missing={(0, 1, 1), (1, 0, 0)},
+                          absent_groups={2}, states={(0, 0, 1): "stale", (1, 1, 1): "expired"})
+    live, stale, gone = STATE_STYLE["live"], STATE_STYLE["stale"], MISSING_STYLE
+    assert grids(doc) == {
+        0: {"pp0": [("0", live, "RlSl"), ("1", stale, "RsSs")], "pp1": [("0", live, "RlSl"), ("1?", gone, "")]},
+        # A rank whose streams all expired is missing too, and still lists them.
+        1: {"pp0": [("0?", gone, ""), ("1", live, "RlSl")], "pp1": [("0", live, "RlSl"), ("1?", gone, "ReSe")]},
+        2: {"pp0": [("0?", gone, ""), ("1?", gone, "")], "pp1": [("0?", gone, ""), ("1?", gone, "")]},
+    }
     text = screen_text(render_frame(view_of(doc), now=NOW))
-    assert " 6 missing " in text  # one position in each of two groups, and dp 2's four
-    assert "dp0 cache_type=UnifiedRadixCache  2/3 live  1 missing" in text
-    assert "   missing  dp0 cache_type=UnifiedRadixCache: pp1 tp1\n" in text
-    assert "   missing  dp1 cache_type=UnifiedRadixCache: pp0 tp0\n" in text
-    assert "   missing  dp2 cache_type=UnifiedRadixCache: the whole dp group (tp 2 × pp 2), no rank has reported\n" in text
-    assert "dp2 cache_type=UnifiedRadixCache  missing" in text and "no rank has reported" in text
-    styles = {style for line in styled_cells(render_frame(view_of(doc), now=NOW)) for t, style in line if "?" in t}
-    assert styles == {MISSING_STYLE}
+    assert " ranks    4 live    2 not live    7 missing " in text  # one in dp 0, two in dp 1, and dp 2's four
+    assert "  ready  6 ranks, 12 streams  7 missing  read 0s ago" in text.splitlines()[0]
+    assert "expects dp 3 × pp 2 × tp 2  6 ranks, 12 streams  4/6 live   7 missing " in text
+    assert "dp0  2/3 live  1 missing" in text and "dp1  2/3 live  2 missing" in text
+    assert "dp2  0/0 live  4 missing" in text
+    assert "   missing  dp0: pp1 tp1\n" in text and "   missing  dp1: pp0 tp0, pp1 tp1\n" in text
+    assert "   missing  dp2: the whole dp group (pp 2 × tp 2), no stream has reported\n" in text
+    lines = [line for line in styled_cells(render_frame(view_of(doc), now=NOW))
+             if not any(text.startswith(" a cell is a rank") for text, _ in line)]  # the legend names the mark
+    assert {style for line in lines for text, style in line if "?" in text} == {MISSING_STYLE}
     # Without a world nothing is expected: no count, no mark.
     plain = screen_text(render_frame(view_of(status_document(dp=1, pp=1, tp=2)), now=NOW))
-    assert "missing" not in plain and "?" not in plain.split("Transfers")[0]
+    assert "missing" not in plain.replace("N? missing", "") and "?" not in plain.split("Transfers")[0].replace("N?", "")
+    assert "no world reported: only the ranks seen are drawn" in plain
 
 
-def test_a_world_conflict_is_a_warning_and_expects_nothing() -> None:
+def test_a_world_conflict_or_an_implausible_world_is_a_warning_and_expects_nothing() -> None:
     doc = status_document(dp=1, pp=1, tp=2, conflict=True)
     text = screen_text(render_frame(view_of(doc), now=NOW), width=200)
-    assert ("world conflict: the ranks with cache_type=UnifiedRadixCache report different parallel sizes: "
-            "tp 2 × pp 1 × dp 1 (1 rank), tp 3 × pp 1 × dp 1 (1 rank); no missing rank can be worked out for them"
-            in text)
-    assert " 0 missing " not in text and "?" not in text.split("Transfers")[0]
+    assert ("world conflict: its streams report different worlds: dp 1 × pp 1 × tp 2, dp 1 × pp 1 × tp 2 "
+            "(engine tp 3); no missing rank can be worked out\n" in text)
+    assert " 0 missing " not in text and "?" not in text.split("Transfers")[0].replace("N?", "")
+    assert "server (no labels of its own)  2 ranks, 2 streams  2/2 live\n" in text  # no world expected
+    big = screen_text(render_frame(view_of(status_document(dp=1, pp=1, tp=2, implausible=True)), now=NOW), width=200)
+    assert ("world conflict: its streams report dp 1 × pp 64 × tp 64, more positions than the 1,024 rank identities "
+            "this sidecar keeps (ranks.max_ranks); no missing rank can be worked out\n" in big)
+
+
+def test_each_server_is_a_block_of_its_own_and_a_node_says_its_share() -> None:
+    doc = status_document(dp=1, pp=1, tp=2, world=True, servers=[{"model": "b"}, {"model": "a"}],
+                          missing={(0, 0, 1)})
+    text = screen_text(render_frame(view_of(doc), now=NOW))
+    assert "Ranks   2 ranks, 2 streams of 2 servers\n" in text
+    first = text.index("server model=a  expects dp 1 × pp 1 × tp 2  1 rank, 1 stream  1/1 live   1 missing ")
+    second = text.index("server model=b  expects dp 1 × pp 1 × tp 2  1 rank, 1 stream  1/1 live   1 missing ")
+    assert first < second
+    assert "   missing  model=a dp0: pp0 tp1\n" in text and "   missing  model=b dp0: pp0 tp1\n" in text
+    assert grids(doc, 1) == {0: {"pp0": [("0", STATE_STYLE["live"], "Rl"), ("1?", MISSING_STYLE, "")]}}
+    # The second node of two of a pp 2 server: its sidecar expects pp stage 1 only.
+    node = status_document(dp=1, pp=2, tp=4, world=True, node=(1, 2), missing={(0, 1, 3)})
+    text = screen_text(render_frame(view_of(node), now=NOW))
+    assert "node 1 of 2: this sidecar expects global tp ranks 0-3 of pp stage 1\n" in text
+    assert grids(node) == {0: {"pp1": [("0", STATE_STYLE["live"], "Rl"), ("1", STATE_STYLE["live"], "Rl"),
+                                       ("2", STATE_STYLE["live"], "Rl"), ("3?", MISSING_STYLE, "")]}}
+
+
+def test_a_grid_past_its_cap_says_what_it_leaves_out_and_missing_ranks_there_are_counted() -> None:
+    # 2 x 1,024 ranks in one dp group: the 1,024 cells a grid may draw hold the first row only.
+    doc = status_document(dp=1, pp=2, tp=1024, world=True, missing={(0, 1, 5)})
+    text = screen_text(render_frame(view_of(doc), now=NOW), width=200)
+    assert "drawn 1 of 2 rows, 1,024 of 1,024 tp columns; 1,024 ranks not drawn" in text
+    assert "   missing  dp0: 1 not drawn\n" in text
+    assert "dp0  2047/2047 live  1 missing" in text and "pp1" not in text.split("Transfers")[0]
 
 
 def test_totals_bandwidth_history_occupancy_and_reasons_are_shown() -> None:
@@ -362,43 +521,65 @@ def test_replica_spread_puts_diverging_groups_first() -> None:
     assert styles == ["bold white on red"]
 
 
-def test_upstreams_health_and_rejections_by_reason() -> None:
-    upstream = {"name": "engine", "source": "http://127.0.0.1:30000/metrics", "up": False, "last_scrape_time": None,
-                "last_scrape_duration_seconds": 0.012, "samples": 0, "scrapes": 4, "ranks": 2,
-                "pass_through_families": 0, "errors": {"connect": 4}, "last_error": "connect: connection refused",
-                "unranked_families": [], "cp_colliding_families": []}
-    doc = status_document(rejections={"duplicate_rank": 2, "unknown_family": 5}, upstreams=[upstream])
+def test_upstreams_health_worlds_and_rejections_by_reason() -> None:
+    base = {"source": "http://127.0.0.1:30000/metrics", "last_scrape_time": None, "last_scrape_duration_seconds": 0.012,
+            "samples": 0, "scrapes": 4, "ranks": 2, "pass_through_families": 0, "errors": {"connect": 4},
+            "last_error": "connect: connection refused", "unranked_families": [], "cp_colliding_families": []}
+    upstreams = [
+        {**base, "name": "engine", "up": False, "world": world_sizes(2, 2, 2, True), "world_problems": []},
+        {**base, "name": "other", "up": True, "errors": {}, "last_error": None, "world": world_sizes(4, 1, 1, False),
+         "world_problems": ['pp_size="2" on 4 ranks, the world says 1', 'attn_cp_size="2" on 4 ranks, the world says 1']},
+        {**base, "name": "bare", "up": True, "errors": {}, "last_error": None, "world": None, "world_problems": []},
+    ]
+    doc = status_document(rejections={"duplicate_rank": 2, "unknown_family": 5}, upstreams=upstreams)
     text = screen_text(render_frame(view_of(doc), now=NOW), width=200)
-    row = next(line for line in text.splitlines() if line.lstrip().startswith("engine"))
-    for part in ("http://127.0.0.1:30000/metrics", "DOWN", "12 ms", "connect: connection refused"):
-        assert part in row
+    rows = {line.split()[0]: line for line in text.splitlines() if line.lstrip().startswith(("engine", "other", "bare"))}
+    for part in ("http://127.0.0.1:30000/metrics", "DOWN", "dp 2 × pp 2 × tp 2", "12 ms", "connect: connection refused"):
+        assert part in rows["engine"]
+    assert "dp 1 × pp 1 × tp 4" in rows["other"] and " up " in rows["other"]
+    assert rows["bare"].split()[2:5] == ["up", "2", "–"]  # no world configured
+    assert "other: world not trusted: pp_size=\"2\" on 4 ranks, the world says 1\n" in text
+    assert "other: world not trusted: attn_cp_size=\"2\" on 4 ranks, the world says 1\n" in text
+    assert {style for line in styled_cells(render_frame(view_of(doc), now=NOW), width=200) for t, style in line
+            if t == "dp 1 × pp 1 × tp 4"} == {"bold yellow"}  # the world its labels contradict
     assert "rejections 7  unknown_family 5  duplicate_rank 2" in text
     assert "ingest listening on /run/hicache/metrics.sock · connections 8 open of 512" in text
     assert "series 420 of 100,000" in text and "stale after 10s, expired after 5m00s" in text
 
 
 def test_label_values_are_shown_literally_never_as_markup_or_terminal_codes() -> None:
-    labels = {"cache_type": "[bold]x[/bold]", "model": "<b>m</b>", "evil": "\x1b[2J\x1b]0;pwned\x07"}
-    doc = status_document(dp=1, pp=1, tp=2, labels=labels, states={(0, 0, 1): "stale"})
+    labels = {"pod": "[bold]x[/bold]", "model": "<b>m</b>", "evil": "\x1b[2J\x1b]0;pwned\x07"}
+    doc = status_document(dp=1, pp=1, tp=2, labels=labels, states={(0, 0, 1): "stale"}, missing={(0, 0, 0)})
     out = console(200)
     out.print(render_frame(view_of(doc), now=NOW))
     text = out.export_text()
-    assert "dp0 cache_type=[bold]x[/bold], model=<b>m</b>, evil=\\x1b[2J\\x1b]0;pwned\\x07" in text
-    assert 'tp=1 pp=0 dp=0 cache_type="[bold]x[/bold]" evil="\\x1b[2J\\x1b]0;pwned\\x07" model="<b>m</b>"' in text
+    assert "server evil=\\x1b[2J\\x1b]0;pwned\\x07, model=<b>m</b>, pod=[bold]x[/bold]  expects" in text
+    assert ('tp=1 pp=0 dp=0 cache_type="UnifiedRadixCache" evil="\\x1b[2J\\x1b]0;pwned\\x07" model="<b>m</b>" '
+            'pod="[bold]x[/bold]"  push') in text
+    assert "   missing  evil=\\x1b[2J\\x1b]0;pwned\\x07, model=<b>m</b>, pod=[bold]x[/bold] dp0: pp0 tp0\n" in text
     raw = out.export_text(styles=True)
     assert "\x1b[2J" not in raw and "\x07" not in raw and "\x1b]0;" not in raw
 
 
-def test_256_ranks_in_one_group_wrap_within_the_terminal() -> None:
-    doc = status_document(dp=1, pp=1, tp=256)
+def grid_lines(lines: list[str], title: str) -> list[str]:
+    """The lines of the grid under the first line starting with `title`: its row, then those wrapped under it."""
+    start = next(i for i, line in enumerate(lines) if line.startswith(title))
+    return list(itertools.takewhile(lambda line: line.startswith(("pp0 ", "    ")), lines[start + 1:]))
+
+
+@pytest.mark.parametrize("kinds, per_line", [(("client",), 24), (("radix",), 16)])
+def test_256_ranks_in_one_group_wrap_within_the_terminal(kinds: tuple[str], per_line: int) -> None:
+    # 96 columns beside "pp0 ": cells of 3 characters and a space (a client's rank alone), or 5 ("255 R").
+    doc = status_document(dp=1, pp=1, tp=256, kinds=kinds)
     text = screen_text(render_frame(view_of(doc), now=NOW), width=100)
     lines = text.splitlines()
     assert all(cell_len(line) <= 100 for line in lines)
-    start = next(i for i, line in enumerate(lines) if line.startswith("dp0 "))
-    grid = lines[start + 1:start + 1 + 12]
+    grid = grid_lines(lines, "dp0 ")
     numbers = [int(word) for line in grid for word in line.split() if word.isdigit()]
-    assert numbers[:256] == list(range(256)), "every tp rank is on screen, in order"
-    assert grid[0].startswith("pp0 ") and all(line.startswith("    ") for line in grid[1:11]), "wrapped under its row"
+    assert numbers == list(range(256)), "every tp rank is on screen, in order"
+    assert [word for line in grid for word in line.split()[1:] if not word.isdigit()] == (
+        [] if kinds == ("client",) else ["R"] * 256)
+    assert len(grid) == -(-256 // per_line) and grid[0].startswith("pp0 "), "wrapped under its row"
 
 
 def test_256_ranks_in_eight_groups_sit_side_by_side() -> None:
@@ -408,15 +589,17 @@ def test_256_ranks_in_eight_groups_sit_side_by_side() -> None:
     assert all(cell_len(line) <= 160 for line in lines)
     titles = [line.count("/32 live") for line in lines]
     assert sum(titles) == 8 and max(titles) >= 3, "several groups per line"
-    first, last = titles.index(max(titles)), len(titles) - 1 - titles[::-1].index(next(t for t in titles[::-1] if t))
+    first = titles.index(max(titles))
+    last = len(titles) - 1 - titles[::-1].index(next(t for t in titles[::-1] if t))
     assert last - first <= 15, "the grid of 256 ranks takes at most 16 lines"
-    assert "dp5 cache_type=UnifiedRadixCache  31/32 live" in text and "tp=7 pp=3 dp=5" in text
+    assert "dp5  31/32 live" in text and "256 ranks, 256 streams  255/256 live" in text
+    assert "tp=7 pp=3 dp=5" in text
 
 
 def test_a_frame_taller_than_the_screen_scrolls_under_a_fixed_header() -> None:
     view = view_of(status_document(dp=8, pp=4, tp=8))
     scroll = Scroll()
-    out = console(width=120, height=20)
+    out = console(width=140, height=20)  # the header on one line
     lines = out.render_lines(Frame(view, scroll), out.options, pad=False)
     text = ["".join(seg.text for seg in line).rstrip() for line in lines]
     assert len(text) == 20 and text[0].startswith("hicache-exporter top  http://sidecar:9400")
@@ -436,7 +619,7 @@ def test_a_failed_poll_is_shown_over_the_last_document() -> None:
     assert "read 6s ago" in first
     assert second.startswith("unreachable: http://sidecar:9400: connection refused  (retrying every 2 s; below: the "
                              "status read at ")
-    assert "dp0 cache_type=UnifiedRadixCache  4/4 live" in text
+    assert "Ranks   8 ranks, 8 streams\n" in text
     fresh = View(TARGET, interval=2.0)
     assert "connecting to http://sidecar:9400/api/v1/status" in screen_text(render_frame(fresh, now=NOW))
     fresh.update(failure)
@@ -453,7 +636,7 @@ def test_a_document_it_cannot_read_is_one_line_not_a_traceback() -> None:
                                         "cannot read: Object missing required field `spread`  (retrying every 2 s)")
     shown = view_of(status_document(), FetchFailed(FailureKind.INVALID, "x", at=NOW))
     shown.update(received(json.dumps(doc).encode(), TARGET.status_url, at=NOW))  # the last good document stays up
-    assert "dp0 cache_type=UnifiedRadixCache  4/4 live" in screen_text(render_frame(shown, now=NOW))
+    assert "Ranks   8 ranks, 8 streams\n" in screen_text(render_frame(shown, now=NOW))
     other = View(TARGET, interval=2.0)
     other.update(received(b'{"api_version": 2, "ranks": "another shape"}', TARGET.status_url, at=NOW))
     assert not other.ok and "speaks api_version 2; this top reads 1" in screen_text(render_frame(other, now=NOW))
@@ -702,10 +885,11 @@ def hostile_base() -> dict[str, Any]:
     upstream = {"name": "engine", "source": "http://127.0.0.1:30000/metrics", "up": True, "last_scrape_time": NOW,
                 "last_scrape_duration_seconds": 0.012, "samples": 10, "scrapes": 4, "ranks": 2,
                 "pass_through_families": 0, "errors": {"connect": 1}, "last_error": "connect: refused",
-                "unranked_families": [], "cp_colliding_families": []}
-    doc = status_document(dp=3, pp=2, tp=2, history=3, states={(0, 0, 1): "stale"}, missing={(1, 1, 1)},
-                          absent_groups={2}, diverging={0: 0.5}, unfulfilled={"deadline": 64},
-                          rejections={"duplicate_rank": 2}, upstreams=[upstream])
+                "unranked_families": [], "cp_colliding_families": [],
+                "world": world_sizes(2, 2, 3, True), "world_problems": ["pp_size=\"4\" on 2 ranks, the world says 2"]}
+    doc = status_document(dp=3, pp=2, tp=2, history=3, states={(0, 0, 1): "stale", (1, 0, 0, "storage"): "expired"},
+                          missing={(1, 1, 1)}, absent_groups={2}, diverging={0: 0.5}, unfulfilled={"deadline": 64},
+                          rejections={"duplicate_rank": 2}, upstreams=[upstream], kinds=("radix", "storage", "scheduler"))
     doc["sidecar"]["rollup_layout_conflicts"] = {"load_back_duration_seconds": 2}
     validate_status(doc)
     return doc
@@ -758,12 +942,14 @@ def test_every_number_shown_is_checked_as_a_number_and_every_string_escaped() ->
     # The fields a review found shown without escaping, each holding an OSC title and a screen clear: where
     # a number belongs the poll is refused in one line naming the field; a string is shown, escaped.
     evil = "\x1b]0;PWNED\x07\x1b[2J\x1b[31mRED"
-    for path in (("groups", 0, "dp_rank"), ("groups", 0, "live"), ("groups", 0, "tp_ranks", 0),
-                 ("sidecar", "limits", "ranks_known"), ("sidecar", "ranks_by_state", "live"),
-                 ("missing_totals", "positions"), ("spread", "threshold"), ("sidecar", "namespace")):
+    for path in (("servers", 0, "dp_groups", 0, "dp_rank"), ("servers", 0, "dp_groups", 0, "live"),
+                 ("servers", 0, "dp_groups", 0, "grid", "tp_ranks", 0), ("servers", 0, "expected", "attn_tp_size"),
+                 ("ranks", 0, "tp_rank"), ("streams", 0, "seq"), ("upstreams", 0, "world", "pp_size"),
+                 ("sidecar", "limits", "ranks_known"), ("sidecar", "streams_by_state", "live"),
+                 ("totals", "missing"), ("spread", "threshold"), ("sidecar", "namespace")):
         doc = copy.deepcopy(HOSTILE_BASE)
         replaced(doc, path, "value", evil)
-        raw = frame_bytes(view_of(doc))
+        raw = frame_bytes(view_of(doc), width=220)  # the failure line on one line
         assert_terminal_safe(raw)
         text = SGR.sub("", raw)
         if path[-1] == "namespace":

@@ -1,11 +1,14 @@
 """`hicache-exporter top` in a pseudo-terminal, read back as a person sees it.
 
 A real sidecar (`serve`, basic auth on, short stale and expiry timeouts) with real rank processes
-pushing over its Unix socket through exporter.client; `top` runs in a shell on a 160x50 pty
-(pexpect) whose screen pyte emulates, so the assertions read characters and their colours off the
-screen. A rank is frozen (stale), another killed (departed, then expired), the sidecar is stopped
-(unreachable) and started again (the poll comes back), then q quits; Ctrl-C quits another run.
-After each, the shell's own `stty` and `$?` say the terminal is as it was and the exit status 0.
+pushing over its Unix socket through exporter.client, shaped as `make demo`'s server (dp 2 x pp 2 x
+attention tp 2 under DP attention): each process one rank with a radix and a storage stream, and a
+scheduler stream labelled with the global tp rank on attention tp 0; `top` runs in a shell on a
+160x50 pty (pexpect) whose screen pyte emulates, so the assertions read characters and their
+colours off the screen. A rank is frozen (stale), another killed (departed, then expired: missing),
+the sidecar is stopped (unreachable) and started again (the poll comes back, the two ranks that do
+not come back are missing), then q quits; Ctrl-C quits another run. After each, the shell's own
+`stty` and `$?` say the terminal is as it was and the exit status 0.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import http.server
 import json
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,21 +34,51 @@ import pytest
 import yaml
 
 from tests.exporter.test_top import status_document, validate_status
-from tests.helpers import free_port, http_get, steady_rank, wait_until
+from tests.helpers import free_port, http_get, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 COLS, ROWS = 160, 50
 PROMPT = "pty$ "
 PASSWORD = "s3cret"
 STALE_AFTER, EXPIRE_AFTER = 1.5, 10.0
-LABELS = {"cache_type": "HiRadixCache"}
-RANKS = [(dp, tp) for dp in range(2) for tp in range(2)]  # dp 2 x pp 1 x tp 2
+DP, PP, ATTN_TP = 2, 2, 2
+RANKS = [(dp, pp, tp) for dp in range(DP) for pp in range(PP) for tp in range(ATTN_TP)]
+# The world each stream says hello with: under DP attention the engine's tp spans the dp groups.
+WORLD = {"tp_size": DP * ATTN_TP, "pp_size": PP, "dp_size": DP, "attn_tp_size": ATTN_TP, "attn_cp_size": 1}
+RADIX = {"cache_type": "HiRadixCache"}
+STORAGE = {"storage_backend": "file", "pp_size": str(PP), "attn_cp_size": "1"}
+SCHEDULER = {"model_name": "m", "engine_type": "unified"}
 PYTE_COLOURS = {"brown": "yellow"}  # pyte names SGR 43 by the VT100's palette
 
 
-def rank_process(socket_path: str, tp: int, dp: int) -> None:
-    """A rank loading tokens back at a steady rate until it is stopped, killed or the test ends."""
-    steady_rank(socket_path, {"tp_rank": tp, "pp_rank": 0, "dp_rank": dp}, LABELS, 0.2, 0.5)
+def rank_process(socket_path: str, dp: int, pp: int, tp: int) -> None:
+    """One engine process at (dp, pp, tp) reporting through a stream per collector, as SGLang's do, until it is
+    stopped, killed or the test ends: radix (loading tokens back at a steady rate), storage (its cp rank 0),
+    and on attention tp 0 the scheduler, which labels the engine's global tp rank and its moe_ep_rank."""
+    from exporter.client import RankClient
+
+    here = {"tp_rank": tp, "pp_rank": pp, "dp_rank": dp}
+    streams = {"radix": ({**here}, RADIX), "storage": ({**here, "attn_cp_rank": 0}, STORAGE)}
+    if tp == 0:
+        engine_tp = dp * ATTN_TP + tp
+        streams["scheduler"] = ({**here, "tp_rank": engine_tp}, {**SCHEDULER, "moe_ep_rank": str(engine_tp)})
+    clients = {kind: RankClient(socket_path, rank=rank, labels=labels, world=WORLD, interval=0.2, max_backoff=0.5,
+                                preset=False) for kind, (rank, labels) in streams.items()}
+    tokens = clients["radix"].counter("load_back_tokens_total", pool="kv")
+    moved = clients["radix"].counter("load_back_bytes_total")
+    took = clients["radix"].histogram("load_back_duration_seconds")
+    prefetched = clients["storage"].counter("prefetched_tokens_total")
+    if "scheduler" in clients:
+        clients["scheduler"].gauge("hicache_host_total_tokens").set(4096)
+        clients["scheduler"].gauge("hicache_host_used_tokens").set(1024)
+    for client in clients.values():
+        client.start()
+    while True:
+        tokens.inc(64)
+        moved.inc(64 * 4096)
+        took.observe(0.002)
+        prefetched.inc(16)
+        time.sleep(0.05)
 
 
 class Terminal:
@@ -100,15 +134,36 @@ class Terminal:
         assert marker in out, f"the shell did not answer {command!r}: {out!r}"
         return out.split(marker)[0].split("\r\n", 1)[1]  # what came after the echoed command line
 
-    def cell_backgrounds(self, title: str, tps: int) -> list[str]:
-        """The background colours of a group's first grid row (pp0), tp 0 first, found below its title."""
+    def grid(self, title: str) -> dict[str, list[tuple[str, str, str]]]:
+        """The grid under the block titled `title` (`dp0  `): by row label, its ATTN_TP cells tp 0 first, each
+        (tp rank and mark, its background, its letters each followed by its background's first letter)."""
         for y, line in enumerate(self.screen.display):
             x = line.find(title)
-            if x >= 0:
-                row = self.screen.buffer[y + 1]
-                assert self.screen.display[y + 1][x:x + 4] == "pp0 ", self.text
-                return [PYTE_COLOURS.get(row[x + 4 + 2 * tp].bg, row[x + 4 + 2 * tp].bg) for tp in range(tps)]
+            if x < 0:
+                continue
+            rows: dict[str, list[tuple[str, str, str]]] = {}
+            for below in range(y + 1, y + 1 + PP):
+                text, chars = self.screen.display[below], self.screen.buffer[below]
+                label = text[x:x + 4]
+                assert label.startswith("pp"), self.text
+                cells: list[tuple[str, str, str]] = []
+                for word in re.finditer(r"\S+", text[x + 4:]):  # "0 RSE 1 RS" ("0?RSE" missing), then "pp0" ...
+                    parts = re.fullmatch(r"(?P<tp>[0-9]+\??)?(?P<letters>[A-Z+]*)", word[0])
+                    if parts is None or (parts["tp"] and len(cells) == ATTN_TP) or not (parts["tp"] or cells):
+                        break
+                    if parts["tp"]:
+                        cells.append((parts["tp"], self.background(chars[x + 4 + word.start()]), ""))
+                    at = x + 4 + word.start() + parts.start("letters")
+                    tp, bg, letters = cells[-1]
+                    cells[-1] = (tp, bg, letters + "".join(letter + self.background(chars[at + i])[0]
+                                                           for i, letter in enumerate(parts["letters"])))
+                rows[label.strip()] = cells
+            return rows
         raise AssertionError(f"no {title!r} on screen\n{self.text}")
+
+    @staticmethod
+    def background(char: Any) -> str:
+        return PYTE_COLOURS.get(char.bg, char.bg)
 
     def close(self) -> None:
         self.child.close(force=True)
@@ -198,59 +253,87 @@ def sidecar(tmp_path: Path, socket_dir: Path) -> Iterator[SidecarProcess]:
         running.stop()
 
 
-def _by_id(text: str, rank: str, state: str) -> bool:
-    """The list under the grid names `rank` in `state`."""
-    return any(line.startswith(f"   {state}  {rank} ") for line in text.splitlines())
+def _listed(text: str, state: str, stream: str) -> bool:
+    """The list under the grids names `stream` (its kind, then its identity) in `state`."""
+    return any(line.startswith(f"   {state}  {stream}  ") for line in text.splitlines())
 
 
-def test_top_shows_ranks_turn_stale_departed_expired_and_the_sidecar_unreachable(
+def _all_live(tp: int) -> tuple[str, str, str]:
+    """A cell of every stream live: green, and so are its letters (radix, storage, and the scheduler on tp 0)."""
+    return (str(tp), "green", "RgSgEg" if tp == 0 else "RgSg")
+
+
+def test_top_shows_one_cell_per_rank_its_streams_turn_stale_departed_expired_missing_and_the_sidecar_unreachable(
         sidecar: SidecarProcess, terminal: Callable[[], Terminal], tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("spawn")
-    ranks = {key: ctx.Process(target=rank_process, args=(str(sidecar.socket_path), key[1], key[0]), daemon=True)
+    ranks = {key: ctx.Process(target=rank_process, args=(str(sidecar.socket_path), *key), daemon=True)
              for key in RANKS}
     for proc in ranks.values():
         proc.start()
     password_file = tmp_path / "password"
     password_file.write_text(PASSWORD + "\n")
     try:
-        wait_until(lambda: sidecar.status()["sidecar"]["ranks_by_state"]["live"] == 4, timeout=60)
-        validate_status(sidecar.status())
+        wait_until(lambda: sidecar.status()["sidecar"]["streams_by_state"]["live"] == 20, timeout=90)
+        status = sidecar.status()
+        validate_status(status)
+        assert status["totals"] == {"servers": 1, "ranks": 8, "live_ranks": 8, "streams": 20, "missing": 0}
         term = terminal()
         term.run(f"{sys.executable} -m exporter.cli top --url {sidecar.url} --interval 0.5 "
                  f"--web.user prom --web.password-file {password_file}")
-        term.wait_for(lambda text: " 4 live " in text and "dp1 cache_type=HiRadixCache  2/2 live" in text, 30,
-                      "four live ranks in two groups")
+        term.wait_for(lambda text: "Ranks   8 ranks, 20 streams" in text and "dp1  4/4 live" in text, 30,
+                      "8 ranks of 20 streams in two dp groups")
         text = term.text
         assert text.splitlines()[0].startswith(f"hicache-exporter top  {sidecar.url}  sidecar ")
-        assert "dp0 cache_type=HiRadixCache  2/2 live" in text and " 0 stale " in text
-        for dp in range(2):
-            assert term.cell_backgrounds(f"dp{dp} cache_type=HiRadixCache", 2) == ["green", "green"]
+        assert "  ready  8 ranks, 20 streams  read " in text.splitlines()[0]
+        assert " ranks    8 live    0 not live    0 missing\n" in text
+        assert " streams  20 live    0 stale    0 departed    0 expired " in text
+        assert "server (no labels of its own)  expects dp 2 × pp 2 × tp 2  8 ranks, 20 streams  8/8 live" in text
+        # One cell per rank, 8 in all: the scheduler's global tp 2 is dp 1's attention tp 0, in its cell.
+        everyone = {"pp0": [_all_live(0), _all_live(1)], "pp1": [_all_live(0), _all_live(1)]}
+        assert term.grid("dp0  ") == everyone and term.grid("dp1  ") == everyone
         term.wait_for(lambda text: any(line.lstrip().startswith("load_back") and "L2→L1" in line and "/s" in line
                                        for line in text.splitlines()), 30, "the load-back bandwidth")
 
-        # Frozen: still connected, silent past stale_after.
-        frozen = f"tp=1 pp=0 dp=0 cache_type=\"{LABELS['cache_type']}\""
-        os.kill(ranks[(0, 1)].pid or 0, signal.SIGSTOP)
-        term.wait_for(lambda text: _by_id(text, frozen, "stale") and " 1 stale " in text, 20, f"{frozen} stale")
-        assert term.cell_backgrounds("dp0 cache_type=HiRadixCache", 2) == ["green", "yellow"]
-        assert "dp0 cache_type=HiRadixCache  1/2 live" in term.text
+        # Frozen: still connected, silent past stale_after: both streams of the rank, and so the rank.
+        radix = 'radix  tp=1 pp=0 dp=0 cache_type="HiRadixCache"'
+        os.kill(ranks[(0, 0, 1)].pid or 0, signal.SIGSTOP)
+        term.wait_for(lambda text: _listed(text, "stale", radix) and " 2 stale " in text, 20, "the frozen rank stale")
+        assert _listed(term.text, "stale", 'storage  tp=1 pp=0 dp=0 cp=0 attn_cp_size="1" pp_size="2" '
+                                           'storage_backend="file"')
+        assert term.grid("dp0  ")["pp0"] == [_all_live(0), ("1", "yellow", "RySy")]
+        assert "dp0  3/4 live" in term.text
 
-        # Killed: its connection closes (departed), and past expire_after it expires.
-        killed = f"tp=0 pp=0 dp=1 cache_type=\"{LABELS['cache_type']}\""
-        ranks[(1, 0)].kill()
-        ranks[(1, 0)].join(10)
-        term.wait_for(lambda text: _by_id(text, killed, "departed"), 20, f"{killed} departed")
-        assert term.cell_backgrounds("dp1 cache_type=HiRadixCache", 2) == ["blue", "green"]
-        term.wait_for(lambda text: _by_id(text, killed, "expired"), EXPIRE_AFTER + 20, f"{killed} expired")
-        assert term.cell_backgrounds("dp1 cache_type=HiRadixCache", 2) == ["red", "green"]
+        # Killed: its connections close (departed). Past expire_after the streams of both ranks expire (the frozen
+        # one's connections still open): the two ranks are missing, and their cells still list their streams.
+        scheduler = 'scheduler  tp=2 pp=1 dp=1 engine_type="unified" model_name="m" moe_ep_rank="2"  (rank tp=0)'
+        ranks[(1, 1, 0)].kill()
+        ranks[(1, 1, 0)].join(10)
+        term.wait_for(lambda text: _listed(text, "departed", scheduler) and " 3 departed " in text, 20,
+                      "the killed rank's streams departed")
+        assert term.grid("dp1  ")["pp1"] == [("0", "blue", "RbSbEb"), _all_live(1)]
+        term.wait_for(lambda text: " 0 stale    0 departed    5 expired " in text, EXPIRE_AFTER + 20,
+                      "the streams of both ranks expired")
+        text = term.text
+        assert _listed(text, "expired", scheduler) and _listed(text, "expired", radix)
+        assert term.grid("dp0  ")["pp0"] == [_all_live(0), ("1?", "magenta", "RrSr")]
+        assert term.grid("dp1  ")["pp1"] == [("0?", "magenta", "RrSrEr"), _all_live(1)]
+        assert "   missing  dp0: pp0 tp1\n" in text and "   missing  dp1: pp1 tp0\n" in text
+        assert "dp0  3/4 live  1 missing" in text and "dp1  3/4 live  1 missing" in text
+        assert " ranks    6 live    2 not live    2 missing\n" in text
+        assert "  ready  8 ranks, 20 streams  2 missing  read " in text.splitlines()[0]
 
         # The sidecar goes away: said on screen, the last status stays below it, top keeps polling.
         sidecar.stop()
         term.wait_for(lambda text: f"unreachable: {sidecar.url}: connection refused  (retrying every 0.5 s; "
                                    "below: the status read at " in text, 20, "unreachable")
-        assert "dp1 cache_type=HiRadixCache" in term.text and "Traceback" not in term.text
-        sidecar.start()  # same port: the next poll reads it again, and the ranks still running reconnect
-        term.wait_for(lambda text: "unreachable" not in text and " 2 live " in text, 30, "the sidecar back")
+        assert "dp1  3/4 live" in term.text and "Traceback" not in term.text
+        # Same port: the next poll reads it again, and the ranks still running reconnect; the two that cannot are
+        # ranks the world expects and no stream reports for.
+        sidecar.start()
+        term.wait_for(lambda text: "unreachable" not in text and "Ranks   6 ranks, 15 streams" in text
+                      and " 2 missing\n" in text, 30, "the sidecar back, two ranks missing")
+        assert term.grid("dp0  ")["pp0"] == [_all_live(0), ("1?", "magenta", "")]
+        assert term.grid("dp1  ")["pp1"] == [("0?", "magenta", ""), _all_live(1)]
 
         # A smaller window: redrawn at once to its size, the body scrolls under the header.
         term.resize(24, 100)
@@ -313,12 +396,12 @@ class ChangingSidecar:
 def test_the_poller_survives_a_body_json_cannot_read_and_recovers(terminal: Callable[[], Terminal]) -> None:
     good = status_document(dp=2, pp=1, tp=2)
     evil = json.loads(json.dumps(good))
-    evil["groups"][0]["dp_rank"] = "\x1b]0;PWNED\x07\x1b[2J"  # the title and a clear, were they sent raw
+    evil["servers"][0]["dp_groups"][0]["dp_rank"] = "\x1b]0;PWNED\x07\x1b[2J"  # a title and a clear, if sent raw
     fake = ChangingSidecar(json.dumps(good).encode())
     try:
         term = terminal()
         term.run(f"{sys.executable} -m exporter.cli top --url {fake.url} --interval 0.3")
-        term.wait_for(lambda text: "dp1 cache_type=UnifiedRadixCache  2/2 live" in text, 30, "the good status")
+        term.wait_for(lambda text: "dp1  2/2 live" in text, 30, "the good status")
         fake.body = b"[" * 200_000 + b"]" * 200_000
         term.wait_for(lambda text: "sent JSON that is not an object  (retrying every 0.3 s; below: the status read at"
                       in text, 20, "the failure line for a deep body")
@@ -326,12 +409,13 @@ def test_the_poller_survives_a_body_json_cannot_read_and_recovers(terminal: Call
         term.wait_for(lambda text: fake.polls >= polls + 3, 10, "polls going on after the deep body")
         assert b"Traceback" not in term.raw and "Traceback" not in term.text
         fake.body = json.dumps(evil).encode()
-        term.wait_for(lambda text: "cannot read: Expected `int`, got `str` - at `$.groups[0].dp_rank`" in text, 20,
+        term.wait_for(lambda text: "cannot read: Expected `int`, got `str` - at `$.servers[0].dp_groups[0].dp_rank`"
+                      in text, 20,
                       "the hostile dp_rank refused")
         assert b"\x1b]0;PWNED" not in term.raw and b"\x1b[2J" not in term.raw
         fake.body = json.dumps(good).encode()
         term.wait_for(lambda text: "not an object" not in text and "cannot read" not in text
-                      and "dp0 cache_type=UnifiedRadixCache  2/2 live" in text, 20, "the good status again")
+                      and "dp0  2/2 live" in text, 20, "the good status again")
         quits_cleanly(term, lambda: term.child.send("q"))
     finally:
         fake.stop()

@@ -171,10 +171,12 @@ def test_top_draws_the_same_bounded_grid() -> None:
     h = Harness()
     diagonal(h, 40)
     _, doc = document(h)
-    text = screen_text(render_frame(view_of(doc)), width=200)
+    text = screen_text(render_frame(view_of(doc)), width=240)  # a row of 40 cells on one line
     rows, _ = drawn(40)
-    assert [line.split() for line in grid_rows(text)] == [[f"pp{i}", f"cp{i}", *map(str, range(40))]
-                                                          for i in range(rows)]
+    # Each row's one rank lists its stream (R: a radix stream, by its cache_type).
+    assert [line.split() for line in grid_rows(text)] == [
+        [f"pp{i}", f"cp{i}", *(word for tp in range(40) for word in ((str(tp), "R") if tp == i else (str(tp),)))]
+        for i in range(rows)]
     assert "drawn 25 of 40 rows, 40 of 40 tp columns; 15 ranks not drawn" in text
 
 
@@ -182,14 +184,15 @@ def test_top_bounds_a_grid_a_document_lists_past_the_caps() -> None:
     h = Harness()
     diagonal(h, 40)
     _, doc = document(h)
-    (group,) = doc["groups"]
+    (group,) = doc["servers"][0]["dp_groups"]
     group["grid"]["rows"] = [{"pp_rank": i, "attn_cp_rank": i} for i in range(5000)]  # more than any sidecar sends
     group["grid"]["tp_ranks"] = list(range(5000))
     text = screen_text(render_frame(view_of(doc)), width=200)
     assert sum(line.startswith("pp") for line in text.splitlines()) == 1  # 1,024 columns leave room for one row
     del group["grid"]  # a sidecar from before the grid: not this model's document, refused in one line
     text = screen_text(render_frame(view_of(doc)), width=200)
-    assert "cannot read: Object missing required field `grid` - at `$.groups[0]`" in text and not grid_rows(text)
+    assert ("cannot read: Object missing required field `grid` - at `$.servers[0].dp_groups[0]`" in text
+            and not grid_rows(text))
     assert render.GRID_CELLS_PER_GROUP == api.GRID_CELLS_PER_GROUP and render.GRID_CELLS == api.GRID_CELLS
 
 

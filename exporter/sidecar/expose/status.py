@@ -219,14 +219,21 @@ def grid_model(cells: Iterable[Cell], room: int) -> tuple[v1.Grid, list[Cell]]:
     """What the grid of one dp group draws, at most `room` cells: rows of (pp, cp), columns of tp, exact
     counts of what is left out, and the cells drawn (by row, then column).
 
-    Rows are the (pp, cp) pairs some cell (known or expected) has, columns its tp ranks; both are cut to
-    the room, columns first. The work is linear in the cells, which a plausible world bounds.
+    Columns are the tp ranks some cell (known or expected) has. Rows are every pp stage by every cp rank
+    of its cells, as a layout has them, where that product fits the room; where it does not (ranks at
+    (i, i, i) make a cube of them), only the (pp, cp) pairs some cell has. Both are cut to the room,
+    columns first. The work is linear in the cells, which the expected worlds' bound keeps bounded.
     """
     cells = list(cells)
     tps = sorted({c.position[3] for c in cells})
-    pairs = sorted({(c.position[1], c.position[2]) for c in cells})
+    pps = sorted({c.position[1] for c in cells})
+    cps = sorted({c.position[2] for c in cells})
     columns = tps[:max(room, 0)]
     fit = room // len(columns) if columns else 0
+    if len(pps) * len(cps) <= fit:
+        pairs = [(pp, cp) for pp in pps for cp in cps]
+    else:
+        pairs = sorted({(c.position[1], c.position[2]) for c in cells})
     rows = pairs[:fit]
     drawn_rows, drawn_columns = set(rows), set(columns)
     drawn = [c for c in cells if (c.position[1], c.position[2]) in drawn_rows and c.position[3] in drawn_columns]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -59,3 +60,12 @@ def push_to(monkeypatch: pytest.MonkeyPatch) -> Callable[[SidecarThread], None]:
         monkeypatch.setenv("HICACHE_EXPORTER_PUSH_INTERVAL", "600")
 
     return point
+
+
+@pytest.fixture
+def running() -> Iterator[list[Any]]:
+    """Things to stop after the test, last started first."""
+    things: list[Any] = []
+    yield things
+    for thing in reversed(things):
+        thing.stop()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -102,15 +101,6 @@ def proxy(socket_dir: Path, **upstream: Any) -> SidecarThread:
         "upstreams": [{"name": "engine", **HTTP_PACE, **upstream}],
     }, "test")
     return SidecarThread(config).start()
-
-
-@pytest.fixture
-def running() -> Iterator[list[Any]]:
-    """Things to stop after the test, last started first."""
-    things: list[Any] = []
-    yield things
-    for thing in reversed(things):
-        thing.stop()
 
 
 def radix(ranks: ModuleType, rank: Any) -> dict[str, str]:

@@ -12,7 +12,6 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -63,15 +62,6 @@ class Serve:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-@pytest.fixture
-def running() -> Iterator[list[Any]]:
-    """Things to stop after the test, last started first."""
-    things: list[Any] = []
-    yield things
-    for thing in reversed(things):
-        thing.stop()
 
 
 def missing(sidecar: Serve) -> dict[str, float]:

@@ -85,7 +85,9 @@ class Layout:
             return range(self.dp_size), range(self.pp_size), range(self.span)
         pp = range(max(share.pp.start, 0), min(share.pp.stop, self.pp_size))
         tp = range(share.tp.start, min(share.tp.stop, self.span))
-        if not self.dp_attention or not tp:
+        if not pp or not tp:
+            return range(0), pp, tp  # nothing of this layout on the node: no dp group to visit
+        if not self.dp_attention:
             return range(self.dp_size), pp, tp
         width = self.attn_cp_size * self.attn_tp_size
         return range(tp.start // width, min((tp.stop - 1) // width + 1, self.dp_size)), pp, tp
@@ -93,13 +95,15 @@ class Layout:
     def expected_count(self, share: NodeShare | None) -> int:
         """How many positions of this layout `share` holds (the whole layout without one), by arithmetic."""
         dps, pps, tps = self._shared(share)
-        ranks = sum(len(_overlap(self._block(dp), tps)) for dp in dps) if self.dp_attention else (
-            len(dps) * len(_overlap(self._block(0), tps)))
-        return len(pps) * ranks
+        if self.dp_attention:  # the dp groups' blocks split the one tp group: count its ranks on the node
+            return len(pps) * len(_overlap(range(self.span), tps))
+        return len(pps) * len(dps) * len(_overlap(self._block(0), tps))
 
     def expected(self, share: NodeShare | None) -> Iterator[Position]:
         """The positions `share` holds (the whole layout without one); as many as expected_count says."""
         dps, pps, tps = self._shared(share)
+        if not self.expected_count(share):
+            return  # a layout wholly on other nodes: not one dp group to visit
         for dp in dps:
             block = self._block(dp)
             for pp in pps:
@@ -175,7 +179,7 @@ class Server:
 
     labels: StaticKey
     cells: dict[Position, Cell] = field(default_factory=dict)
-    worlds: list[World] = field(default_factory=list)
+    worlds: list[World] = field(default_factory=list)  # one per layout, unexpired streams' (else expired ones')
     layout: Layout | None = None
     conflict: bool = False
     implausible: bool = False
@@ -218,23 +222,32 @@ def build_servers(ranks: Iterable[RankState], streams: Mapping[Collector, Stream
     """
     by_key: dict[StaticKey, Server] = {}
     placed: list[tuple[Server, RankState, str, StreamSpec | None]] = []
+    # Per server, its worlds by layout: unexpired streams' and expired ones'. An engine relaunched with
+    # another layout leaves expired identities with the old world; they do not outvote the live ones.
+    worlds: dict[StaticKey, tuple[dict[Layout, World], dict[Layout, World]]] = {}
     for rank in ranks:
         kind, spec = stream_kind(rank.static, streams)
         server = by_key.get(key := server_labels(rank, spec))
         if server is None:
             server = by_key[key] = Server(labels=key)
+            worlds[key] = ({}, {})
         server.streams += 1
-        if rank.world is not None and all(Layout.of(w) != Layout.of(rank.world) for w in server.worlds):
-            server.worlds.append(rank.world)  # one per layout, in the order first reported
+        if rank.world is not None:
+            live, expired = worlds[key]
+            (expired if rank.expired else live).setdefault(Layout.of(rank.world), rank.world)
         placed.append((server, rank, kind, spec))
     # Expected positions over every server together are bounded by what the sidecar could ever hold:
-    # ranks.max_ranks identities, one stream at least per rank. A world past what is left (in label order)
-    # is implausible and expects nothing, so the work and the ranks_missing series stay bounded.
+    # ranks.max_ranks identities, one stream at least per rank. Servers with an unexpired stream come
+    # first, then in label order; a world past what is left is implausible and expects nothing, so the
+    # work and the ranks_missing series stay bounded whatever worlds are claimed.
     room = max_ranks
-    for key in sorted(by_key):
+    for key in sorted(by_key, key=lambda k: (not worlds[k][0], k)):
         server = by_key[key]
-        if len(server.worlds) == 1:
-            layout = Layout.of(server.worlds[0])
+        live, expired = worlds[key]
+        reported = live or expired
+        server.worlds = list(reported.values())[:WORLDS_LISTED]
+        if len(reported) == 1:
+            layout = next(iter(reported))
             share = NodeShare.of(layout, node_rank, nodes) if nodes > 1 else None
             count = layout.expected_count(share)
             if count <= room:
@@ -242,9 +255,8 @@ def build_servers(ranks: Iterable[RankState], streams: Mapping[Collector, Stream
                 room -= count
             else:
                 server.conflict = server.implausible = True
-        elif server.worlds:
+        elif reported:
             server.conflict = True
-        del server.worlds[WORLDS_LISTED:]
     for server, rank, kind, spec in placed:
         position = _position(rank, spec, server.layout)
         cell = server.cells.get(position)

@@ -9,9 +9,12 @@ tp_size / (dp_size x attn_cp_size) with DP attention, tp_size / attn_cp_size wit
 A configured world is not trusted where a read contradicts it: a storage label that says another
 pp_size or attn_cp_size (or two of them), a tp_size the attention sizes do not divide, or a rank
 whose position lies outside the world (its tp_rank past the attention tp size for collectors that
-label the attention tp rank, past tp_size for the scheduler's global one; its pp, dp or cp rank past
-its size). Then nothing is expected of the upstream: a world that the engine's own labels deny
-would count ranks missing that are not. Each read is judged anew, so a contradiction clears with
+label the attention tp rank under DP attention, past tp_size for the engine's tp rank, which the
+scheduler labels and, without DP attention, every collector; its pp, dp or cp rank past its size).
+Nor is a layout one /metrics cannot tell apart: DP-controller replicas (their radix and storage series
+all say dp_rank 0) and context-parallel peers under DP attention with no storage series to name their
+cp rank. Then nothing is expected of the upstream: a world that the engine's own labels deny would
+count ranks missing that are not. Each read is judged anew, so a contradiction clears with
 the first read that has none (the engine restarted with the configured layout, or the series that
 contradicted it are gone).
 """
@@ -26,7 +29,7 @@ from exporter.config import UpstreamWorld
 from exporter.labels import rank_axis
 from exporter.protocol.messages import RankId, World
 from exporter.sidecar.core.keys import StaticKey
-from exporter.sidecar.core.servers import stream_kind
+from exporter.sidecar.core.servers import Layout, stream_kind
 
 # The sizes the engine's storage series carry as labels, as UpstreamWorld names them.
 LABELLED_SIZES = ("pp_size", "attn_cp_size")
@@ -77,6 +80,17 @@ def judge(configured: UpstreamWorld | None, ranks: Iterable[tuple[RankId, Static
     if tp % (attention_dp * cp):
         by = f"dp_size {dp} x attn_cp_size {cp} (DP attention)" if configured.dp_attention else f"attn_cp_size {cp}"
         problems.append(f"tp_size {tp} is not a multiple of {by}")
+    if dp > 1 and not configured.dp_attention:
+        # SGLang's radix and storage collectors label every DP-controller replica dp_rank 0
+        # (metrics_collector.py:2423-2426, cache_controller.py:755-763): one /metrics cannot tell them apart.
+        problems.append(f"dp_size {dp} without DP attention: the engine labels every replica's radix and storage "
+                        "series dp_rank 0, so its replicas cannot be told apart here (push through the stat-logger "
+                        "hook, which can)")
+    if configured.dp_attention and cp > 1 and not said["attn_cp_size"][0]:
+        # Under DP attention the radix series carry no cp rank (metrics_collector.py:2416): without storage
+        # series naming attn_cp_rank, the cp peers of a rank read as one.
+        problems.append(f"attn_cp_size {cp} with DP attention, and no storage series: the engine's radix series "
+                        "carry no attn_cp_rank, so context-parallel peers cannot be told apart here")
     attn_tp = max(tp // (attention_dp * cp), 1)
     world = World(tp_size=tp, pp_size=pp, dp_size=dp, attn_tp_size=None if attn_tp == tp else attn_tp, attn_cp_size=cp)
     problems += _outside(world, attn_tp, listed, streams, assumed)
@@ -105,9 +119,12 @@ def _outside(world: World, attn_tp: int, ranks: list[tuple[RankId, StaticKey]],
              streams: Mapping[Collector, StreamSpec], assumed: set[str]) -> list[str]:
     """One problem per axis (and kind of tp rank) that some listed rank has past the world's size."""
     found: dict[tuple[str, str, int], tuple[set[int], set[str]]] = {}
+    # Without DP attention every collector labels the engine's tp rank (radix_cache_metric_labels: tp_rank),
+    # which runs to tp_size; under DP attention only the scheduler's does.
+    engine_tp_everywhere = Layout.of(world).engine_tp_everywhere
     for rank, static in ranks:
         kind, spec = stream_kind(static, streams)
-        tp_bound = ("tp_size", world.tp_size) if spec is not None and spec.tp_rank == "global" \
+        tp_bound = ("tp_size", world.tp_size) if engine_tp_everywhere or spec is not None and spec.tp_rank == "global" \
             else ("attention tp size", attn_tp)
         for axis, number, (bound_name, bound) in (
             ("tp_rank", rank.tp_rank, tp_bound),

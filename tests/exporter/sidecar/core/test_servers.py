@@ -178,3 +178,42 @@ def test_without_dp_attention_the_radix_tp_rank_is_the_engines_and_maps_to_its_c
     (server,) = servers_of(h)
     assert [p for p, c in server.cells.items() if c.streams] == [(0, 0, 1, 1), (0, 0, 0, 9)]
     assert not server.cells[(0, 0, 0, 9)].expected and server.missing == 3
+
+
+def test_an_engine_relaunched_with_a_smaller_world_is_judged_by_its_live_streams() -> None:
+    """tp 4, then relaunched as tp 2 under the same labels: the expired tp 2 and tp 3 identities still carry
+    the old world; the live streams' world is the one expected (it used to be a conflict, nothing missing)."""
+    h = Harness(ranks_config=RanksConfig(stale_after_seconds=1.0, expire_after_seconds=2.0))
+    old = [join(h, tp, World(tp_size=4, pp_size=1, dp_size=1)) for tp in range(4)]
+    for rank in old:
+        h.state.disconnect(rank.connection, rank)
+    h.clock.advance(3.0)
+    join(h, 0, World(tp_size=2, pp_size=1, dp_size=1))  # tp 0 says hello again with the new world
+    (server,) = servers_of(h)
+    assert not server.conflict and server.layout is not None and server.layout.tp_size == 2
+    assert {p: c.state for p, c in server.cells.items()} == {
+        (0, 0, 0, 0): "live", (0, 0, 0, 1): "missing", (0, 0, 0, 2): "expired", (0, 0, 0, 3): "expired"}
+
+
+def test_a_server_with_a_live_stream_gets_the_room_before_a_dead_one() -> None:
+    """Room for expected positions goes to servers with an unexpired stream first: a redeployed server's
+    expired predecessor, sorting first by its labels, no longer makes the live one implausible."""
+    h = Harness(ranks_config=RanksConfig(max_ranks=16, stale_after_seconds=1.0, expire_after_seconds=2.0))
+    gone = join(h, 0, World(tp_size=10, pp_size=1, dp_size=1), labels={"cache_type": "c", "rev": "a"})
+    h.state.disconnect(gone.connection, gone)
+    h.clock.advance(3.0)
+    join(h, 0, World(tp_size=8, pp_size=1, dp_size=1), labels={"cache_type": "c", "rev": "b"})
+    dead, live = servers_of(h)
+    assert (live.implausible, live.missing) == (False, 7)
+    assert (dead.implausible, dead.missing) == (True, 0)  # 10 positions no longer fit the 8 left
+
+
+def test_a_huge_world_on_other_nodes_visits_nothing() -> None:
+    """dp 65,536 under DP attention (attention tp 1): node 1 of 2 holds global tp 32,768 on, counted by
+    arithmetic and listed from its first dp group; a share past the world holds nothing and visits nothing."""
+    layout = Layout.of(World(tp_size=65536, pp_size=1, dp_size=65536, attn_tp_size=1))
+    share = NodeShare.of(layout, 1, 2)
+    assert layout.expected_count(share) == 32768
+    assert next(iter(layout.expected(share))) == (32768, 0, 0, 0)
+    far = NodeShare(node_rank=1, nodes=2, tp=range(70000, 70001), pp=range(0, 1))
+    assert layout.expected_count(far) == 0 and list(layout.expected(far)) == []

@@ -101,7 +101,7 @@ def test_labels_that_are_no_size_or_disagree_or_do_not_divide_tp_are_problems_bo
     # However many ranks contradict it, a problem names a few of them and counts the rest.
     many = [(rank(tp), static_key(RADIX)) for tp in range(2, 4000)]
     (line,) = judge(configured(tp_size=2), many, DEFAULT_STREAMS).problems
-    assert line == "radix series have tp_rank 2, 3, 4, 5 (3998 in all), outside the world's attention tp size 2"
+    assert line == "radix series have tp_rank 2, 3, 4, 5 (3998 in all), outside the world's tp_size 2"
     assert all(len(p) <= MAX_PROBLEM_CHARS for p in judgement.problems)
 
 
@@ -231,7 +231,7 @@ def test_storage_labels_that_contradict_the_configured_pp_size_are_flagged() -> 
 
 
 def test_a_restored_feed_gives_its_ranks_the_world_again_at_its_first_read() -> None:
-    """The durable state keeps no world: it is judged anew from the config and the first read."""
+    """The durable state keeps each rank's world, and the feed judges it anew from the config at its first read."""
     h, engine = Harness(), Engine()
     for tp, dp, pp in POSITIONS[:-1]:
         engine.rank(tp, dp, pp)
@@ -243,7 +243,7 @@ def test_a_restored_feed_gives_its_ranks_the_world_again_at_its_first_read() -> 
     core_saved.restore(again.state, core)
     new_up = feed(again)
     assert feed_saved.restore(new_up, saved) == 21
-    assert {r.world for r in again.state.ranks.values()} == {None}  # nothing expected before a read
+    assert {r.world for r in again.state.ranks.values()} == {EXPECTED}  # kept by the state file
     engine.rank(0, 0, 0)
     new_up.apply(read(engine.text()))
     assert {r.world for r in again.state.ranks.values()} == {EXPECTED}
@@ -256,3 +256,27 @@ def test_a_stage_past_a_pp_size_that_nothing_gave_says_so() -> None:
     judgement = judge(configured(tp_size=2), [(rank(0, pp=1), static_key(RADIX))], DEFAULT_STREAMS)
     assert judgement.problems == ("radix series have pp_rank 1, outside the world's pp_size 1 (not configured, and no "
                                   "storage series says it)",)
+
+
+def test_without_dp_attention_radix_and_storage_tp_ranks_are_the_engines_and_are_not_outside() -> None:
+    """tp 4 = cp 2 x attention tp 2, no DP attention: radix_cache_metric_labels gives tp_rank 0-3 (the engine's);
+    they are inside the world (the judgement used to bound them by the attention tp size 2 and withdrew it)."""
+    ranks = [(rank(tp, cp=tp // 2), static_key(storage(pp_size=1, cp_size=2))) for tp in range(4)]
+    ranks += [(rank(tp), static_key(RADIX)) for tp in range(4)]
+    world = World(tp_size=4, pp_size=1, dp_size=1, attn_tp_size=2, attn_cp_size=2)
+    assert judge(configured(tp_size=4), ranks, DEFAULT_STREAMS) == Judgement(world, world)
+
+
+def test_replicas_without_dp_attention_and_dp_attention_cp_without_storage_series_are_not_trusted() -> None:
+    """Two layouts one /metrics cannot tell apart: DP-controller replicas (every replica's radix series say
+    dp_rank 0) and DP attention with cp peers whose radix series carry no cp rank and no storage series say it."""
+    replicas = [(rank(tp), static_key(RADIX)) for tp in range(2)] + [(rank(0, dp=1), static_key(SCHEDULER))]
+    judged = judge(configured(tp_size=2, dp_size=2), replicas, DEFAULT_STREAMS)
+    assert judged.world is None and len(judged.problems) == 1 and "replicas cannot be told apart" in judged.problems[0]
+    peers = [(rank(0, dp=dp), static_key(RADIX)) for dp in range(2)]
+    judged = judge(configured(tp_size=8, dp_size=2, attn_cp_size=2, dp_attention=True), peers, DEFAULT_STREAMS)
+    assert judged.world is None and "context-parallel peers cannot be told apart" in judged.problems[0]
+    with_storage = peers + [(rank(0, dp=dp, cp=cp), static_key(storage(pp_size=1, cp_size=2)))
+                            for dp in range(2) for cp in range(2)]
+    assert judge(configured(tp_size=8, dp_size=2, attn_cp_size=2, dp_attention=True), with_storage,
+                 DEFAULT_STREAMS).world is not None

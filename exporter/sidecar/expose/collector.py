@@ -207,11 +207,12 @@ class SidecarCollector(Collector):
                                   "python_version": platform.python_version()}, 1.0)
         for status, count in state.ranks_by_status().items():
             add_value(metric["ranks"], {"state": status.value}, count)
-        config = state.config
-        for server in build_servers(state.known_ranks(), state.catalog.streams, config.max_ranks,
-                                    config.node_rank, config.nodes):
-            for dp, missing in sorted(server.missing_by_dp.items()):
-                add_value(metric["ranks_missing"], {**dict(server.labels), "dp_rank": str(dp)}, missing)
+        known = state.known_ranks()
+        if any(rank.world is not None for rank in known):  # no world, nothing expected: the scrape skips the work
+            config = state.config
+            for server in build_servers(known, state.catalog.streams, config.max_ranks, config.node_rank, config.nodes):
+                for dp, missing in sorted(server.missing_by_dp.items()):
+                    add_value(metric["ranks_missing"], {**dict(server.labels), "dp_rank": str(dp)}, missing)
         up, last, restarts = metric["rank_up"], metric["rank_last_push_timestamp_seconds"], metric["rank_restarts"]
         for rank in ranks:
             labels = rank_labels[id(rank)]

@@ -225,9 +225,14 @@ def build_servers(ranks: Iterable[RankState], streams: Mapping[Collector, Stream
     # Per server, its worlds by layout: unexpired streams' and expired ones'. An engine relaunched with
     # another layout leaves expired identities with the old world; they do not outvote the live ones.
     worlds: dict[StaticKey, tuple[dict[Layout, World], dict[Layout, World]]] = {}
+    sorts: dict[StaticKey, tuple[str, StreamSpec | None, StaticKey]] = {}  # by static labels: a server's streams share few
     for rank in ranks:
-        kind, spec = stream_kind(rank.static, streams)
-        server = by_key.get(key := server_labels(rank, spec))
+        sort = sorts.get(rank.static)
+        if sort is None:
+            kind, spec = stream_kind(rank.static, streams)
+            sort = sorts[rank.static] = (kind, spec, server_labels(rank, spec))
+        kind, spec, key = sort
+        server = by_key.get(key)
         if server is None:
             server = by_key[key] = Server(labels=key)
             worlds[key] = ({}, {})

@@ -78,10 +78,12 @@ screenshot: chromium $(STAMP)
 	HICACHE_SCREENSHOT=docs/status_page.png $(PY) -m pytest -q \
 		tests/e2e/test_status_page_browser.py::test_the_demo_server_is_8_rank_cells_each_listing_its_streams
 
-# The released SGLang wheel (39 MB, without its dependencies) whose collectors tests/integrations run,
-# cached in .cache/sglang/. The tests fetch it themselves on first use, and fail (never skip) without it.
+# The released SGLang and LMCache wheels (39 MB and 18 MB, without their dependencies) whose metrics code
+# tests/integrations run, cached in .cache/sglang/ and .cache/lmcache/. The tests fetch them themselves on
+# first use, and fail (never skip) without them.
 upstream-wheel: $(STAMP)
 	$(PY) -m tests.upstream_sglang
+	$(PY) -m tests.upstream_lmcache
 
 # Every benchmark, one table of ratios against anchors measured in the same run (a few minutes on
 # 2 cores); writes bench/results/latest.json and bench/results/scrape_vs_ranks.png.

@@ -126,15 +126,16 @@ def _checked(path: Path) -> Path:
     return path
 
 
-def select_definitions(source: str, names: Iterable[str], filename: str) -> list[ast.stmt]:
-    """The module's standard-library imports and exactly the top-level definitions named, in source order."""
-    wanted = set(names)
+def select_definitions(source: str, names: Iterable[str], filename: str,
+                       third_party: Iterable[str] = ()) -> list[ast.stmt]:
+    """Standard-library (and named `third_party`) imports and exactly the top-level definitions named, in source order."""
+    wanted, allowed = set(names), set(third_party)
     tree = ast.parse(source, filename)
     chosen: list[ast.stmt] = []
     found: set[str] = set()
     for node in tree.body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            if all(_is_stdlib(module) for module in _imported_modules(node)):
+            if all(_is_stdlib(module) or module.split(".")[0] in allowed for module in _imported_modules(node)):
                 chosen.append(node)
             continue
         defined = _defined_names(node) & wanted

@@ -30,24 +30,20 @@ raises `WheelUnavailable` with a one-line reason, and the tests fail on it (they
 
 from __future__ import annotations
 
-import ast
-import hashlib
-import os
-import subprocess
 import sys
 import types
-import zipfile
 from pathlib import Path
 
-from tests.upstream_sglang import WheelUnavailable, select_definitions
+from tests.released_wheel import ReleasedWheel, WheelUnavailable, compile_released, installed
 
 __all__ = ["LMCACHE_VERSION", "WheelUnavailable", "install", "wheel_path"]
 
 LMCACHE_VERSION = "0.5.6"
-WHEEL_NAME = f"lmcache-{LMCACHE_VERSION}-cp311-cp311-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl"
-WHEEL_SHA256 = "14530ff72b96056e894c9b8dc70c10d019e7802799bbfde9cec298700b799194"  # 17,659,257 bytes
-WHEEL_ENV = "HICACHE_LMCACHE_WHEEL"
-CACHE_DIR = Path(__file__).resolve().parent.parent / ".cache" / "lmcache"
+WHEEL = ReleasedWheel(
+    project="lmcache", version=LMCACHE_VERSION,
+    name=f"lmcache-{LMCACHE_VERSION}-cp311-cp311-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl",
+    sha256="14530ff72b96056e894c9b8dc70c10d019e7802799bbfde9cec298700b799194",  # 17,659,257 bytes
+    env="HICACHE_LMCACHE_WHEEL", platform="manylinux_2_28_x86_64")
 OBSERVABILITY_MODULE = "lmcache.observability"
 
 # (file in the wheel, top-level names taken from it), compiled in this order into one module: each
@@ -73,76 +69,14 @@ class _TorchStub:
 
 def wheel_path() -> Path:
     """The released wheel: from `HICACHE_LMCACHE_WHEEL`, the repository cache, or the package index."""
-    named = os.environ.get(WHEEL_ENV)
-    if named:
-        path = Path(named)
-        if not path.is_file():
-            raise WheelUnavailable(f"{WHEEL_ENV}={named} is not a file")
-        return _checked(path)
-    cached = CACHE_DIR / WHEEL_NAME
-    if cached.is_file():
-        return _checked(cached)
-    return _checked(download(CACHE_DIR))
-
-
-def download(directory: Path) -> Path:
-    """Fetch the wheel alone (no dependencies) with pip into `directory`; return its path."""
-    directory.mkdir(parents=True, exist_ok=True)
-    # The platform flags name the released file whatever Python runs the tests: only its Python
-    # source is used. pip matches the file's own tag (manylinux_2_28), not a newer glibc's.
-    command = [
-        sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-        "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
-        "--platform", "manylinux_2_28_x86_64", f"lmcache=={LMCACHE_VERSION}", "-d", str(directory),
-    ]
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=240)  # within pytest's 300 s
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise WheelUnavailable(f"pip download lmcache=={LMCACHE_VERSION} failed: {err}") from None
-    path = directory / WHEEL_NAME
-    if result.returncode != 0 or not path.is_file():
-        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise WheelUnavailable(
-            f"pip download lmcache=={LMCACHE_VERSION} failed ({last}); set {WHEEL_ENV} to a copy of {WHEEL_NAME}"
-        )
-    return path
-
-
-def _checked(path: Path) -> Path:
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if digest != WHEEL_SHA256:
-        raise WheelUnavailable(f"{path} has SHA-256 {digest}, not the released {WHEEL_NAME}'s {WHEEL_SHA256}")
-    return path
+    return WHEEL.path()
 
 
 def install() -> types.ModuleType:
     """Register the released `lmcache.observability` (the parts above) under its own name, once per process."""
-    module = sys.modules.get(OBSERVABILITY_MODULE)
-    if module is not None and getattr(module, "__released_from__", None):
-        return module
-    wheel = wheel_path()
-    module = types.ModuleType(OBSERVABILITY_MODULE, "LMCache's metrics path, compiled from the released wheel")
-    module.__file__ = f"{wheel}/{DEFINITIONS[-1][0]}"
-    module.__released_from__ = str(wheel)  # type: ignore[attr-defined]
-    module.__dict__["torch"] = _TorchStub
-    if "lmcache" not in sys.modules:  # an empty namespace package: nothing else of LMCache imports
-        parent = types.ModuleType("lmcache")
-        parent.__path__ = []
-        sys.modules["lmcache"] = parent
-    sys.modules[OBSERVABILITY_MODULE] = module  # dataclasses look their module up while the classes are built
-    try:
-        with zipfile.ZipFile(wheel) as archive:
-            for inner, names in DEFINITIONS:
-                source = archive.read(inner).decode("utf-8")
-                filename = f"{wheel}/{inner}"
-                chosen = select_definitions(source, names, filename, third_party=THIRD_PARTY)
-                body = ast.Module(body=chosen, type_ignores=[])
-                exec(compile(body, filename, "exec", dont_inherit=True), module.__dict__)
-    except BaseException:
-        del sys.modules[OBSERVABILITY_MODULE]
-        raise
-    sys.modules["lmcache"].observability = module  # type: ignore[attr-defined]
-    return module
+    return installed(OBSERVABILITY_MODULE) or compile_released(
+        wheel_path(), OBSERVABILITY_MODULE, "LMCache's metrics path, compiled from the released wheel", DEFINITIONS,
+        {"torch": _TorchStub}, THIRD_PARTY)
 
 
 if __name__ == "__main__":  # `python -m tests.upstream_lmcache`: fetch the wheel ahead of the tests

@@ -745,10 +745,6 @@ def integer(value: object) -> int:
     return value
 
 
-def optional_integer(value: object) -> int | None:
-    return None if value is None else integer(value)
-
-
 def shows_as_number(value: object) -> bool:
     """Whether `number(value)` would take it."""
     try:

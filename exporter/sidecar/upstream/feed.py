@@ -57,8 +57,8 @@ that pushed ranks go through, so rollups, restarts, staleness and expiry follow 
   ranks. Each read judges it anew: a read whose labels or ranks contradict it withdraws it from
   every rank of the upstream (nothing is expected; `world_problems` says why, logged once per
   change), and the first read that agrees gives it back. A changed judgement reaches the ranks
-  in place, not by a new hello, so it is no reconnect or restart. The durable state keeps no world:
-  a restored feed judges it at its first read.
+  in place, not by a new hello, so it is no reconnect or restart. The durable state keeps each
+  rank's world, and a restored feed judges it anew at its first read.
 
 A text upstream is read by prometheus_client's parser, and a read with the last read's shape
 (every line the same but for its values: upstream_text.py) by its values alone, which gives

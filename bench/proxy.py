@@ -49,7 +49,7 @@ class Engine:
         for spec in default_catalog():
             if spec.type is MetricType.GAUGE or spec.beyond_upstream:
                 continue
-            axes = STORAGE if spec.collector and spec.collector.value == "storage" else RADIX
+            axes = STORAGE if spec.collector == "storage" else RADIX
             name = "sglang:" + spec.exported_name("")
             labels = [*axes, *spec.labels]
             metric = (Counter(name, spec.help, labels, registry=self.registry) if spec.type is MetricType.COUNTER

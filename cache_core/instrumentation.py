@@ -131,7 +131,7 @@ class CacheMetrics:
         pool: str = "kv",
         write_policy: str = "write_through",
     ) -> None:
-        self.clients: dict[Collector, RankClient | None] = {
+        self.clients: dict[str, RankClient | None] = {
             Collector.RADIX: radix, Collector.STORAGE: storage, Collector.SCHEDULER: scheduler}
         for collector, client in self.clients.items():
             if client is not None:
@@ -194,8 +194,8 @@ class CacheMetrics:
             raise ValueError(f"family {family!r} names no collector: cache_core cannot route it")
         client = self.clients[spec.collector]
         if client is None:
-            raise ValueError(f"family {family!r} is a {spec.collector.value} family and this rank has no "
-                             f"{spec.collector.value} collector")
+            raise ValueError(f"family {family!r} is a {spec.collector} family and this rank has no "
+                             f"{spec.collector} collector")
         return client
 
     def counter(self, family: str, **labels: Any) -> CounterChild:
@@ -272,10 +272,10 @@ class CacheMetrics:
             bandwidth.observe(moved / seconds / GB)
 
 
-def _check_client(collector: Collector, client: RankClient) -> None:
+def _check_client(collector: str, client: RankClient) -> None:
     """A collector's client may hold only that collector's families (else its presets leak others')."""
-    foreign: list[FamilySpec] = [f for f in client.metrics.catalog if f.collector is not collector]
+    foreign: list[FamilySpec] = [f for f in client.metrics.catalog if f.collector != collector]
     if foreign:
-        names = ", ".join(f"{f.name} ({f.collector.value if f.collector else 'no collector'})" for f in foreign[:3])
-        raise ValueError(f"the {collector.value} client's catalog holds other collectors' families ({names}, ...): "
-                         f"build it with cache_core.instrumentation.client_catalog({collector.value!r})")
+        names = ", ".join(f"{f.name} ({f.collector or 'no collector'})" for f in foreign[:3])
+        raise ValueError(f"the {collector} client's catalog holds other collectors' families ({names}, ...): "
+                         f"build it with cache_core.instrumentation.client_catalog({collector!r})")

@@ -29,18 +29,23 @@ class Semantics(str, Enum):
 
     PER_SHARD = "per_shard"
     REPLICATED = "replicated"
+    # Only the engine's own process (one per replica: LMCache's role="scheduler") counts it, the
+    # others report 0 or nothing: summed over ranks like per_shard, so each engine counts once.
+    PER_ENGINE = "per_engine"
 
 
 class Collector(str, Enum):
-    """The engine collector that emits a family, which fixes the family's rank label set.
+    """SGLang 0.5.23's collectors (the sglang profile's streams), by the names its hook and proxy use.
 
-    A rank process pushes each collector's families over a connection of its own, since each
-    collector labels its series differently (see the catalog header).
+    A profile names its own collectors in its `streams:` table; these are the default profile's.
     """
 
     RADIX = "radix"
     STORAGE = "storage"
     SCHEDULER = "scheduler"
+
+
+DEFAULT_PROFILE = "sglang"
 
 
 def bucket_layout_problem(bounds: Sequence[float]) -> str | None:
@@ -67,10 +72,19 @@ class FamilySpec(BaseModel):
     preset: dict[str, tuple[str, ...]] = Field(default_factory=dict)
     attempt_level: bool = False
     duration_histogram: str | None = None
-    # Which engine collector emits the family; None for an operator's family that names none.
-    collector: Collector | None = None
+    # Which engine collector emits the family (a key of its profile's `streams:`); None for an
+    # operator's family that names none.
+    collector: str | None = None
     # The released engine does not emit this family (the exporter's own addition).
     beyond_upstream: bool = False
+    # The engine profile the family belongs to: its exported names take that profile's namespace.
+    profile: str = Field(DEFAULT_PROFILE, pattern=LABEL_NAME_RE.pattern)
+    # The profile's table (documentation): which of the engine's roles emit it, the multiprocess mode
+    # the engine gives a gauge, and where in the released code its meaning is settled (file:line).
+    roles: tuple[str, ...] = ()
+    multiprocess_mode: Literal["all", "liveall", "livesum", "max", "livemax", "min", "livemin", "sum",
+                               "mostrecent", "livemostrecent"] | None = None
+    evidence: str | None = None
 
     @field_validator("labels")
     @classmethod
@@ -95,7 +109,8 @@ class FamilySpec(BaseModel):
             raise ValueError(f"{self.type.value} {self.name!r} cannot have `buckets`")
         if self.type is MetricType.COUNTER and not self.name.endswith("_total"):
             raise ValueError(f"counter {self.name!r} must end in '_total'")
-        if self.type is not MetricType.COUNTER and self.name.endswith("_total"):
+        # A gauge may (LMCache's periodic_threads_*_total are gauges); a histogram's samples would clash.
+        if self.type is MetricType.HISTOGRAM and self.name.endswith("_total"):
             raise ValueError(f"{self.type.value} {self.name!r} must not end in '_total'")
         unknown = set(self.preset) - set(self.labels)
         if unknown:
@@ -132,8 +147,8 @@ class FamilySpec(BaseModel):
 
     @property
     def per_shard(self) -> bool:
-        """Each rank counts its own shard (bytes, time): the ranks add up."""
-        return self.semantics is Semantics.PER_SHARD
+        """The ranks add up: each counts its own shard (bytes, time), or only the engine's own process counts."""
+        return self.semantics is not Semantics.REPLICATED
 
     def preset_label_sets(self) -> list[dict[str, str]]:
         """Label sets to create at 0 on every rank: the cross product of `preset`, if it covers all labels."""
@@ -165,12 +180,45 @@ class StreamSpec(BaseModel):
 
 
 # SGLang 0.5.23's collectors (metrics_collector.py:2416, 2197, 1380-1394; see the catalog header).
-DEFAULT_STREAMS: dict[Collector, StreamSpec] = {
-    Collector.RADIX: StreamSpec(marker="cache_type", labels=("cache_type",)),
-    Collector.STORAGE: StreamSpec(marker="storage_backend", labels=("storage_backend", "pp_size", "attn_cp_size")),
-    Collector.SCHEDULER: StreamSpec(marker="engine_type", labels=("model_name", "engine_type", "priority"),
-                                    tp_rank="global"),
+DEFAULT_STREAMS: dict[str, StreamSpec] = {
+    Collector.RADIX.value: StreamSpec(marker="cache_type", labels=("cache_type",)),
+    Collector.STORAGE.value: StreamSpec(marker="storage_backend", labels=("storage_backend", "pp_size", "attn_cp_size")),
+    Collector.SCHEDULER.value: StreamSpec(marker="engine_type", labels=("model_name", "engine_type", "priority"),
+                                          tp_rank="global"),
 }
+
+
+class ProfileSpec(BaseModel):
+    """An engine profile's own facts (DESIGN section 14): its name, exported namespace, the prefix of
+    its names on the engine's /metrics, how a series' labels name its rank, and its static labels."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=LABEL_NAME_RE.pattern)
+    # Exported names are namespace + family name (the sglang profile's: metrics.namespace).
+    namespace: str = Field(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+    # The engine's own prefix on its /metrics and multiprocess files: an upstream's default `prefix`.
+    upstream_prefix: str = Field(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+    # None: a series names its rank with the rank axes (tp_rank, pp_rank, dp_rank, attn_cp_rank).
+    # A label name: that one label holds the replica-local rank, laid out as vLLM lays out its
+    # workers, (pp_rank * cp_size + cp_rank) * tp_size + tp_rank, and dp_rank is not labelled.
+    linear_rank_label: str | None = Field(None, pattern=LABEL_NAME_RE.pattern)
+    # Labels that are functions of the rank (SGLang's moe_ep_rank, LMCache's worker_id): kept on the
+    # per-rank series, left out of replica groups and rollups (which would count a group once per value).
+    derived_labels: tuple[str, ...] = ()
+    # The labels the engine puts on every series besides the rank's (documentation, and a start-up check).
+    static_labels: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _linear_rank_is_derived(self) -> ProfileSpec:
+        if self.linear_rank_label is not None and self.linear_rank_label not in self.derived_labels:
+            raise ValueError(f"linear_rank_label {self.linear_rank_label!r} must be one of derived_labels "
+                             "(it differs between the replicas of a group)")
+        return self
+
+
+SGLANG_PROFILE = ProfileSpec(name=DEFAULT_PROFILE, namespace="sglang_", upstream_prefix="sglang:",
+                             derived_labels=("moe_ep_rank",))
 
 
 class Catalog(BaseModel):
@@ -179,18 +227,28 @@ class Catalog(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     families: tuple[FamilySpec, ...] = Field(min_length=1)
-    # How a rank's streams are told apart from its server (DESIGN section 13).
-    streams: dict[Collector, StreamSpec] = Field(default_factory=lambda: dict(DEFAULT_STREAMS))
+    # How a rank's streams are told apart from its server (DESIGN section 13), by collector name.
+    streams: dict[str, StreamSpec] = Field(default_factory=lambda: dict(DEFAULT_STREAMS))
+    # The engine profiles whose families these are, the default (first) one first.
+    profiles: dict[str, ProfileSpec] = Field(default_factory=lambda: {DEFAULT_PROFILE: SGLANG_PROFILE}, min_length=1)
 
     @model_validator(mode="after")
     def _families_are_consistent(self) -> Catalog:
         markers = [spec.marker for spec in self.streams.values()]
         if len(set(markers)) != len(markers):
             raise ValueError(f"stream markers must differ: {markers}")
+        for key, profile in self.profiles.items():
+            if key != profile.name:
+                raise ValueError(f"profile {key!r} is named {profile.name!r}")
         names = [f.name for f in self.families]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
-            raise ValueError(f"families defined twice: {repeated}")
+            raise ValueError(f"families defined twice (two profiles in use may not share a family name): {repeated}")
+        for fam in self.families:
+            if fam.profile not in self.profiles:
+                raise ValueError(f"{fam.name!r}: profile {fam.profile!r} is not one of {list(self.profiles)}")
+            if fam.collector is not None and fam.collector not in self.streams:
+                raise ValueError(f"{fam.name!r}: collector {fam.collector!r} is not in `streams:` {list(self.streams)}")
         by_name = {f.name: f for f in self.families}
         for fam in self.families:
             if fam.duration_histogram is None:
@@ -204,7 +262,7 @@ class Catalog(BaseModel):
                 raise ValueError(
                     f"{fam.name!r} and {hist.name!r} must have the same labels and semantics"
                 )
-            if hist.collector is not fam.collector:
+            if hist.collector != fam.collector:
                 raise ValueError(
                     f"{fam.name!r} and {hist.name!r} must come from the same collector (their series pair by labels)"
                 )
@@ -240,13 +298,59 @@ class Catalog(BaseModel):
             object.__setattr__(self, "_cached_index", index)
         return index
 
-    def for_collector(self, collector: Collector | str) -> Catalog:
+    def for_collector(self, collector: str) -> Catalog:
         """The families one collector emits, as a catalog of their own (for that collector's client)."""
-        wanted = Collector(collector)
-        families = tuple(f for f in self.families if f.collector is wanted)
+        wanted = str(collector.value if isinstance(collector, Collector) else collector)
+        families = tuple(f for f in self.families if f.collector == wanted)
         if not families:
-            raise UnknownFamilyError(f"no family in the metric catalog is emitted by the {wanted.value!r} collector")
-        return Catalog(families=families, streams=self.streams)
+            raise UnknownFamilyError(f"no family in the metric catalog is emitted by the {wanted!r} collector")
+        return Catalog(families=families, streams=self.streams, profiles=self.profiles)
+
+    @property
+    def default_profile(self) -> ProfileSpec:
+        """The first profile: the one metrics.namespace, metrics.catalog and upstreams without `profile` mean."""
+        return next(iter(self.profiles.values()))
+
+    @property
+    def derived_labels(self) -> frozenset[str]:
+        """Every profile's derived labels (a rank's identity keeps them; its replica group does not)."""
+        return frozenset(label for profile in self.profiles.values() for label in profile.derived_labels)
+
+    def namespace_of(self, spec: FamilySpec, default_namespace: str | None = None) -> str:
+        """The exported prefix of `spec`: its profile's namespace (`default_namespace` for the default profile)."""
+        if default_namespace is not None and spec.profile == self.default_profile.name:
+            return default_namespace
+        return self.profiles[spec.profile].namespace
+
+    def of_profile(self, name: str) -> Catalog:
+        """The families of one profile, as a catalog of their own (an upstream's, a client's)."""
+        if name not in self.profiles:
+            raise UnknownFamilyError(f"profile {name!r} is not in use (in use: {', '.join(self.profiles)})")
+        families = tuple(f for f in self.families if f.profile == name)
+        streams = {key: spec for key, spec in self.streams.items()
+                   if any(f.collector == key for f in families)} or dict(self.streams)
+        return Catalog(families=families, streams=streams, profiles={name: self.profiles[name]})
+
+    @classmethod
+    def merged(cls, catalogs: Sequence[Catalog]) -> Catalog:
+        """Several profiles' catalogs as one (the first is the default); ConfigError names what clashes."""
+        profiles: dict[str, ProfileSpec] = {}
+        streams: dict[str, StreamSpec] = {}
+        families: list[FamilySpec] = []
+        for catalog in catalogs:
+            for name, profile in catalog.profiles.items():
+                if name in profiles:
+                    raise ConfigError(f"profile {name!r} is given twice")
+                profiles[name] = profile
+            for key, stream in catalog.streams.items():
+                if key in streams and streams[key] != stream:
+                    raise ConfigError(f"two profiles define the stream {key!r} differently")
+                streams[key] = stream
+            families.extend(catalog.families)
+        try:
+            return cls(families=tuple(families), streams=streams, profiles=profiles)
+        except ValidationError as err:
+            raise ConfigError(format_validation_error(err, "profiles in use")) from None
 
     def bandwidth_pairs(self) -> list[tuple[FamilySpec, FamilySpec]]:
         """(bytes counter, duration histogram) pairs that get active-bandwidth gauges."""
@@ -267,11 +371,18 @@ def format_validation_error(err: ValidationError, source: str) -> str:
 
 
 def catalog_from_data(data: Any, source: str = "catalog") -> Catalog:
-    """Validate parsed YAML as a catalog, dropping `x-` keys that hold YAML anchors."""
+    """Validate parsed YAML as one profile's catalog, dropping `x-` keys that hold YAML anchors.
+
+    Its `profile:` (default: the sglang profile) names every family's profile."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping with a `families` list")
     data = {k: v for k, v in data.items() if not str(k).startswith("x-")}
     try:
+        profile = ProfileSpec.model_validate(data.pop("profile")) if "profile" in data else SGLANG_PROFILE
+        families = data.get("families")
+        if isinstance(families, list):
+            data["families"] = [{**f, "profile": profile.name} if isinstance(f, dict) else f for f in families]
+        data["profiles"] = {profile.name: profile}
         return Catalog.model_validate(data)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, source)) from None
@@ -289,9 +400,27 @@ def load_yaml(path: Path) -> Any:
 
 
 def load_catalog(path: Path | str | None = None) -> Catalog:
-    """Load the catalog at `path`, or the packaged default."""
+    """Load the catalog at `path`, or the packaged default (the sglang profile)."""
     resolved = Path(path) if path is not None else default_path("catalog.yaml")
     return catalog_from_data(load_yaml(resolved), str(resolved))
+
+
+# Profiles shipped with the sidecar, by name: their catalog files in exporter/defaults.
+PACKAGED_PROFILES = {DEFAULT_PROFILE: "catalog.yaml", "lmcache": "lmcache.yaml"}
+
+
+def load_profile(name_or_path: str | Path) -> Catalog:
+    """One profile's catalog: a packaged profile by name (sglang, lmcache) or a profile YAML file."""
+    if str(name_or_path) in PACKAGED_PROFILES:
+        return load_catalog(default_path(PACKAGED_PROFILES[str(name_or_path)]))
+    return load_catalog(name_or_path)
+
+
+def load_profiles(default_catalog_path: Path | str | None, others: Sequence[str | Path]) -> Catalog:
+    """The catalog of every profile in use: the default profile's (metrics.catalog) first, then `others`."""
+    first = load_catalog(default_catalog_path)
+    rest = [load_profile(other) for other in others if str(other) != first.default_profile.name]
+    return Catalog.merged([first, *rest]) if rest else first
 
 
 _default_catalog: Catalog | None = None

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from exporter import __version__
-from exporter.catalog import load_catalog
+from exporter.catalog import load_profiles
 from exporter.config import WORLD_SPEC_FORM, SidecarConfig, apply_web_config, load_config, setting_origin
 from exporter.defaults import DEFAULT_PORT, DEFAULT_SOCKET_PATH, ENV_CONFIG, ENV_PORT, ENV_SOCKET, LOG_LEVELS
 from exporter.errors import HicacheExporterError, StartupError
@@ -59,21 +59,25 @@ class _AppendUpstream(argparse.Action):
         namespace.upstream_order = [*namespace.upstream_order, str(values)]
 
 
-def upstream_worlds(args: argparse.Namespace) -> dict[str, str]:
-    """Each command-line upstream's --upstream-world SPEC, by its URL or directory."""
-    worlds: list[str] = args.upstream_world
+def per_upstream(args: argparse.Namespace, values: list[str], flag: str) -> dict[str, str]:
+    """Each command-line upstream's `flag` value, by its URL or directory: one for all, or one per upstream in order."""
     order: list[str] = args.upstream_order
-    if not worlds:
+    if not values:
         return {}
     if not order:
-        raise HicacheExporterError("--upstream-world applies to the upstreams given with --upstream or "
-                                   "--upstream-multiprocess-dir, and none is (config upstreams[].world for the file's)")
-    if len(worlds) == 1:
-        return dict.fromkeys(order, worlds[0])
-    if len(worlds) != len(order):
-        raise HicacheExporterError(f"{len(worlds)} --upstream-world for {len(order)} upstreams: give one for all of "
+        raise HicacheExporterError(f"{flag} applies to the upstreams given with --upstream or "
+                                   "--upstream-multiprocess-dir, and none is (config upstreams[] for the file's)")
+    if len(values) == 1:
+        return dict.fromkeys(order, values[0])
+    if len(values) != len(order):
+        raise HicacheExporterError(f"{len(values)} {flag} for {len(order)} upstreams: give one for all of "
                                    "them, or one per --upstream and --upstream-multiprocess-dir, in their order")
-    return dict(zip(order, worlds))
+    return dict(zip(order, values))
+
+
+def upstream_worlds(args: argparse.Namespace) -> dict[str, str]:
+    """Each command-line upstream's --upstream-world SPEC, by its URL or directory."""
+    return per_upstream(args, args.upstream_world, "--upstream-world")
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:
@@ -119,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "reports is counted missing; the engine's storage labels fill in pp and cp left out. "
                             "One for every --upstream and --upstream-multiprocess-dir, or one per upstream in "
                             "the order they are given (config upstreams[].world)")
+    serve.add_argument("--upstream-profile", action="append", metavar="NAME", default=[],
+                       help="the engine profile an upstream serves: sglang (default) or lmcache (vLLM + LMCache), "
+                            "or a profile YAML file; one for every upstream, or one per upstream in the order they "
+                            "are given (config upstreams[].profile)")
+    serve.add_argument("--profile", action="append", metavar="NAME", default=[],
+                       help="serve an engine profile besides sglang for ranks that push (lmcache, or a profile YAML "
+                            "file; repeatable; config metrics.profiles)")
     serve.set_defaults(upstream_order=[])
     serve.add_argument("--persistence.file", dest="persistence_file", type=Path, metavar="FILE",
                        help="keep the rollups' durable state in FILE, so that they continue exactly across restarts "
@@ -259,6 +270,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = load_config(args.config, port=port, host=host, socket_path=args.socket,
                          upstreams=args.upstream, upstream_dirs=args.upstream_multiprocess_dir,
                          upstream_worlds=upstream_worlds(args),
+                         upstream_profiles=per_upstream(args, args.upstream_profile, "--upstream-profile"),
+                         profiles=args.profile,
                          persistence_file=args.persistence_file, persistence_interval=args.persistence_interval,
                          nodes=args.ranks_nodes, node_rank=args.ranks_node_rank)
     if args.web_config_file is not None:
@@ -278,7 +291,7 @@ def _check_config(args: argparse.Namespace) -> int:
     from exporter.sidecar.http.security import server_ssl_context
 
     config: SidecarConfig = load_config(args.file, env={})
-    catalog = load_catalog(config.metrics.catalog)
+    catalog = load_profiles(config.metrics.catalog, config.profiles_in_use)
     if config.http.tls_server_config is not None:
         server_ssl_context(config.http.tls_server_config)  # the files exist and load, as serve needs them
     print(f"{args.file}: OK ({len(catalog)} families, namespace {config.metrics.namespace!r}, "

@@ -8,7 +8,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -156,6 +156,9 @@ class MetricsConfig(_Strict):
 
     namespace: str = "sglang_"
     catalog: Path | None = None
+    # Engine profiles served beside the default one (metrics.catalog's): a packaged profile's name
+    # (lmcache) or a profile YAML file. An upstream's `profile` is served without being listed here.
+    profiles: tuple[str, ...] = ()
     # False: only rollups (and derived gauges) of the catalog families on /metrics, no per-rank
     # series; the JSON view and the status page still list every rank.
     per_rank_series: bool = True
@@ -302,7 +305,9 @@ class UpstreamConfig(_Strict):
     interval_seconds: float = Field(5.0, gt=0)
     timeout_seconds: float = Field(3.0, gt=0)
     format: Literal["text", "openmetrics"] = "text"  # which exposition to ask a URL upstream for
-    prefix: str = "sglang:"  # stripped from the upstream's names to find catalog families
+    # The engine profile whose families the upstream serves (sglang, lmcache, or a profile file).
+    profile: str = Field("sglang", min_length=1)
+    prefix: str | None = None  # stripped from the upstream's names to find its families; default: the profile's
     headers: dict[str, str] = Field(default_factory=dict)
     basic_auth: UpstreamBasicAuth | None = None
     tls: UpstreamTLS | None = None
@@ -321,7 +326,7 @@ class UpstreamConfig(_Strict):
             raise ValueError("headers, basic_auth, tls and follow_redirects apply to a url upstream only")
         if self.timeout_seconds > self.interval_seconds:
             raise ValueError("timeout_seconds must not exceed interval_seconds")
-        if not NAMESPACE_RE.match(self.prefix):
+        if self.prefix is not None and not NAMESPACE_RE.match(self.prefix):
             raise ValueError(f"prefix {self.prefix!r} is not a valid metric name prefix")
         return self
 
@@ -342,6 +347,11 @@ class SidecarConfig(_Strict):
     upstreams: tuple[UpstreamConfig, ...] = ()
     persistence: PersistenceConfig = PersistenceConfig()
     log_level: LogLevel = DEFAULT_LOG_LEVEL
+
+    @property
+    def profiles_in_use(self) -> tuple[str, ...]:
+        """The profiles served besides the default one: metrics.profiles, then the upstreams' own."""
+        return tuple(dict.fromkeys([*self.metrics.profiles, *(u.profile for u in self.upstreams)]))
 
     @field_validator("upstreams")
     @classmethod
@@ -442,6 +452,8 @@ def load_config(
     upstreams: list[str] | None = None,
     upstream_dirs: list[str] | None = None,
     upstream_worlds: Mapping[str, str] | None = None,
+    upstream_profiles: Mapping[str, str] | None = None,
+    profiles: Sequence[str] | None = None,
     persistence_file: Path | str | None = None,
     persistence_interval: str | None = None,
     nodes: int | None = None,
@@ -479,6 +491,8 @@ def load_config(
         flag_layer.setdefault("persistence", {})["file"] = str(persistence_file)
     if persistence_interval is not None:
         flag_layer.setdefault("persistence", {})["interval"] = persistence_interval
+    if profiles:
+        flag_layer.setdefault("metrics", {})["profiles"] = list(dict.fromkeys(profiles))
     if nodes is not None:
         flag_layer.setdefault("ranks", {})["nodes"] = nodes
     if node_rank is not None:
@@ -497,6 +511,8 @@ def load_config(
             source = upstream.get("url") or str(upstream.get("multiprocess_dir"))
             if isinstance(source, str) and source in worlds:
                 upstream["world"] = worlds[source]
+            if isinstance(source, str) and source in (upstream_profiles or {}):
+                upstream["profile"] = (upstream_profiles or {})[source]
         flag_layer["upstreams"] = listed
     layers.append(("command-line flags", flag_layer))
     config = config_from_data(data, str(path) if path is not None else "built-in defaults")

@@ -16,10 +16,6 @@ RANK_KEYS: tuple[str, str, str] = ("tp_rank", "pp_rank", "dp_rank")
 # (the engine's radix series carry no attn_cp_rank, its storage series do).
 OPTIONAL_RANK_KEYS: tuple[str] = ("attn_cp_rank",)
 RANK_AXES: tuple[str, ...] = (*RANK_KEYS, *OPTIONAL_RANK_KEYS)
-# Labels that are functions of the rank axes: SGLang derives `moe_ep_rank` from the global tp rank,
-# so replicas of one dp group carry different values. Kept on per-rank series; left out of
-# replica groups and rollups, which would otherwise count such a group once per value.
-DERIVED_LABELS: frozenset[str] = frozenset({"moe_ep_rank"})
 LABEL_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 # Names Prometheus gives meaning to, or that the exposition adds itself.
 RESERVED_LABEL_NAMES: frozenset[str] = frozenset({"le", "quantile", "__name__", *RANK_AXES})
@@ -93,6 +89,18 @@ def split_rank_labels(
             rank[key] = number
     static = {str(k): str(v) for k, v in labels.items() if k not in RANK_AXES and k not in own and str(v)}
     return rank, static
+
+
+def linear_rank_axes(worker: int, tp_size: int | None, cp_size: int = 1) -> dict[str, int]:
+    """The rank axes of a replica-local linear rank laid out as vLLM lays out its workers,
+    (pp_rank * cp_size + cp_rank) * tp_size + tp_rank (vllm/distributed/parallel_state.py:2045-2060);
+    without a tp size, every worker is a tp rank of one stage. dp_rank is not in it: 0."""
+    if tp_size is None:
+        return {"tp_rank": worker, "pp_rank": 0, "dp_rank": 0}
+    axes = {"tp_rank": worker % tp_size, "pp_rank": worker // (tp_size * cp_size), "dp_rank": 0}
+    if cp_size > 1:
+        axes["attn_cp_rank"] = (worker // tp_size) % cp_size
+    return axes
 
 
 def label_name_problem(name: str) -> str | None:

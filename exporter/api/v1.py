@@ -36,7 +36,7 @@ GroupId = Annotated[str, Meta(pattern="^g[0-9]+$", description="id of a replica 
 LabelSetId = Annotated[str, Meta(pattern="^s[0-9]+$", description="id of its static labels in `label_sets`")]
 RankStateName = Literal["live", "stale", "departed", "expired"]
 Tier = Literal["L1", "L2", "L3"]
-Semantics = Literal["per_shard", "replicated"]
+Semantics = Literal["per_shard", "replicated", "per_engine"]
 Unit = Literal["tokens", "bytes", "seconds", "pages", "states", "gigabytes_per_second"]
 
 

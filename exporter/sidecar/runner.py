@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.process_collector import ProcessCollector
 
-from exporter.catalog import Catalog, load_catalog
+from exporter.catalog import Catalog, load_profiles
 from exporter.config import SidecarConfig
 from exporter.errors import StartupError
 from exporter.sidecar.core.health import SidecarHealth, UpstreamHealth
@@ -118,7 +118,7 @@ class Sidecar:
         self, config: SidecarConfig, catalog: Catalog | None = None, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
-        self.catalog = catalog or load_catalog(config.metrics.catalog)
+        self.catalog = catalog or load_profiles(config.metrics.catalog, config.profiles_in_use)
         self.health = SidecarHealth()
         self.state = SidecarState(self.catalog, config.ranks, config.rollup.window_seconds, clock=clock)
         # prometheus_client's own process_* families (memory, CPU, file descriptors) follow the sidecar's.

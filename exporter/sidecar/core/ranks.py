@@ -12,7 +12,7 @@ from typing import TypeVar
 from exporter.catalog import Catalog
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode, ProtocolError
-from exporter.labels import DERIVED_LABELS, static_label_problem
+from exporter.labels import static_label_problem
 from exporter.protocol.messages import Hello, RankId, World
 from exporter.sidecar.core.history import Positions, WindowHistory
 from exporter.sidecar.core.keys import (
@@ -135,9 +135,10 @@ class RankState:
     by_place: list[tuple[str, dict[str, str], SeriesRoute]] = field(default_factory=list)
     replaced_epochs: deque[str] = field(default_factory=lambda: deque(maxlen=REPLACED_EPOCHS_KEPT))
     shared: StaticKey = ()  # the static labels its replica group and rollups carry (derived ones left out)
+    derived: frozenset[str] = frozenset()  # its profile's derived labels (Catalog.derived_labels)
 
     def __post_init__(self) -> None:
-        self.shared = tuple(item for item in self.static if item[0] not in DERIVED_LABELS)
+        self.shared = tuple(item for item in self.static if item[0] not in self.derived)
 
     @property
     def identity(self) -> RankIdentity:
@@ -269,6 +270,7 @@ class RankRegistry:
         self.forgotten: dict[str, dict[RankIdentity, str]] = {}
         self.budget = SeriesBudget(config.max_series_total)
         self.family_labels = frozenset(label for family in catalog for label in family.labels)  # not static labels
+        self.derived = catalog.derived_labels
         self.silence = Silence(clock, config.stale_after_seconds, config.expire_after_seconds)
 
     def join(self, connection: object, msg: Join, source: str = PUSH_SOURCE) -> HelloResult:
@@ -291,7 +293,7 @@ class RankRegistry:
                 tp_rank=msg.rank.tp_rank, pp_rank=msg.rank.pp_rank, dp_rank=msg.rank.dp_rank,
                 static=static, epoch=msg.epoch, pid=msg.pid, attn_cp_rank=msg.rank.attn_cp_rank, source=source,
                 history=WindowHistory(self.window, self.window / WINDOW_HISTORY_ENTRIES), silence=self.silence,
-                resumed=self._remembered(identity, source) == msg.epoch,
+                resumed=self._remembered(identity, source) == msg.epoch, derived=self.derived,
             )
             self.ranks[identity] = rank
             result = HelloResult(rank)

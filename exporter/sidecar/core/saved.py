@@ -280,7 +280,7 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
             history=WindowHistory(window, window / WINDOW_HISTORY_ENTRIES), silence=registry.silence,
             seq=saved_rank.seq, resumed=saved_rank.resumed, restarts=saved_rank.restarts, reconnects=saved_rank.reconnects,
             snapshots=saved_rank.snapshots, epoch_conflicts=saved_rank.epoch_conflicts, last_push_wall=saved_rank.last_push_wall,
-            restored=True, world=saved_rank.world,
+            restored=True, world=saved_rank.world, derived=registry.derived,
         )
         rank.replaced_epochs.extend(saved_rank.replaced_epochs)
         # Timers restart from the load: departed now (expired ones stay expired); a reconnect's seq

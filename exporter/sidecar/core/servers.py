@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from exporter.catalog import Collector, StreamSpec
+from exporter.catalog import StreamSpec
 from exporter.protocol.messages import World
 from exporter.sidecar.core.keys import StaticKey
 from exporter.sidecar.core.ranks import RankState
@@ -196,12 +196,12 @@ class Server:
         return [cell for cell in self.cells.values() if cell.streams]
 
 
-def stream_kind(static: StaticKey, streams: Mapping[Collector, StreamSpec]) -> tuple[str, StreamSpec | None]:
+def stream_kind(static: StaticKey, streams: Mapping[str, StreamSpec]) -> tuple[str, StreamSpec | None]:
     """The collector whose marker label the identity carries, or (CLIENT_KIND, None)."""
     names = {name for name, _ in static}
     for collector, spec in streams.items():
         if spec.marker in names:
-            return collector.value, spec
+            return collector, spec
     return CLIENT_KIND, None
 
 
@@ -212,7 +212,7 @@ def server_labels(rank: RankState, spec: StreamSpec | None) -> StaticKey:
     return tuple(item for item in rank.shared if item[0] not in spec.labels)
 
 
-def build_servers(ranks: Iterable[RankState], streams: Mapping[Collector, StreamSpec], max_ranks: int,
+def build_servers(ranks: Iterable[RankState], streams: Mapping[str, StreamSpec], max_ranks: int,
                   node_rank: int = 0, nodes: int = 1) -> list[Server]:
     """Every server of `ranks`, by its labels, with cells for every position seen or expected.
 
@@ -268,7 +268,7 @@ def build_servers(ranks: Iterable[RankState], streams: Mapping[Collector, Stream
         if cell is None:
             cell = server.cells[position] = Cell(position)
         cell.streams.append(Stream(rank, kind, position))
-    order = {collector.value: n for n, collector in enumerate(streams)}  # the catalog's order: radix, storage, ...
+    order = {collector: n for n, collector in enumerate(streams)}  # the catalog's order: radix, storage, ...
     for server in by_key.values():
         for cell in server.cells.values():
             cell.streams.sort(key=lambda s: order.get(s.kind, len(order)))  # stable: exposition order within a kind

@@ -15,6 +15,7 @@ SELF = "hicache_exporter_"
 ROLLUP_HELP = {
     Semantics.PER_SHARD: "Sum over all ranks (per-shard quantity). ",
     Semantics.REPLICATED: "Furthest replica of each dp replica group, summed over groups (logically replicated quantity). ",
+    Semantics.PER_ENGINE: "Sum over all ranks, where only each engine's own process counts (per-engine quantity). ",
 }
 
 
@@ -91,14 +92,16 @@ SELF_FAMILIES: dict[str, Family] = {f.name: f for f in (
 
 
 class ExposedFamilies:
-    """The catalog-derived families under one namespace: per rank, rollups, bandwidth and spread."""
+    """The catalog-derived families, each under its profile's namespace: per rank, rollups, bandwidth and spread."""
 
     def __init__(self, catalog: Catalog, namespace: str) -> None:
-        self.namespace = namespace
-        self.per_rank = {spec.name: Family(spec.exported_name(namespace), spec.type.value, spec.help) for spec in catalog}
-        rollup = namespace + "rollup_"
+        self.namespace = namespace  # the default profile's (metrics.namespace)
+        prefix = {spec.name: catalog.namespace_of(spec, namespace) for spec in catalog}
+        self.per_rank = {spec.name: Family(spec.exported_name(prefix[spec.name]), spec.type.value, spec.help)
+                         for spec in catalog}
         self.rollup = {
-            spec.name: Family(spec.exported_name(rollup), spec.type.value, ROLLUP_HELP[spec.semantics] + spec.help)
+            spec.name: Family(spec.exported_name(prefix[spec.name] + "rollup_"), spec.type.value,
+                              ROLLUP_HELP[spec.semantics] + spec.help)
             for spec in catalog
         }
         self.bandwidth: dict[str, tuple[Family, Family]] = {}
@@ -107,13 +110,14 @@ class ExposedFamilies:
                 f"Active bandwidth of {bytes_spec.name}: byte increase over the window divided by the "
                 "increase of its duration histogram's sum (idle time excluded); absent without transfers."
             )
+            own = prefix[bytes_spec.name]
             self.bandwidth[bytes_spec.name] = (
-                Family(namespace + bytes_spec.bandwidth_name, "gauge", help_text),
-                Family(rollup + bytes_spec.bandwidth_name, "gauge", "Rolled up: " + help_text),
+                Family(own + bytes_spec.bandwidth_name, "gauge", help_text),
+                Family(own + "rollup_" + bytes_spec.bandwidth_name, "gauge", "Rolled up: " + help_text),
             )
         self.spread = {
             spec.name: Family(
-                namespace + spec.base_name + "_replica_spread_ratio", "gauge",
+                prefix[spec.name] + spec.base_name + "_replica_spread_ratio", "gauge",
                 f"How far live replicas' increases of {spec.name} over the window disagree: (max - min) / max.",
             )
             for spec in catalog if spec.type is MetricType.COUNTER and spec.replicated

@@ -96,8 +96,8 @@ from prometheus_client.samples import Timestamp
 
 from exporter.catalog import Catalog, FamilySpec, MetricType
 from exporter.config import UpstreamConfig
-from exporter.errors import ErrorCode, LabelError, ProtocolError
-from exporter.labels import MAX_RANK_AXIS, RANK_AXES, RANK_KEYS, rank_axis, split_rank_labels
+from exporter.errors import ConfigError, ErrorCode, LabelError, ProtocolError
+from exporter.labels import MAX_RANK_AXIS, RANK_AXES, RANK_KEYS, linear_rank_axes, rank_axis, split_rank_labels
 from exporter.protocol.messages import RankId, Sample, World
 from exporter.sidecar.core.health import UpstreamHealth
 from exporter.sidecar.core.keys import static_key
@@ -328,10 +328,24 @@ class UpstreamFeed:
         self.state = state
         self.health = health
         self.reserved = frozenset(reserved_names)  # family names the sidecar makes: pass-through must not reuse them
-        self.catalog: Catalog = state.catalog
+        self.catalog: Catalog = state.catalog.of_profile(config.profile)  # the families this engine serves
+        self.profile = self.catalog.default_profile
         # The upstream's names of catalog families (without the prefix), in both spellings of `:`.
         self.specs: dict[str, FamilySpec] = {spec.exported_name(""): spec for spec in self.catalog}
-        self.prefixes = tuple(dict.fromkeys((config.prefix, config.prefix.replace(":", "_"))))
+        prefix = config.prefix if config.prefix is not None else self.profile.upstream_prefix
+        self.prefixes = tuple(dict.fromkeys((prefix, prefix.replace(":", "_"))))
+        # A profile whose series name their rank with one replica-local label (LMCache's worker_id)
+        # labels no data-parallel replica: the engine's /metrics sums the replicas' equal label sets,
+        # and a directory is read the same way (every process's files merged), so that the replicas
+        # of one worker are one rank whose values are their sum, never two processes taking turns.
+        self.linear = self.profile.linear_rank_label
+        self.merges_processes = self.linear is not None
+        world = config.world
+        if self.linear is not None and world is not None and world.dp_size > 1:
+            raise ConfigError(f"upstream {config.label}: profile {self.profile.name!r} labels no data-parallel replica, so "
+                              "its replicas read as one engine here (their sum); give world dp_size 1, or push "
+                              "through the hook, which tells replicas apart")
+        self.linear_sizes = (world.tp_size, world.attn_cp_size or 1) if world is not None else (None, 1)
         self.ranks: dict[RankIdentity, _UpstreamRank] = {}
         digest = hashlib.sha256(config.label.encode()).hexdigest()[:8]
         self.source = f"upstream:{health.name}"  # the identities this upstream reports are its own
@@ -466,10 +480,12 @@ class UpstreamFeed:
         number = 0  # of the family's first sample in the reading
         for pid, _, families in reading:
             by_rank: dict[RankIdentity, _RankPlan] = {}
+            # Catalog series come from each process apart, or (merges_processes) from all of them merged.
+            ranked_here = pid == MERGED if self.merges_processes and merged else pid != MERGED
             for family in families:
                 first, number = number, number + len(family.samples)
                 spec = self.spec_of(family.name)
-                if pid == MERGED or spec is None:
+                if not ranked_here or spec is None:
                     if spec is None and self.config.pass_through and (pid == MERGED or not merged):
                         plan.samples += len(family.samples)
                         passed.offer(family, first)
@@ -478,6 +494,8 @@ class UpstreamFeed:
                 if family.documentation and family.documentation != MULTIPROCESS_HELP:
                     help_texts[spec.name] = family.documentation
                 for labels, series in _series(spec, family, first, plan.refused, duplicated):
+                    if self.linear is not None:
+                        labels = self._linear_ranked(labels)
                     if "attn_cp_size" in labels and _int_or_zero(labels["attn_cp_size"]) > 1:
                         cp_size_above_one = True
                     if not all(key in labels for key in RANK_KEYS):
@@ -498,7 +516,8 @@ class UpstreamFeed:
                                 ranks_cut += 1
                                 continue
                             identities.add(identity)
-                        rank = by_rank[identity] = _RankPlan(identity, rank_id, static, pid, [], {})
+                        rank = by_rank[identity] = _RankPlan(identity, rank_id, static,
+                                                             None if pid == MERGED else pid, [], {})
                     rank.series.append(series)
             per_process.append((pid, by_rank))
         if cp_size_above_one:
@@ -727,6 +746,16 @@ class UpstreamFeed:
                 out.append(metric)
         plan.passed, plan.passed_values, plan.passed_timestamps = out, values, timestamps
         return out
+
+    def _linear_ranked(self, labels: dict[str, str]) -> dict[str, str]:
+        """A series' labels with the rank axes its linear rank label names (labels.linear_rank_axes, by the
+        configured world's tp and cp sizes); unchanged (and so unranked) where that label is missing or no rank."""
+        assert self.linear is not None
+        number = rank_axis(labels.get(self.linear, ""))
+        if number is None:
+            return labels
+        axes = linear_rank_axes(number, *self.linear_sizes)
+        return {**labels, **{key: str(value) for key, value in axes.items()}}
 
     def _rank_of(self, labels: dict[str, str], own: tuple[str, ...]) -> tuple[RankId | None, dict[str, str]]:
         """The rank axes (None where one is missing or no rank number), and the static labels: the

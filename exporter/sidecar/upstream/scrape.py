@@ -157,7 +157,7 @@ class UpstreamScraper:
         directory = self.config.multiprocess_dir
         assert directory is not None
         try:
-            read = read_directory(directory, self.config.pass_through, self.max_entries)
+            read = read_directory(directory, self.config.pass_through or self.feed.merges_processes, self.max_entries)
             return read.skipped, self.feed.plan_reading(read.reading)
         except TooLarge as err:
             raise _ReadError("too_large", str(err)) from None

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from exporter.catalog import Collector, StreamSpec
+from exporter.catalog import StreamSpec
 from exporter.config import UpstreamWorld
 from exporter.labels import rank_axis
 from exporter.protocol.messages import RankId, World
@@ -54,7 +54,7 @@ NO_WORLD = Judgement(None, None)
 
 
 def judge(configured: UpstreamWorld | None, ranks: Iterable[tuple[RankId, StaticKey]],
-          streams: Mapping[Collector, StreamSpec]) -> Judgement:
+          streams: Mapping[str, StreamSpec]) -> Judgement:
     """The world `ranks` (each rank's axes and static labels, as one read lists them) are expected in."""
     if configured is None:
         return NO_WORLD
@@ -116,7 +116,7 @@ def _labelled_sizes(ranks: list[tuple[RankId, StaticKey]]) -> dict[str, tuple[li
 
 
 def _outside(world: World, attn_tp: int, ranks: list[tuple[RankId, StaticKey]],
-             streams: Mapping[Collector, StreamSpec], assumed: set[str]) -> list[str]:
+             streams: Mapping[str, StreamSpec], assumed: set[str]) -> list[str]:
     """One problem per axis (and kind of tp rank) that some listed rank has past the world's size."""
     found: dict[tuple[str, str, int], tuple[set[int], set[str]]] = {}
     # Without DP attention every collector labels the engine's tp rank (radix_cache_metric_labels: tp_rank),

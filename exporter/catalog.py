@@ -361,11 +361,11 @@ class Catalog(BaseModel):
         return names & {label for fam in self.families for label in fam.labels}
 
 
-def format_validation_error(err: ValidationError, source: str) -> str:
-    """One line per problem, each naming the field path, for a person to fix."""
+def format_validation_error(err: ValidationError, source: str, within: str = "") -> str:
+    """One line per problem, each naming the field path (under `within`, where the model sits), for a person to fix."""
     lines = [f"{source}: {err.error_count()} problem(s)"]
     for problem in err.errors():
-        loc = ".".join(str(part) for part in problem["loc"]) or "(top level)"
+        loc = ".".join(str(part) for part in ((within,) if within else ()) + tuple(problem["loc"])) or "(top level)"
         lines.append(f"  {loc}: {problem['msg']}")
     return "\n".join(lines)
 
@@ -379,6 +379,9 @@ def catalog_from_data(data: Any, source: str = "catalog") -> Catalog:
     data = {k: v for k, v in data.items() if not str(k).startswith("x-")}
     try:
         profile = ProfileSpec.model_validate(data.pop("profile")) if "profile" in data else SGLANG_PROFILE
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source, "profile")) from None
+    try:
         families = data.get("families")
         if isinstance(families, list):
             data["families"] = [{**f, "profile": profile.name} if isinstance(f, dict) else f for f in families]
@@ -413,6 +416,9 @@ def load_profile(name_or_path: str | Path) -> Catalog:
     """One profile's catalog: a packaged profile by name (sglang, lmcache) or a profile YAML file."""
     if str(name_or_path) in PACKAGED_PROFILES:
         return load_catalog(default_path(PACKAGED_PROFILES[str(name_or_path)]))
+    if not Path(name_or_path).exists():
+        raise ConfigError(f"profile {str(name_or_path)!r} is neither a packaged profile "
+                          f"({', '.join(PACKAGED_PROFILES)}) nor a profile file")
     return load_catalog(name_or_path)
 
 

@@ -13,6 +13,7 @@ from exporter.labels import (
     MAX_RANK_AXIS,
     RANK_KEYS,
     label_name_problem,
+    linear_rank_axes,
     own_labels_problem,
     radix_cache_metric_labels,
     rank_axis,
@@ -192,3 +193,21 @@ def test_static_label_problem(name, value, problem):
 def test_own_labels_problem_names_what_the_family_takes():
     assert own_labels_problem("f_total", ("pool",), {"pool": "kv"}) is None
     assert own_labels_problem("f_total", ("pool",), {"zone": "eu"}) == "'f_total' takes labels ['pool'], got ['zone']"
+
+
+@given(tp=st.integers(1, 16), pp=st.integers(1, 8), cp=st.integers(1, 4), data=st.data())
+@settings(max_examples=200, deadline=None)
+def test_linear_rank_axes_inverts_vllms_layout(tp: int, pp: int, cp: int, data: st.DataObject) -> None:
+    """vLLM numbers a replica's workers (pp_rank * cp_size + cp_rank) * tp_size + tp_rank
+    (parallel_state.py:2045-2060): the axes read back are the ones it was made from, each worker its own."""
+    tp_rank, pp_rank, cp_rank = data.draw(st.integers(0, tp - 1)), data.draw(st.integers(0, pp - 1)), data.draw(
+        st.integers(0, cp - 1))
+    worker = (pp_rank * cp + cp_rank) * tp + tp_rank
+    axes = linear_rank_axes(worker, tp, cp)
+    assert axes == {"tp_rank": tp_rank, "pp_rank": pp_rank, "dp_rank": 0, **({"attn_cp_rank": cp_rank} if cp > 1 else {})}
+    seen = {tuple(sorted(linear_rank_axes(w, tp, cp).items())) for w in range(tp * pp * cp)}
+    assert len(seen) == tp * pp * cp
+
+
+def test_without_a_tp_size_every_worker_is_a_tp_rank_of_one_stage() -> None:
+    assert linear_rank_axes(5, None) == {"tp_rank": 5, "pp_rank": 0, "dp_rank": 0}

@@ -1,0 +1,146 @@
+"""Engine profiles (DESIGN section 14): each catalog file is one engine's profile, the profiles in use
+merge into one catalog without a clash, and each family is exported under its own profile's namespace."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from exporter.catalog import (
+    DEFAULT_PROFILE,
+    Catalog,
+    MetricType,
+    Semantics,
+    catalog_from_data,
+    default_catalog,
+    load_profile,
+    load_profiles,
+)
+from exporter.defaults import default_path
+from exporter.errors import ConfigError, UnknownFamilyError
+from exporter.sidecar.expose.families import ExposedFamilies
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def lmcache() -> Catalog:
+    return load_profile("lmcache")
+
+
+@pytest.fixture(scope="module")
+def both() -> Catalog:
+    return load_profiles(None, ["lmcache"])
+
+
+def _family(name: str = "things_total", **extra: object) -> dict[str, object]:
+    return {"name": name, "type": "counter", "semantics": "per_shard", "help": "Things.", **extra}
+
+
+def _profile(**extra: object) -> dict[str, object]:
+    return {"name": "other", "namespace": "other_", "upstream_prefix": "other:", **extra}
+
+
+def test_the_default_catalog_is_the_sglang_profile() -> None:
+    profile = default_catalog().default_profile
+    assert (profile.name, profile.namespace, profile.upstream_prefix) == (DEFAULT_PROFILE, "sglang_", "sglang:")
+    assert profile.linear_rank_label is None
+    assert default_catalog().derived_labels == {"moe_ep_rank"}
+    assert {f.profile for f in default_catalog()} == {"sglang"}
+
+
+def test_the_lmcache_profile_is_every_family_of_lmcache_0_5_6_with_its_meaning(lmcache: Catalog) -> None:
+    profile = lmcache.default_profile
+    assert (profile.name, profile.namespace, profile.upstream_prefix) == ("lmcache", "lmcache_", "lmcache:")
+    assert profile.linear_rank_label == "worker_id" and lmcache.derived_labels == {"worker_id"}
+    assert set(profile.static_labels) == {"model_name", "role", "served_model_name"}
+    assert len(lmcache) == 94
+    assert Counter(f.type for f in lmcache) == {MetricType.COUNTER: 23, MetricType.GAUGE: 51, MetricType.HISTOGRAM: 20}
+    # docs/lmcache-0.5.6.md: 15 replicated, 13 per engine, 46 per shard and 20 the code does not settle (summed).
+    assert Counter(f.semantics for f in lmcache) == {
+        Semantics.REPLICATED: 15, Semantics.PER_ENGINE: 13, Semantics.PER_SHARD: 66}
+    assert sum(1 for f in lmcache if f.evidence and f.evidence.startswith("unsure")) == 20
+    assert all(f.collector == "lmcache" and f.roles and f.evidence and not f.labels for f in lmcache)
+    assert {f.multiprocess_mode for f in lmcache if f.type is MetricType.GAUGE} == {"sum", "livemostrecent"}
+    assert all(f.multiprocess_mode is None for f in lmcache if f.type is not MetricType.GAUGE)
+    assert lmcache.get("num_hit_tokens_total").replicated and lmcache.get("num_remote_read_bytes_total").per_shard
+    assert lmcache.get("scheduler_unfinished_requests_count").semantics is Semantics.PER_ENGINE
+    assert lmcache.streams["lmcache"].marker == "role"
+
+
+def test_per_engine_families_add_up_like_per_shard_ones(lmcache: Catalog) -> None:
+    spec = lmcache.get("chunk_statistics_total_requests")
+    assert spec.per_shard and not spec.replicated
+
+
+def test_config_lmcache_yaml_is_a_symlink_to_the_packaged_profile(lmcache: Catalog) -> None:
+    link = REPO / "config" / "lmcache.yaml"
+    assert link.is_symlink() and link.resolve() == default_path("lmcache.yaml").resolve()
+    assert load_profile(link) == lmcache
+
+
+def test_profiles_in_use_merge_into_one_catalog(both: Catalog, lmcache: Catalog) -> None:
+    assert list(both.profiles) == ["sglang", "lmcache"] and both.default_profile.name == "sglang"
+    assert len(both) == len(default_catalog()) + len(lmcache)
+    assert set(both.streams) == {"radix", "storage", "scheduler", "lmcache"}
+    assert both.derived_labels == {"moe_ep_rank", "worker_id"}
+    assert both.of_profile("lmcache").families == lmcache.families
+    assert both.of_profile("sglang").families == default_catalog().families
+    assert load_profiles(None, ["sglang"]) == default_catalog()
+    with pytest.raises(UnknownFamilyError, match="profile 'vllm' is not in use"):
+        both.of_profile("vllm")
+
+
+def test_each_family_is_exported_under_its_profiles_namespace_and_no_name_clashes(both: Catalog) -> None:
+    exposed = ExposedFamilies(both, "sglang_")
+    alone = ExposedFamilies(default_catalog(), "sglang_")
+    for table in ("per_rank", "rollup", "spread", "bandwidth"):
+        # The sglang profile's names are what they were without lmcache.
+        mine = {k: v for k, v in getattr(exposed, table).items() if k in getattr(alone, table)}
+        assert mine == getattr(alone, table)
+    assert exposed.per_rank["num_hit_tokens_total"].name == "lmcache_num_hit_tokens"
+    assert exposed.rollup["num_hit_tokens_total"].name == "lmcache_rollup_num_hit_tokens"
+    assert exposed.spread["num_hit_tokens_total"].name == "lmcache_num_hit_tokens_replica_spread_ratio"
+    assert ExposedFamilies(both, "engine:").per_rank["evicted_tokens_total"].name == "engine:evicted_tokens"
+    assert ExposedFamilies(both, "engine:").per_rank["num_hit_tokens_total"].name == "lmcache_num_hit_tokens"
+    names = [f.name for table in (exposed.per_rank, exposed.rollup, exposed.spread) for f in table.values()]
+    names += [f.name for pair in exposed.bandwidth.values() for f in pair]
+    assert len(names) == len(set(names))
+    assert not any(n.startswith("sglang_") for n in names if "num_hit" in n or "lmcache" in n[:8])
+
+
+def test_two_profiles_may_not_share_a_family_name(tmp_path: Path) -> None:
+    clash = tmp_path / "clash.yaml"
+    clash.write_text(yaml.safe_dump({"profile": _profile(), "families": [_family("evicted_tokens_total")]}))
+    with pytest.raises(ConfigError, match="evicted_tokens_total"):
+        load_profiles(None, [str(clash)])
+    with pytest.raises(ConfigError, match="profile 'lmcache' is given twice"):
+        Catalog.merged([load_profile("lmcache"), load_profile("lmcache")])
+
+
+def test_an_unknown_profile_is_one_line_naming_the_packaged_ones() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_profile("vllm")
+    assert str(info.value) == "profile 'vllm' is neither a packaged profile (sglang, lmcache) nor a profile file"
+
+
+@pytest.mark.parametrize("profile, fragment", [
+    (_profile(linear_rank_label="worker_id"), "must be one of derived_labels"),
+    (_profile(namespace="bad-name"), "profile.namespace"),
+    (_profile(colour="red"), "profile.colour"),
+    ({"name": "other"}, "profile.namespace"),
+])
+def test_a_bad_profile_block_names_the_problem(profile: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        catalog_from_data({"profile": profile, "families": [_family()]}, "other.yaml")
+
+
+def test_an_operator_profile_file_gives_its_families_its_namespace(tmp_path: Path) -> None:
+    path = tmp_path / "other.yaml"
+    path.write_text(yaml.safe_dump({"profile": _profile(), "families": [_family("widgets_total")]}))
+    merged = load_profiles(None, [str(path)])
+    assert merged.get("widgets_total").profile == "other"
+    assert ExposedFamilies(merged, "sglang_").rollup["widgets_total"].name == "other_rollup_widgets"

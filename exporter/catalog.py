@@ -318,9 +318,13 @@ class Catalog(BaseModel):
 
     def namespace_of(self, spec: FamilySpec, default_namespace: str | None = None) -> str:
         """The exported prefix of `spec`: its profile's namespace (`default_namespace` for the default profile)."""
-        if default_namespace is not None and spec.profile == self.default_profile.name:
+        return self.profile_namespace(spec.profile, default_namespace)
+
+    def profile_namespace(self, name: str, default_namespace: str | None = None) -> str:
+        """The exported prefix of profile `name` (`default_namespace`, metrics.namespace, for the default profile)."""
+        if default_namespace is not None and name == self.default_profile.name:
             return default_namespace
-        return self.profiles[spec.profile].namespace
+        return self.profiles[name].namespace
 
     def of_profile(self, name: str) -> Catalog:
         """The families of one profile, as a catalog of their own (an upstream's, a client's)."""

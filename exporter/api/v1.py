@@ -102,13 +102,22 @@ class Persistence(Model):
     file_bytes: Annotated[Count | None, Meta(description="the file last written or loaded; null: neither yet")]
 
 
+class Profile(Model):
+    """One engine profile the sidecar serves (DESIGN section 14)."""
+
+    name: Annotated[str, Meta(description="sglang, lmcache, or an operator's profile file's name")]
+    namespace: Annotated[str, Meta(description="prefix of its exported families")]
+    families: Count
+
+
 class Sidecar(Model):
     """The sidecar itself: build, uptime, ingest traffic, rejections, limits and its state file."""
 
     version: str
     revision: Annotated[str, Meta(description='git commit, or "unknown"')]
     python_version: str
-    namespace: Annotated[str, Meta(description="prefix of every exported catalog family")]
+    namespace: Annotated[str, Meta(description="prefix of the default profile's (sglang's) exported families")]
+    profiles: Annotated[list[Profile], Meta(description="the engine profiles served, the default one first")]
     started_at: UnixTime
     uptime_seconds: Seconds
     ready: Annotated[bool, Meta(description="what /-/ready answers: the ingest socket is listening")]

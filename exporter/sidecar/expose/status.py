@@ -366,6 +366,9 @@ class StatusView:
             revision=self.revision,
             python_version=platform.python_version(),
             namespace=config.metrics.namespace,
+            profiles=[v1.Profile(name=name, namespace=self.catalog.profile_namespace(name, config.metrics.namespace),
+                                 families=sum(1 for f in self.catalog if f.profile == name))
+                      for name in self.catalog.profiles],
             started_at=stats.started_at,
             uptime_seconds=round(time.monotonic() - stats.started_monotonic, 3),
             ready=stats.ingest_listening,

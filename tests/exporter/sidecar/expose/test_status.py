@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exporter.api import v1
-from exporter.catalog import MetricType, default_catalog
+from exporter.catalog import MetricType, default_catalog, load_profile
 from exporter.client import RankClient
 from exporter.config import RanksConfig, SidecarConfig, config_from_data
 from exporter.protocol.messages import Hello, RankId, World
@@ -768,3 +768,45 @@ def test_the_state_file_line_says_where_how_often_what_was_taken_back_and_what_f
     assert page.state_file(persistence) == ("/var/lib/hicache-exporter/state: 1,234 writes, every 5.0 s; "
                                             "8 rank identities taken back at start; 3 writes failed")
     assert page.state_file(msgspec.structs.replace(persistence, write_failures={})).endswith("taken back at start")
+
+
+def test_a_second_profile_is_served_under_its_own_namespace_and_worker_id_splits_no_replica_group(
+        socket_dir: Path) -> None:
+    """Two replicas (dp 0, 1) of an LMCache engine with two workers each push as the lmcache profile names them:
+    a replicated family's rollup is one worker per replica summed over replicas, a per-shard one every worker's,
+    under `lmcache_`, and the document lists both profiles."""
+    config = config_from_data({
+        "http": {"host": "127.0.0.1", "port": 0}, "ingest": {"socket_path": str(socket_dir / "m.sock")},
+        "metrics": {"profiles": ["lmcache"]},
+    }, "test")
+    lmcache = load_profile("lmcache")
+    sidecar = SidecarThread(config).start()
+    clients = []
+    try:
+        for dp, hits in ((0, 700), (1, 40)):
+            for worker in (0, 1):
+                client = RankClient(sidecar.socket_path, rank={"tp_rank": worker, "pp_rank": 0, "dp_rank": dp},
+                                    labels={"model_name": "m", "served_model_name": "s", "role": "worker",
+                                            "worker_id": str(worker)}, interval=0.1, catalog=lmcache)
+                client.counter("num_hit_tokens_total").inc(hits)
+                client.counter("num_remote_read_bytes_total").inc(1000 * (2 * dp + worker + 1))
+                clients.append(client.start())
+
+        def rollups() -> dict[str, Any]:
+            return {r["family"]: r for r in get_json(sidecar.url + "/api/v1/status")["rollups"]}
+
+        wait_until(lambda: rollups().get("num_remote_read_bytes_total", {}).get("total") == 10_000)
+        doc = get_json(sidecar.url + "/api/v1/status")
+        assert_valid("status", doc)
+        by_family = {r["family"]: r for r in doc["rollups"]}
+        hit = by_family["num_hit_tokens_total"]
+        assert (hit["exported"], hit["semantics"], hit["total"], hit["series_count"]) == (
+            "lmcache_rollup_num_hit_tokens", "replicated", 740, 1)
+        assert by_family["num_remote_read_bytes_total"]["exported"] == "lmcache_rollup_num_remote_read_bytes"
+        assert doc["sidecar"]["profiles"] == [{"name": "sglang", "namespace": "sglang_", "families": 32},
+                                              {"name": "lmcache", "namespace": "lmcache_", "families": 94}]
+        assert len(doc["groups"]) == 2  # one per replica: worker_id is left out of a replica group
+    finally:
+        for client in clients:
+            client.close()
+        sidecar.stop()

@@ -285,7 +285,8 @@ def status_document(
         "api_version": 1, "generated_at": NOW,
         "sidecar": {
             "version": "0.1.0", "revision": "0123456789abcdef0123456789abcdef01234567", "python_version": "3.11.7",
-            "namespace": "sglang_", "started_at": NOW - 192, "uptime_seconds": 192.0, "ready": True,
+            "namespace": "sglang_", "profiles": [{"name": "sglang", "namespace": "sglang_", "families": 32}],
+            "started_at": NOW - 192, "uptime_seconds": 192.0, "ready": True,
             "ingest": {"listening": True, "socket_path": "/run/hicache/metrics.sock"},
             "connections": {"open": by_state["live"] + by_state["stale"], "accepted": len(streams), "allowed": 512},
             "frames_received": 1234, "snapshots_received": 1200, "snapshots_applied": 1190, "samples_applied": 48000,

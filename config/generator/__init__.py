@@ -12,9 +12,8 @@ import json
 import re
 import textwrap
 from collections.abc import Callable
-from typing import Any
-
 from functools import cache
+from typing import Any
 
 from exporter.catalog import DEFAULT_PROFILE, PACKAGED_PROFILES, Catalog, load_profiles
 from exporter.config import MetricsConfig

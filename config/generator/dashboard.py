@@ -20,9 +20,8 @@ same rule and each under its own namespace.
 
 from __future__ import annotations
 
-from typing import Any
-
 from collections.abc import Callable
+from typing import Any
 
 from exporter.catalog import Catalog
 

@@ -147,7 +147,8 @@ def profile_groups(ns: str, catalog: Catalog, other: ProfileSpec | None = None) 
     sum_ranks = "sum " + without(*TARGET_LABELS, *REPLICA_AXES, *rank_derived, "dp_rank")
     per_shard: list[dict[str, Any]] = []
     for i, fam in enumerate(summed_counters(catalog)):
-        per_shard.append(_rule(bytes_rate(ns, fam), f"{sum_ranks} (rate({ns}{fam.name}[{RATE_WINDOW}]))", "" if i or other else """
+        first = not i and other is None  # another profile's group says it in its own comment
+        per_shard.append(_rule(bytes_rate(ns, fam), f"{sum_ranks} (rate({ns}{fam.name}[{RATE_WINDOW}]))", "" if not first else """
             Bytes and seconds are per_shard: every rank moves its own slice of the KV cache (its kv
             heads of its layers), so the physical total is the SUM over all ranks, across pods, tp, pp
             and dp. rate() runs per rank series before the sum, so a rank restart (its counter starting

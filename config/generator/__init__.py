@@ -12,9 +12,10 @@ import json
 import re
 import textwrap
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
-from exporter.catalog import Catalog, default_catalog
+from exporter.catalog import DEFAULT_PROFILE, PACKAGED_PROFILES, Catalog, load_profiles
 from exporter.config import MetricsConfig
 
 from . import dashboard, manifests, rules
@@ -50,6 +51,17 @@ def _header(namespace: str, what: str) -> str:
             f"Do not edit: change config/generator/, then run\n  {again}\n\n" + textwrap.dedent(what).strip("\n"))
 
 
+@cache
+def packaged_catalog() -> Catalog:
+    """The default profile and every other packaged one (lmcache): the profiles the committed files are for."""
+    return load_profiles(None, other_profiles())
+
+
+def other_profiles() -> list[str]:
+    """The packaged profiles besides the default one, in their order."""
+    return [name for name in PACKAGED_PROFILES if name != DEFAULT_PROFILE]
+
+
 def recording_rules(namespace: str, catalog: Catalog) -> dict[str, Any]:
     return {"groups": rules.recording_groups(namespace, catalog)}
 
@@ -76,10 +88,11 @@ def _manifest(namespace: str, what: str, documents: list[dict[str, Any]]) -> str
 def outputs(namespace: str = DEFAULT_NAMESPACE, catalog: Catalog | None = None) -> dict[str, str]:
     """Every generated file under config/, by its path relative to config/, for `namespace`."""
     namespace = check_namespace(namespace)
-    catalog = catalog or default_catalog()
+    catalog = catalog or packaged_catalog()
+    others = tuple(profile for name, profile in catalog.profiles.items() if name != catalog.default_profile.name)
     files: dict[str, Callable[[], str]] = {
         "prometheus/recording_rules.yml": lambda: dump_mapping(
-            recording_rules(namespace, catalog), _header(namespace, rules.recording_header(namespace))),
+            recording_rules(namespace, catalog), _header(namespace, rules.recording_header(namespace, others))),
         "prometheus/alerting_rules.yml": lambda: dump_mapping(
             alerting_rules(namespace), _header(namespace, rules.ALERTING_HEADER)),
         "k8s/prometheusrule.yaml": lambda: _manifest(namespace, """

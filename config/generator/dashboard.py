@@ -12,10 +12,15 @@ span a restart of one that did not (`RESTART_GUARD`): a sidecar without a state 
 file could not be used, starts its rollups over. Which of the two it was, the sidecar says itself
 (`hicache_exporter_persistence_loaded_identities` above 0), so one dashboard serves both kinds of
 deployment, with no variable to set (docs/kubernetes.md, "Rules, alerts and the dashboard").
+
+Every profile in use gets its rows: the default profile's (HiCache tiers) first, then a fleet row and
+a pod row for each other profile that has a row builder here (PROFILE_ROWS: lmcache), under the
+same rule and each under its own namespace.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from exporter.catalog import Catalog
@@ -270,8 +275,122 @@ def _query_variable(name: str, label: str, query: str, multi: bool) -> dict[str,
     }
 
 
+def lmcache_fleet_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
+    """LMCache over every pod: its cluster: recording rules only (one worker per engine for tokens)."""
+    spec = catalog.get
+    hit, asked = rules.cluster_rate(ns, spec("num_hit_tokens_total")), rules.cluster_rate(ns, spec("num_requested_tokens_total"))
+    lookup_hits, lookups = (rules.cluster_rate(ns, spec("num_lookup_hits_total")),
+                            rules.cluster_rate(ns, spec("num_lookup_tokens_total")))
+    return [
+        _row(f"{FLEET_ROW_PREFIX}, LMCache (vLLM): every pod, from the cluster:{ns} recording rules"),
+        _timeseries(
+            "LMCache hit tokens vs requested tokens/s (once per engine)",
+            "Tokens vLLM asked LMCache to retrieve and the tokens LMCache had: per engine its furthest worker "
+            "(every TP and PP worker counts the same tokens), engines summed. Never a sum over worker_id, "
+            "which reports TP x PP times the tokens.",
+            [(f"sum({asked})", "fleet requested tokens"), (f"sum({hit})", "fleet hit tokens")], width=8),
+        _timeseries(
+            "LMCache retrieve and lookup hit ratio",
+            f"From the counters, over the rate window: {rules.hit_ratio(ns, 'retrieve_hit_rate')} per server, "
+            "and over the fleet the summed hit rate over the summed requested rate. LMCache's own "
+            f"{ns}retrieve_hit_rate gauge is one process's last 10 s (1 when idle) and cannot be summed.",
+            [(rules.hit_ratio(ns, "retrieve_hit_rate"), "retrieve {{server}} {{model_name}}"),
+             (f"sum({hit}) / (sum({asked}) > 0)", "fleet retrieve"),
+             (f"sum({lookup_hits}) / (sum({lookups}) > 0)", "fleet lookup")], unit="percentunit", width=8),
+        _timeseries(
+            "LMCache stored, lookup and prompt tokens/s",
+            "Tokens stored into LMCache (evicted ones included), looked up, and the prompts' tokens, once per engine.",
+            [(f"sum({rules.cluster_rate(ns, spec(name))})", f"fleet {label}") for name, label in (
+                ("num_stored_tokens_total", "stored"), ("num_lookup_tokens_total", "lookup"),
+                ("num_prompt_tokens_total", "prompt"), ("num_vllm_hit_tokens_total", "vLLM prefix hit"))], width=8),
+        _timeseries(
+            "LMCache remote read and write bytes/s (every worker summed)",
+            "Bytes each worker moved to and from the remote backend, summed over every worker of every engine "
+            "(each moves its own KV slice).",
+            [(f"sum({rules.bytes_rate(ns, spec('num_remote_read_bytes_total'))})", "fleet read"),
+             (f"sum({rules.bytes_rate(ns, spec('num_remote_write_bytes_total'))})", "fleet write")], unit="Bps", width=8),
+        _timeseries(
+            "LMCache requests/s (once per engine)",
+            "Retrieve, store and lookup requests, per engine its furthest worker, engines summed; lookups by role "
+            "(a scheduler's with scheduler bypass).",
+            [(f"sum({rules.cluster_rate(ns, spec('num_retrieve_requests_total'))})", "fleet retrieve"),
+             (f"sum({rules.cluster_rate(ns, spec('num_store_requests_total'))})", "fleet store"),
+             (f"sum by (role) ({rules.cluster_rate(ns, spec('num_lookup_requests_total'))})", "fleet lookup {{role}}")],
+            width=8),
+        _timeseries(
+            "LMCache local CPU evictions/s (every worker summed)",
+            "Each worker's own LocalCPUBackend: evictions, evicted keys and failed evictions, summed.",
+            [(f"sum({rules.bytes_rate(ns, spec(name))})", f"fleet {label}") for name, label in (
+                ("local_cpu_evict_count_total", "evictions"), ("local_cpu_evict_keys_count_total", "evicted keys"),
+                ("local_cpu_evict_failed_count_total", "failed evictions"))], width=8),
+    ]
+
+
+def lmcache_pod_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
+    """LMCache in the one pod `$instance`: its sidecar's rollups beside its workers."""
+    for name in ("num_hit_tokens_total", "num_requested_tokens_total", "num_stored_tokens_total",
+                 "num_remote_read_bytes_total", "num_remote_write_bytes_total", "local_cache_usage", "retrieve_hit_rate"):
+        catalog.get(name)  # a profile file without them fails here, not in Grafana
+    worker = "worker {{worker_id}} dp{{dp_rank}}"
+    return [
+        _row(f"{POD_ROW_PREFIX} $instance, LMCache (vLLM): its sidecar's rollups and its workers"),
+        _timeseries(
+            "LMCache hit vs requested tokens/s in this pod",
+            f"Rollups: {ns}rollup_num_hit_tokens_total and ..._requested_tokens_total of this pod's sidecar (each "
+            "engine's furthest worker, engines summed). Per worker: every worker of an engine counts the same "
+            "tokens, so their lines lie on top of each other. " + RESTART_NOTE,
+            [(pod_rollup_rate(ns, "num_requested_tokens_total"), "rollup requested"),
+             (pod_rollup_rate(ns, "num_hit_tokens_total"), "rollup hit"),
+             (f"rate({ns}num_hit_tokens_total{{{RANKS}}}[{RATE}])", f"{worker} hit")], width=8),
+        _timeseries(
+            "LMCache retrieve hit ratio in this pod",
+            "The rollups' hit rate over their requested rate, and per worker LMCache's own gauge (its last 10 s "
+            "interval, 1 when idle).",
+            [(f"({pod_rollup_rate(ns, 'num_hit_tokens_total')}) / (({pod_rollup_rate(ns, 'num_requested_tokens_total')}) > 0)",
+              "rollup"),
+             (f"{ns}retrieve_hit_rate{{{RANKS}}}", f"{worker} gauge")], unit="percentunit", width=8),
+        _timeseries(
+            "LMCache stored tokens/s in this pod",
+            f"Rollup: {ns}rollup_num_stored_tokens_total (each engine once). Per worker: the same tokens on every "
+            "worker of an engine. " + RESTART_NOTE,
+            [(pod_rollup_rate(ns, "num_stored_tokens_total"), "rollup stored"),
+             (f"rate({ns}num_stored_tokens_total{{{RANKS}}}[{RATE}])", worker)], width=8),
+        _timeseries(
+            "LMCache remote read and write bytes/s in this pod",
+            "Per worker its own shard's bytes; the rollups sum the workers. " + RESTART_NOTE,
+            [(pod_rollup_rate(ns, "num_remote_read_bytes_total"), "rollup read"),
+             (pod_rollup_rate(ns, "num_remote_write_bytes_total"), "rollup write"),
+             (f"rate({ns}num_remote_read_bytes_total{{{RANKS}}}[{RATE}])", f"{worker} read"),
+             (f"rate({ns}num_remote_write_bytes_total{{{RANKS}}}[{RATE}])", f"{worker} write")], unit="Bps", width=12),
+        _timeseries(
+            "LMCache local CPU cache usage in this pod",
+            "Bytes in each worker's LocalCPUBackend allocator, and the rollup: their sum.",
+            [(f"{ns}rollup_local_cache_usage{{{POD}}}", "rollup"),
+             (f"{ns}local_cache_usage{{{RANKS}}}", worker)], unit="bytes", width=12),
+    ]
+
+
+# Row builders of the profiles besides the default one: (fleet rows, pod rows), by profile name.
+PROFILE_ROWS: dict[str, tuple[Callable[[str, Catalog], list[dict[str, Any]]], Callable[[str, Catalog], list[dict[str, Any]]]]] = {
+    "lmcache": (lmcache_fleet_rows, lmcache_pod_rows),
+}
+
+
+def profile_rows(catalog: Catalog) -> list[dict[str, Any]]:
+    """The fleet and pod rows of every profile in use besides the default one, each under its namespace."""
+    panels: list[dict[str, Any]] = []
+    for name, profile in catalog.profiles.items():
+        if name != catalog.default_profile.name and name in PROFILE_ROWS:
+            fleet, pod = PROFILE_ROWS[name]
+            own = catalog.of_profile(name)
+            panels += fleet(profile.namespace, own) + pod(profile.namespace, own)
+    return panels
+
+
 def build(ns: str, catalog: Catalog, uid: str, title: str) -> dict[str, Any]:
-    """The dashboard for namespace `ns`."""
+    """The dashboard for namespace `ns` (the default profile's) and every other profile in use."""
+    others = [name for name in catalog.profiles if name != catalog.default_profile.name and name in PROFILE_ROWS]
+    default = catalog.of_profile(catalog.default_profile.name) if len(catalog.profiles) > 1 else catalog
     return {
         "annotations": {"list": [{
             "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True, "hide": True,
@@ -279,10 +398,12 @@ def build(ns: str, catalog: Catalog, uid: str, title: str) -> dict[str, Any]:
         "description": (
             f"hicache-exporter (metric namespace {ns!r}): HiCache (hierarchical KV cache) metrics of sharded LLM "
             "servers. Fleet rows read the cluster: recording rules (right across pods); pod rows read one "
-            "sidecar's rollups and ranks. Never sum sidecar rollups across pods."),
+            "sidecar's rollups and ranks. Never sum sidecar rollups across pods."
+            + "".join(f" Rows for the {name} profile ({catalog.profiles[name].namespace}) follow." for name in others)),
         "editable": True, "fiscalYearStartMonth": 0, "graphTooltip": 1, "id": None, "links": [],
-        "panels": _layout(fleet_rows(ns, catalog) + pod_rows(ns, catalog)),
-        "refresh": "30s", "schemaVersion": 39, "tags": ["hicache", "sglang", "kv-cache", "llm-inference"],
+        "panels": _layout(fleet_rows(ns, default) + pod_rows(ns, default) + profile_rows(catalog)),
+        "refresh": "30s", "schemaVersion": 39,
+        "tags": ["hicache", "sglang", *others, "kv-cache", "llm-inference"],
         "templating": {"list": [
             {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",
              "current": {}, "hide": 0, "includeAll": False, "multi": False, "options": [], "refresh": 1,

@@ -1,17 +1,20 @@
 """The Prometheus recording and alerting rules for one metric namespace, derived from the catalog.
 
-Which rules exist follows from the catalog alone: every per_shard counter gets a cluster-wide
-byte rate, every replicated counter a one-replica-per-dp-group rate and its sum over groups, and
-every bytes counter paired with a duration histogram an active-bandwidth ratio. A family added
-to the catalog therefore gets its rules at the next `python config/generate.py`.
+Which rules exist follows from the catalog alone: every per_shard (and per_engine) counter gets a
+cluster-wide rate, every replicated counter a one-replica-per-dp-group rate and its sum over
+groups, and every bytes counter paired with a duration histogram an active-bandwidth ratio. A
+family added to the catalog therefore gets its rules at the next `python config/generate.py`.
+Every profile in use gets its own groups, in the same shape, under its own namespace (the default
+profile's is the `namespace` given); a profile's hit ratios (HIT_RATIOS) follow its counters.
 """
 
 from __future__ import annotations
 
 import re
+import textwrap
 from typing import Any
 
-from exporter.catalog import Catalog, FamilySpec, MetricType, Semantics
+from exporter.catalog import Catalog, FamilySpec, MetricType, ProfileSpec, Semantics
 
 from .yamltext import Folded, Key
 
@@ -19,18 +22,48 @@ from .yamltext import Folded, Key
 # (job, namespace, server, cache_type, static labels, the family's own labels) is kept.
 TARGET_LABELS = ("instance", "pod")
 REPLICA_AXES = ("tp_rank", "pp_rank", "attn_cp_rank")
-# Static labels that are a function of a rank axis, so they go with it: the scheduler collector's
-# moe_ep_rank is derived from the global tp_rank (sglang 0.5.23 data_parallel_controller.py
-# 754-762). Kept, it splits the cluster: sum per EP rank (one series per dp group under DP
-# attention), and where several ranks of one dp group log scheduler metrics
-# (--enable-metrics-for-all-schedulers) it keeps their replicas apart, so a group counts once
-# per EP rank.
-RANK_DERIVED = ("moe_ep_rank",)
+# Static labels that are a function of a rank axis go with it: a profile's `derived_labels`. The
+# sglang scheduler collector's moe_ep_rank is derived from the global tp_rank (sglang 0.5.23
+# data_parallel_controller.py 754-762). Kept, it splits the cluster: sum per EP rank (one series
+# per dp group under DP attention), and where several ranks of one dp group log scheduler metrics
+# (--enable-metrics-for-all-schedulers) it keeps their replicas apart, so a group counts once per
+# EP rank. LMCache's worker_id is vLLM's replica-local rank: kept, no two workers would ever meet.
 RATE_WINDOW = "5m"
 
 GROUP_PER_SHARD = "hicache-per-shard"
 GROUP_REPLICATED = "hicache-replicated"
 GROUP_ALERTS = "hicache-exporter"
+
+# A profile's hit ratios, each named after the engine's own ratio gauge and computed from the two
+# replicated counters it is the ratio of: (gauge, hits counter, asked counter). The engine's gauge
+# is one process's last interval (LMCache's livemostrecent retrieve_hit_rate, 1 when idle), which
+# no sum or average over workers, engines or pods can turn into the fleet's ratio; a ratio of the
+# cluster rates can (LMCache 0.5.6 observability.py:683-701: hit/requested, lookup hits/lookup tokens).
+HIT_RATIOS: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "lmcache": (("retrieve_hit_rate", "num_hit_tokens_total", "num_requested_tokens_total"),
+                ("lookup_hit_rate", "num_lookup_hits_total", "num_lookup_tokens_total")),
+}
+
+
+# What a profile besides the default one adds to its groups' comments: (per_shard, replicated).
+PROFILE_NOTES: dict[str, tuple[str, str]] = {
+    "lmcache": (textwrap.dedent("""
+        The lmcache profile (LMCache 0.5.6 under vLLM, exporter/defaults/lmcache.yaml), from the
+        per-rank series the sidecar serves: worker_id mapped to tp_rank and pp_rank with the engine's
+        world, dp_rank the data-parallel replica. Each vLLM worker moves its own KV slice, so remote
+        read and write bytes and requests, evictions and pings are the SUM over every worker of every
+        engine, across pods; rate() per series before the sum, as above. A per_engine counter (only
+        the role="scheduler" process counts it) is summed the same way, so each engine counts once.
+        """).strip(), textwrap.dedent("""
+        Every worker of one vLLM engine (its TP and PP ranks) counts the same requests, lookups and
+        tokens, so a sum over worker_id reports TP x PP times the tokens. dp_group: keeps the furthest
+        worker of each engine (max over tp_rank, pp_rank and worker_id wherever they run, so an engine
+        spanning pods counts once), keeping dp_rank; cluster: sums the engines. The push door labels
+        each DP replica's dp_rank; read through vLLM's /metrics or its multiprocess directory the
+        replicas all read dp_rank 0 and each worker's series is already the replicas' sum. `role` is
+        kept: a scheduler's lookups (scheduler bypass) are not its workers'.
+        """).strip()),
+}
 
 
 def without(*labels: str) -> str:
@@ -60,8 +93,31 @@ def cluster_rate(ns: str, fam: FamilySpec) -> str:
     return f"cluster:{ns}{fam.base_name}:rate{RATE_WINDOW}"
 
 
+def hit_ratio(ns: str, gauge: str) -> str:
+    """`cluster:<ns><gauge>:ratio_rate5m`: a hit ratio from the cluster rates of its two counters."""
+    return f"cluster:{ns}{gauge}:ratio_rate{RATE_WINDOW}"
+
+
 def counters(catalog: Catalog, semantics: Semantics) -> list[FamilySpec]:
     return [f for f in catalog if f.type is MetricType.COUNTER and f.semantics is semantics]
+
+
+def summed_counters(catalog: Catalog) -> list[FamilySpec]:
+    """The counters whose cluster rate is the sum over every rank: per_shard, then per_engine (only the
+    engine's own process counts one, so the sum counts each engine once)."""
+    return counters(catalog, Semantics.PER_SHARD) + counters(catalog, Semantics.PER_ENGINE)
+
+
+def hit_ratios(profile: str, catalog: Catalog) -> list[tuple[str, FamilySpec, FamilySpec]]:
+    """(gauge name, hits, asked) for each of `profile`'s hit ratios whose two counters are replicated
+    counters of `catalog`; a ratio whose counters are missing (a trimmed profile file) has no rule."""
+    found = []
+    for gauge, hits_name, asked_name in HIT_RATIOS.get(profile, ()):
+        hits, asked = catalog.find(hits_name), catalog.find(asked_name)
+        if hits is not None and asked is not None and all(
+                f.type is MetricType.COUNTER and f.replicated for f in (hits, asked)):
+            found.append((gauge, hits, asked))
+    return found
 
 
 def record_names(ns: str, catalog: Catalog) -> list[str]:
@@ -74,11 +130,25 @@ def _rule(record: str, expr: str, comment: str = "") -> dict[str, Any]:
 
 
 def recording_groups(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
-    """The two recording-rule groups for namespace `ns`."""
-    sum_ranks = "sum " + without(*TARGET_LABELS, *REPLICA_AXES, *RANK_DERIVED, "dp_rank")
+    """The recording-rule groups: the default profile's under namespace `ns`, then every other profile's
+    in use under its own namespace, in the same shape."""
+    default = catalog.default_profile.name
+    groups = profile_groups(ns, catalog.of_profile(default) if len(catalog.profiles) > 1 else catalog)
+    for name, profile in catalog.profiles.items():
+        if name != default:
+            groups += profile_groups(profile.namespace, catalog.of_profile(name), other=profile)
+    return groups
+
+
+def profile_groups(ns: str, catalog: Catalog, other: ProfileSpec | None = None) -> list[dict[str, Any]]:
+    """One profile's two recording-rule groups for namespace `ns` (`other`: a profile besides the default,
+    whose groups are named and explained as its own)."""
+    rank_derived = catalog.default_profile.derived_labels
+    sum_ranks = "sum " + without(*TARGET_LABELS, *REPLICA_AXES, *rank_derived, "dp_rank")
     per_shard: list[dict[str, Any]] = []
-    for i, fam in enumerate(counters(catalog, Semantics.PER_SHARD)):
-        per_shard.append(_rule(bytes_rate(ns, fam), f"{sum_ranks} (rate({ns}{fam.name}[{RATE_WINDOW}]))", "" if i else """
+    for i, fam in enumerate(summed_counters(catalog)):
+        first = not i and other is None  # another profile's group says it in its own comment
+        per_shard.append(_rule(bytes_rate(ns, fam), f"{sum_ranks} (rate({ns}{fam.name}[{RATE_WINDOW}]))", "" if not first else """
             Bytes and seconds are per_shard: every rank moves its own slice of the KV cache (its kv
             heads of its layers), so the physical total is the SUM over all ranks, across pods, tp, pp
             and dp. rate() runs per rank series before the sum, so a rank restart (its counter starting
@@ -106,11 +176,28 @@ def recording_groups(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
             sample at all. Kept in this group, after its inputs, so both come from the same evaluation.
             """))
 
-    one_replica = "max " + without(*TARGET_LABELS, *REPLICA_AXES, *RANK_DERIVED)
+    one_replica = "max " + without(*TARGET_LABELS, *REPLICA_AXES, *rank_derived)
     replicated: list[dict[str, Any]] = []
     for fam in counters(catalog, Semantics.REPLICATED):
         replicated.append(_rule(dp_group_rate(ns, fam), f"{one_replica} (rate({ns}{fam.name}[{RATE_WINDOW}]))"))
         replicated.append(_rule(cluster_rate(ns, fam), f"sum without (dp_rank) ({dp_group_rate(ns, fam)})"))
+    if other is not None:
+        for i, (gauge, hits, asked) in enumerate(hit_ratios(other.name, catalog)):
+            replicated.append(_rule(hit_ratio(ns, gauge), f"{cluster_rate(ns, hits)} / ({cluster_rate(ns, asked)} > 0)",
+                                    "" if i else f"""
+                Hit ratios, named after the engine's own ratio gauges ({ns}<gauge>) and computed from the
+                cluster rates above: hits over what was asked, over the same 5m window. The engine's gauge
+                is one process's last interval, which no sum or average over workers or pods turns into
+                the fleet's ratio. `> 0` drops idle windows (no sample rather than 0/0).
+                """))
+        shard_note, replica_note = PROFILE_NOTES.get(other.name, ("", ""))
+        return [
+            {Key("name", f"---- {other.name} per_shard and per_engine (sum the ranks) ----\n\n{shard_note}"):
+             f"{other.name}-per-shard", "rules": per_shard},
+            {Key("name", f"---- {other.name} replicated (one replica per dp group, then sum the groups) ----\n\n"
+                         f"{replica_note}"):
+             f"{other.name}-replicated", "rules": replicated},
+        ]
 
     return [
         {Key("name", """
@@ -131,7 +218,24 @@ def recording_groups(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
     ]
 
 
-def recording_header(ns: str) -> str:
+def recording_header(ns: str, others: tuple[ProfileSpec, ...] = ()) -> str:
+    """The file's header; `others`: the profiles in use besides the default one, whose groups follow."""
+    return _header_text(ns) + "".join(f"""
+        Profile {p.name!r} (namespace {p.namespace!r}) follows in the groups {p.name}-per-shard and
+        {p.name}-replicated, in the same shape, from its own per-rank series (its derived labels,
+        {", ".join(p.derived_labels) or "none"}, go with the rank axes){_ratios_note(p)}.
+        """ for p in others)
+
+
+def _ratios_note(profile: ProfileSpec) -> str:
+    names = [gauge for gauge, _, _ in HIT_RATIOS.get(profile.name, ())]
+    if not names:
+        return ""
+    return (", plus its hit ratios " + ", ".join(f"cluster:{profile.namespace}{g}:ratio_rate{RATE_WINDOW}" for g in names)
+            + " (hits over requests, from the counters' cluster rates)")
+
+
+def _header_text(ns: str) -> str:
     return f"""
         Prometheus recording rules: cluster-wide (cross-pod) HiCache rollups built from the per-rank
         series that every hicache-exporter sidecar serves on :9400/metrics (metric namespace {ns!r}).

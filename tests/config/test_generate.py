@@ -112,3 +112,19 @@ def test_a_family_added_to_the_catalog_gets_its_rules(tmp_path: Path) -> None:
     assert "record: dp_group:sglang_custom_refill_tokens:rate5m" in rules
     assert "record: cluster:sglang_custom_refill_tokens:rate5m" in rules
     assert "custom_refill" not in outputs()["prometheus/recording_rules.yml"]
+
+
+def test_the_rules_and_dashboard_cover_every_profile_in_use(tmp_path: Path) -> None:
+    """The committed set holds the lmcache profile's groups and rows; `--profiles ""` leaves them out, the sglang
+    rules staying the same bytes, and a set other than the committed one needs an output directory."""
+    committed = (CONFIG / "prometheus" / "recording_rules.yml").read_text(encoding="utf-8")
+    groups = [g["name"] for g in yaml.safe_load(committed)["groups"]]
+    assert groups == ["hicache-per-shard", "hicache-replicated", "lmcache-per-shard", "lmcache-replicated"]
+    assert "LMCache" in (CONFIG / "grafana" / "hicache-exporter.json").read_text(encoding="utf-8")
+    assert generate("--profiles", "").returncode == 2, "never over the committed set"
+    assert generate("--profiles", "", "--output-dir", str(tmp_path)).returncode == 0
+    alone = (tmp_path / "prometheus" / "recording_rules.yml").read_text(encoding="utf-8")
+    assert "lmcache" not in alone and "LMCache" not in (tmp_path / "grafana" / "hicache-exporter.json").read_text()
+    sglang_groups = [g for g in yaml.safe_load(committed)["groups"] if g["name"].startswith("hicache-")]
+    assert yaml.safe_load(alone)["groups"] == sglang_groups
+    assert alone.split("\ngroups:\n", 1)[1] in committed, "the sglang groups' text, comments included, unchanged"

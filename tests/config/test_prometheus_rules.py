@@ -3,9 +3,10 @@ recording rules follow the `level:metric:operations` naming contract, refer only
 families, and cover every family the catalog says needs a cluster rollup.
 
 The rules are generated per metric namespace (config/generate.py): the committed files are the
-default namespace's, and every check here also runs on the set generated for `sglang:`. The
-expected rule set is derived from the catalog independently of the generator, so a family
-without its rule fails here. A generated promtool test then checks every family's rollup
+default namespace's, and every check here also runs on the set generated for `sglang:`. Both sets
+cover every packaged profile (sglang under the namespace given, lmcache under `lmcache_`). The
+expected rule set is derived from the profiles' catalogs independently of the generator, so a
+family without its rule fails here. A generated promtool test then checks every family's rollup
 semantics, not only the representative families of the hand-written tests."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from config.generator import DEFAULT_NAMESPACE, outputs
-from exporter.catalog import Catalog, FamilySpec, MetricType, Semantics, default_catalog
+from exporter.catalog import Catalog, FamilySpec, MetricType, Semantics, default_catalog, load_profile, load_profiles
 from tests.helpers import RawClient, SidecarThread, counter, hello, sidecar_config, snapshot, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,15 +29,34 @@ RULES_DIR = REPO / "config" / "prometheus"
 RECORDING = RULES_DIR / "recording_rules.yml"
 ALERTING = RULES_DIR / "alerting_rules.yml"
 TEST_FILES = [RULES_DIR / "tests" / "recording_rules_test.yml", RULES_DIR / "tests" / "alerting_rules_test.yml",
-              RULES_DIR / "tests" / "sidecar_restart_test.yml"]  # increase() of a rollup across a sidecar restart
+              RULES_DIR / "tests" / "sidecar_restart_test.yml",  # increase() of a rollup across a sidecar restart
+              RULES_DIR / "tests" / "lmcache_rules_test.yml"]  # the lmcache profile's groups
 
 NAMESPACES = [DEFAULT_NAMESPACE, "sglang:"]
 SELF_PREFIX = "hicache_exporter_"
+# The profiles besides the default one that the generator covers, with their own namespaces, and the
+# hit ratios each promises: (gauge, hits counter, asked counter), written here from LMCache 0.5.6
+# (observability.py:683-701), not read from the generator.
+LMCACHE_NS = "lmcache_"
+OTHER_NAMESPACES = {"lmcache": LMCACHE_NS}
+HIT_RATIOS = {"lmcache": [("retrieve_hit_rate", "num_hit_tokens_total", "num_requested_tokens_total"),
+                          ("lookup_hit_rate", "num_lookup_hits_total", "num_lookup_tokens_total")]}
+
+
+def profiles_in_use() -> list[tuple[Catalog, str | None]]:
+    """(a profile's catalog, its namespace; None for the default profile's, which is the namespace given)."""
+    return [(default_catalog(), None), *((load_profile(name), ns) for name, ns in OTHER_NAMESPACES.items())]
+
+
+def namespaces(ns: str) -> list[str]:
+    """Every namespace the rule set generated for `ns` uses."""
+    return [ns, *OTHER_NAMESPACES.values()]
 
 
 def record_name_re(ns: str) -> re.Pattern[str]:
-    """`level:<ns>metric:operations`; the namespace may itself hold a colon (`sglang:`)."""
-    return re.compile(rf"^(cluster|dp_group):{re.escape(ns)}[a-z0-9_]+:(rate5m|ratio_rate5m)$")
+    """`level:<ns>metric:operations` for any namespace in use; the namespace may itself hold a colon (`sglang:`)."""
+    either = "|".join(re.escape(n) for n in namespaces(ns))
+    return re.compile(rf"^(cluster|dp_group):({either})[a-z0-9_]+:(rate5m|ratio_rate5m)$")
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +108,11 @@ def counters(catalog: Catalog, semantics: Semantics) -> list[FamilySpec]:
     return [f for f in catalog if f.type is MetricType.COUNTER and f.semantics is semantics]
 
 
-def expected_records(catalog: Catalog, ns: str = DEFAULT_NAMESPACE) -> set[str]:
-    """Every recording rule name the contract promises (header of config/prometheus/recording_rules.yml)."""
+def expected_records(catalog: Catalog, ns: str = DEFAULT_NAMESPACE, profile: str | None = None) -> set[str]:
+    """Every recording rule name the contract promises (header of config/prometheus/recording_rules.yml),
+    for one profile's catalog under `ns`; `profile` names a profile whose hit ratios are promised too."""
     names: set[str] = set()
-    for fam in counters(catalog, Semantics.PER_SHARD):
+    for fam in counters(catalog, Semantics.PER_SHARD) + counters(catalog, Semantics.PER_ENGINE):
         names.add(f"cluster:{ns}{fam.base_name}:rate5m")
     for fam in counters(catalog, Semantics.REPLICATED):
         names.add(f"dp_group:{ns}{fam.base_name}:rate5m")
@@ -99,7 +120,15 @@ def expected_records(catalog: Catalog, ns: str = DEFAULT_NAMESPACE) -> set[str]:
     for bytes_fam, hist in catalog.bandwidth_pairs():
         names.add(f"cluster:{ns}{hist.name}_sum:rate5m")
         names.add(f"cluster:{ns}{bytes_fam.bandwidth_name}:ratio_rate5m")
+    for gauge, _, _ in HIT_RATIOS.get(profile or "", []):
+        names.add(f"cluster:{ns}{gauge}:ratio_rate5m")
     return names
+
+
+def all_expected_records(ns: str) -> set[str]:
+    """The contract over every profile in use, each under its namespace."""
+    return set().union(*(expected_records(catalog, own or ns, catalog.default_profile.name)
+                         for catalog, own in profiles_in_use()))
 
 
 # ---- promtool ------------------------------------------------------------------------------
@@ -138,8 +167,7 @@ def test_recording_rule_names_follow_level_metric_operations(ns: str, rule_files
 
 @pytest.mark.parametrize("ns", NAMESPACES)
 def test_recording_rules_cover_the_catalog_exactly(ns: str, rule_files: dict[str, tuple[Path, Path]]) -> None:
-    catalog = default_catalog()
-    expected = expected_records(catalog, ns)
+    expected = all_expected_records(ns)
     actual = set(recorded_names(rule_files[ns][0]))
     missing = sorted(expected - actual)
     extra = sorted(actual - expected)
@@ -152,6 +180,12 @@ def test_recording_rules_cover_the_catalog_exactly(ns: str, rule_files: dict[str
         assert f"cluster:{ns}{x}_bytes:rate5m" in actual
     for base in ("storage_prefetch_unfulfilled_tokens", "storage_prefetch_deferred_tokens", "hicache_dropped_tokens"):
         assert f"dp_group:{ns}{base}:rate5m" in actual and f"cluster:{ns}{base}:rate5m" in actual
+    # The lmcache profile's, under its own namespace whatever the default one's.
+    for base in ("num_hit_tokens", "num_requested_tokens", "num_lookup_hits", "num_stored_tokens"):
+        assert f"dp_group:lmcache_{base}:rate5m" in actual and f"cluster:lmcache_{base}:rate5m" in actual
+    for base in ("num_remote_read_bytes", "num_remote_write_bytes", "local_cpu_evict_count"):
+        assert f"cluster:lmcache_{base}:rate5m" in actual and f"dp_group:lmcache_{base}:rate5m" not in actual
+    assert {"cluster:lmcache_retrieve_hit_rate:ratio_rate5m", "cluster:lmcache_lookup_hit_rate:ratio_rate5m"} <= actual
 
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
@@ -160,9 +194,11 @@ _NAME_REGEX = re.compile(r"__name__\s*=~\s*\"((?:[^\"\\]|\\.)*)\"")
 
 
 def exported_names(catalog: Catalog, ns: str = DEFAULT_NAMESPACE) -> dict[str, str]:
-    """Every series name the sidecar exports per rank, mapped to its catalog family."""
+    """Every series name the sidecar exports per rank, mapped to its catalog family (`ns`: the default
+    profile's namespace; another profile's families take their own)."""
     names: dict[str, str] = {}
     for fam in catalog:
+        ns = catalog.namespace_of(fam, ns)
         if fam.type is MetricType.HISTOGRAM:
             for suffix in ("_bucket", "_sum", "_count"):
                 names[ns + fam.name + suffix] = fam.name
@@ -187,7 +223,7 @@ RECORD_LEVELS = ("cluster:", "dp_group:")
 
 @pytest.mark.parametrize("ns", NAMESPACES)
 def test_rules_reference_only_catalog_families_and_self_metrics(ns: str, rule_files: dict[str, tuple[Path, Path]]) -> None:
-    catalog = default_catalog()
+    catalog = load_profiles(None, list(OTHER_NAMESPACES))
     exported = exported_names(catalog, ns)
     records = set(recorded_names(rule_files[ns][0]))
     family_names = {f.name for f in catalog}
@@ -201,7 +237,7 @@ def test_rules_reference_only_catalog_families_and_self_metrics(ns: str, rule_fi
                 if ident.startswith(RECORD_LEVELS):
                     if ident not in records:
                         problems.append(f"{what}: refers to {ident}, which no recording rule records")
-                elif ident.startswith(ns):
+                elif ident.startswith(tuple(namespaces(ns))):
                     if ident in exported:
                         seen_families.add(exported[ident])
                     else:
@@ -215,7 +251,7 @@ def test_rules_reference_only_catalog_families_and_self_metrics(ns: str, rule_fi
                 seen_families.update(exported[n] for n in matched)
     assert not problems, "\n".join(problems)
     # Every counter with a rollup rule is actually read by one.
-    needed = {f.name for f in counters(catalog, Semantics.PER_SHARD) + counters(catalog, Semantics.REPLICATED)}
+    needed = {f.name for semantics in Semantics for f in counters(catalog, semantics)}
     needed |= {hist.name for _, hist in catalog.bandwidth_pairs()}
     assert needed <= seen_families, f"families no rule reads: {sorted(needed - seen_families)}"
 
@@ -225,20 +261,27 @@ def test_rules_select_names_and_labels_a_real_sidecar_serves(ns: str, socket_dir
                                                              rule_files: dict[str, tuple[Path, Path]]) -> None:
     """The series and label values the rules select are what /metrics really exposes, in each namespace
     (a sidecar with a state file, as every generated pod runs it: its persistence families are served)."""
-    sidecar = SidecarThread(sidecar_config(socket_dir / "metrics.sock", metrics={"namespace": ns},
+    sidecar = SidecarThread(sidecar_config(socket_dir / "metrics.sock", metrics={"namespace": ns, "profiles": ["lmcache"]},
                                            persistence={"file": str(socket_dir / "state")})).start()
     try:
         client = RawClient(sidecar.socket_path)
+        # An LMCache worker as the push door sends it: its stream marked by `role`, worker_id derived.
+        worker = RawClient(sidecar.socket_path)
         try:
+            worker.send(hello(tp=1, role="worker", model_name="llama", served_model_name="llama", worker_id="1"))
+            assert worker.recv() is not None
+            worker.send(snapshot(1, counter("num_hit_tokens_total", 256)))
             # A world of two tp ranks, tp 1 never connecting: ranks_missing (HiCacheRankMissing) is served.
             client.send({**hello(tp=0, cache_type="HiRadixCache", model_name="llama"),
                          "world": {"tp_size": 2, "pp_size": 1, "dp_size": 1}})
             assert client.recv() is not None
             client.send(snapshot(1, counter("load_back_bytes_total", 4096)))
-            wait_until(lambda: bool(sidecar.scrape().find("hicache_exporter_rank_up", tp_rank="0")))
+            wait_until(lambda: bool(sidecar.scrape().find("hicache_exporter_rank_up", tp_rank="0"))
+                       and bool(sidecar.scrape().find(f"{LMCACHE_NS}num_hit_tokens_total")))
             scrape = sidecar.scrape()
         finally:
             client.close()
+            worker.close()
     finally:
         sidecar.stop()
     served: set[str] = set()
@@ -252,7 +295,8 @@ def test_rules_select_names_and_labels_a_real_sidecar_serves(ns: str, socket_dir
         for rule in load_rules(path):
             idents, regexes = references(rule["expr"])
             for ident in idents:
-                if ident.startswith((ns, SELF_PREFIX)) and not ident.startswith(RECORD_LEVELS) and ident not in served:
+                if ident.startswith((*namespaces(ns), SELF_PREFIX)) and not ident.startswith(RECORD_LEVELS) \
+                        and ident not in served:
                     missing.append(f"{path.name}: {rule.get('record') or rule.get('alert')}: {ident}")
             for regex in regexes:
                 if not any(re.fullmatch(regex, name) for name in served):
@@ -261,6 +305,10 @@ def test_rules_select_names_and_labels_a_real_sidecar_serves(ns: str, socket_dir
     # Labels the rules aggregate away or filter on are on the served series.
     per_rank = scrape.find(f"{ns}load_back_bytes_total")
     assert per_rank and {"tp_rank", "pp_rank", "dp_rank", "cache_type"} <= set(per_rank[0].labels)
+    # The lmcache rules drop the rank axes and worker_id, and keep role, model_name and served_model_name.
+    (worker_series,) = scrape.find(f"{LMCACHE_NS}num_hit_tokens_total")
+    assert worker_series.labels == {"tp_rank": "1", "pp_rank": "0", "dp_rank": "0", "worker_id": "1", "role": "worker",
+                                    "model_name": "llama", "served_model_name": "llama"}
     assert scrape.find("hicache_exporter_rejections_total", reason="old_seq"), "old_seq is not a rejection reason"
     assert {"tp_rank", "pp_rank", "dp_rank"} <= set(scrape.find("hicache_exporter_rank_up")[0].labels)
     # One series per expected dp group, by the server's labels (the collector's cache_type left out).
@@ -279,6 +327,8 @@ def test_replica_spread_alert_selects_exactly_the_spread_gauges(ns: str, rule_fi
     matched = {n for n in exported if re.fullmatch(regexes[0], n)}
     spread = {ns + f.base_name + "_replica_spread_ratio" for f in counters(catalog, Semantics.REPLICATED)}
     assert matched == spread, "the spread gauges of this namespace, and no other's"
+    lmcache = exported_names(load_profile("lmcache"), LMCACHE_NS)
+    assert not {n for n in lmcache if re.fullmatch(regexes[0], n)}, "the alert covers the default profile only"
 
 
 def test_alerts_have_for_severity_and_annotations() -> None:
@@ -306,7 +356,6 @@ LAYOUT = [
     ("srv-c", "10.0.0.3:9400", 2, 1),
     ("srv-c", "10.0.0.3:9400", 3, 1),
 ]
-KEPT = {"job": "hicache", "namespace": "llm", "cache_type": "HiRadixCache"}
 
 
 def _series(name: str, labels: dict[str, str]) -> str:
@@ -317,47 +366,67 @@ def _own_labels(fam: FamilySpec) -> dict[str, str]:
     return {label: (fam.preset.get(label) or ("x",))[0] for label in fam.labels}
 
 
-def generated_tests(catalog: Catalog, ns: str = DEFAULT_NAMESPACE, recording: Path = RECORDING) -> dict:
-    """Series for every rolled-up family over LAYOUT, with the exact rollups they must give.
+# Each profile's own labels on every series, kept by the rules; and its derived labels, functions of the
+# rank (generated from tp_rank here), which the rules drop with the rank axes.
+PROFILE_KEPT = {"sglang": {"cache_type": "HiRadixCache"},
+                "lmcache": {"role": "worker", "model_name": "llama", "served_model_name": "llama"}}
+PROFILE_DERIVED = {"sglang": (), "lmcache": ("worker_id",)}
+
+
+def generated_tests(catalog: Catalog, ns: str = DEFAULT_NAMESPACE, recording: Path = RECORDING,
+                    profile: str = "sglang") -> dict:
+    """Series for every rolled-up family of one profile's catalog over LAYOUT, with the exact rollups they must give.
 
     rate(...[5m]) at 10m of a counter rising 60*k per minute is exactly k.
-    Replicated: every replica of dp 0 rises at 1/s, of dp 1 at 2/s: dp_group 1 and 2, cluster 3.
-    Per-shard: rank i (0..7) rises at (i+1)/s: cluster 36. Paired durations: 15 s per minute on
-    every rank (0.25 s/s): cluster 2, active bandwidth 36 / 2 = 18.
+    Replicated: the i-th replicated family has m = 1 + i % 3; every replica of dp 0 rises at m/s, of
+    dp 1 at 2m/s: dp_group m and 2m, cluster 3m; a hit ratio is its two families' m over m.
+    Per-shard and per-engine: rank i (0..7) rises at (i+1)/s: cluster 36. Paired durations: 15 s per
+    minute on every rank (0.25 s/s): cluster 2, active bandwidth 36 / 2 = 18.
     """
     inputs: list[dict] = []
     checks: list[dict] = []
+    kept = {"job": "hicache", "namespace": "llm", **PROFILE_KEPT[profile]}
+
+    def rank_labels(fam: FamilySpec, pod: str, instance: str, tp: int, dp: int) -> dict[str, str]:
+        derived = {label: str(tp) for label in PROFILE_DERIVED[profile]}
+        return {**kept, **_own_labels(fam), **derived, "pod": pod, "instance": instance, "tp_rank": str(tp),
+                "pp_rank": "0", "dp_rank": str(dp)}
 
     def sample(record: str, value: float, **extra: str) -> dict:
-        return {"labels": _series(record, {**KEPT, **extra}), "value": value}
+        return {"labels": _series(record, {**kept, **extra}), "value": value}
 
     def check(record: str, samples: list[dict]) -> None:
         checks.append({"expr": record, "eval_time": "10m", "exp_samples": samples})
 
-    for fam in counters(catalog, Semantics.REPLICATED):
+    pace: dict[str, int] = {}
+    for i, fam in enumerate(counters(catalog, Semantics.REPLICATED)):
         own = _own_labels(fam)
+        pace[fam.name] = m = 1 + i % 3
         for pod, instance, tp, dp in LAYOUT:
-            labels = {**KEPT, **own, "pod": pod, "instance": instance, "tp_rank": str(tp), "pp_rank": "0", "dp_rank": str(dp)}
-            inputs.append({"series": _series(ns + fam.name, labels), "values": f"0+{60 * (dp + 1)}x10"})
+            inputs.append({"series": _series(ns + fam.name, rank_labels(fam, pod, instance, tp, dp)),
+                           "values": f"0+{60 * m * (dp + 1)}x10"})
         dp_group = f"dp_group:{ns}{fam.base_name}:rate5m"
-        check(dp_group, [sample(dp_group, 1, **own, dp_rank="0"), sample(dp_group, 2, **own, dp_rank="1")])
+        check(dp_group, [sample(dp_group, m, **own, dp_rank="0"), sample(dp_group, 2 * m, **own, dp_rank="1")])
         cluster = f"cluster:{ns}{fam.base_name}:rate5m"
-        check(cluster, [sample(cluster, 3, **own)])
+        check(cluster, [sample(cluster, 3 * m, **own)])
+    for gauge, hits, asked in HIT_RATIOS.get(profile, []):
+        record = f"cluster:{ns}{gauge}:ratio_rate5m"
+        check(record, [sample(record, pace[hits] / pace[asked])])
 
-    per_shard = counters(catalog, Semantics.PER_SHARD)
+    summed = counters(catalog, Semantics.PER_SHARD) + counters(catalog, Semantics.PER_ENGINE)
     durations = [hist for _, hist in catalog.bandwidth_pairs()]
-    for fam in per_shard:
+    for fam in summed:
         own = _own_labels(fam)
         for i, (pod, instance, tp, dp) in enumerate(LAYOUT):
-            labels = {**KEPT, **own, "pod": pod, "instance": instance, "tp_rank": str(tp), "pp_rank": "0", "dp_rank": str(dp)}
-            inputs.append({"series": _series(ns + fam.name, labels), "values": f"0+{60 * (i + 1)}x10"})
+            inputs.append({"series": _series(ns + fam.name, rank_labels(fam, pod, instance, tp, dp)),
+                           "values": f"0+{60 * (i + 1)}x10"})
         record = f"cluster:{ns}{fam.base_name}:rate5m"
         check(record, [sample(record, 36, **own)])
     for hist in durations:
         own = _own_labels(hist)
         for pod, instance, tp, dp in LAYOUT:
-            labels = {**KEPT, **own, "pod": pod, "instance": instance, "tp_rank": str(tp), "pp_rank": "0", "dp_rank": str(dp)}
-            inputs.append({"series": _series(f"{ns}{hist.name}_sum", labels), "values": "0+15x10"})
+            inputs.append({"series": _series(f"{ns}{hist.name}_sum", rank_labels(hist, pod, instance, tp, dp)),
+                           "values": "0+15x10"})
         record = f"cluster:{ns}{hist.name}_sum:rate5m"
         check(record, [sample(record, 2, **own)])
     for bytes_fam, _ in catalog.bandwidth_pairs():
@@ -367,17 +436,21 @@ def generated_tests(catalog: Catalog, ns: str = DEFAULT_NAMESPACE, recording: Pa
     return {
         "rule_files": [str(recording)],
         "evaluation_interval": "1m",
-        "tests": [{"name": "every catalog family, generated", "interval": "1m",
+        "tests": [{"name": f"every {profile} family, generated", "interval": "1m",
                    "input_series": inputs, "promql_expr_test": checks}],
     }
 
 
 @pytest.mark.parametrize("ns", NAMESPACES)
 def test_every_family_rolls_up_by_its_semantics(ns: str, tmp_path: Path, rule_files: dict[str, tuple[Path, Path]]) -> None:
-    catalog = default_catalog()
-    spec = generated_tests(catalog, ns, rule_files[ns][0])
-    checked = {c["expr"] for c in spec["tests"][0]["promql_expr_test"]}
-    assert checked == expected_records(catalog, ns)
+    tests, checked = [], set()
+    for catalog, own in profiles_in_use():
+        profile = catalog.default_profile.name
+        spec = generated_tests(catalog, own or ns, rule_files[ns][0], profile)
+        tests += spec["tests"]
+        checked |= {c["expr"] for c in spec["tests"][0]["promql_expr_test"]}
+    assert checked == all_expected_records(ns)
+    assert len(tests) == 2, "the sglang and the lmcache profile"
     path = tmp_path / "generated_test.yml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+    path.write_text(yaml.safe_dump({**spec, "tests": tests}, sort_keys=False), encoding="utf-8")
     run_promtool("test", "rules", str(path), cwd=tmp_path)

@@ -28,7 +28,7 @@ import yaml
 from config.generator import outputs
 from config.generator.dashboard import RESTART_GUARD
 from config.generator.dashboard import STATE_LOADED as STATE_GUARD_LIFT
-from tests.config.test_prometheus_rules import NAMESPACES, promtool
+from tests.config.test_prometheus_rules import LMCACHE_NS, NAMESPACES, promtool
 
 INSTANCE = "10.0.0.1:9400"
 TARGET = {"job": "hicache", "instance": INSTANCE, "pod": "srv-a"}
@@ -66,7 +66,7 @@ def pod_rollup_rates(ns: str) -> list[tuple[str, str, str]]:
     for panel in board["panels"]:
         for target in panel.get("targets", []):
             for name in ROLLUP_RATE.findall(target["expr"]):
-                assert name.startswith(ns + "rollup_"), name
+                assert name.startswith((ns + "rollup_", LMCACHE_NS + "rollup_")), name
                 found.append((f"{panel['title']} / {target['refId']}", name, target["expr"]))
     return found
 
@@ -80,9 +80,10 @@ def plain(expr: str) -> str:
 
 def guard_spec(ns: str, targets: list[tuple[str, str, str]]) -> dict:
     """A promtool test of `targets` (their expressions as given) across a sidecar restart and a first start."""
-    from exporter.catalog import default_catalog
+    from exporter.catalog import load_profiles
 
-    catalog = {ns + "rollup_" + f.name: f for f in default_catalog()}
+    profiles = load_profiles(None, ["lmcache"])
+    catalog = {profiles.namespace_of(f, ns) + "rollup_" + f.name: f for f in profiles}
 
     def own(name: str) -> dict[str, str]:
         fam = catalog[name]
@@ -147,8 +148,10 @@ def run_spec(spec: dict, directory: Path) -> tuple[int, str]:
 @pytest.mark.parametrize("ns", NAMESPACES)
 def test_every_rollup_rate_of_the_pod_rows_is_guarded(ns: str) -> None:
     targets = pod_rollup_rates(ns)
-    # Tokens and bytes of the four tiers; no other panel takes a rate of a rollup.
-    assert len(targets) == 8, [where for where, _, _ in targets]
+    # Tokens and bytes of the four tiers; LMCache's hit and requested tokens, their ratio (two rates), stored
+    # tokens, remote read and write bytes. No other panel takes a rate of a rollup.
+    assert len(targets) == 8 + 7, [where for where, _, _ in targets]
+    assert len([name for _, name, _ in targets if name.startswith(LMCACHE_NS)]) == 7
     for where, _, expr in targets:
         assert "process_start_time_seconds" in expr, f"{where}: unguarded rate of a rollup: {expr}"
         assert "hicache_exporter_persistence_loaded_identities" in expr, f"{where}: guarded even with a state file"

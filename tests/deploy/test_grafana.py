@@ -3,9 +3,10 @@
 The rule (README, "Which series to read"): one pod, its sidecar's rollups; a fleet, or a TP group
 spanning pods, the `cluster:` recording rules. Fleet rows therefore read no sidecar rollup and no
 per-rank series; pod rows select every series by the single-valued `$instance`. Every check runs
-on the committed dashboard (namespace `sglang_`) and on the one generated for `sglang:`. Every
-metric name a PromQL target names must be one the sidecar exports under that namespace (derived
-from the packaged catalog and the real collector) or a recording rule generated for it.
+on the committed dashboard (namespace `sglang_`) and on the one generated for `sglang:`; both hold
+the rows of every packaged profile (the lmcache profile's under `lmcache_`). Every metric name a
+PromQL target names must be one the sidecar exports (derived from the packaged profiles' catalogs
+and the real collector of a sidecar serving them all) or a recording rule generated for it.
 `dashboard_expressions()` gives the expressions with Grafana's variables replaced, for tests
 that run them through a real Prometheus.
 """
@@ -27,6 +28,8 @@ from config.generator import DEFAULT_NAMESPACE, outputs
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "config" / "grafana" / "hicache-exporter.json"
 NAMESPACES = [DEFAULT_NAMESPACE, "sglang:"]
+# The packaged profiles besides the default one, each under its own namespace whatever the default's.
+OTHER_PROFILES = {"lmcache": "lmcache_"}
 
 DATASOURCE_UID = "${datasource}"
 ALLOWED_PANEL_TYPES = {"timeseries", "stat", "table", "row"}
@@ -157,9 +160,17 @@ def test_name_extraction() -> None:
 
 
 @cache
+def profiles_catalog() -> Any:
+    """The catalog of a sidecar serving every packaged profile (`serve --profile lmcache`)."""
+    from exporter.catalog import load_profiles
+
+    return load_profiles(None, list(OTHER_PROFILES))
+
+
+@cache
 def exported_names(ns: str = DEFAULT_NAMESPACE) -> frozenset[str]:
-    """Every sample name the sidecar can expose under `ns`, derived from the catalog."""
-    from exporter.catalog import MetricType, Semantics, default_catalog
+    """Every sample name the sidecar can expose with `ns` as its namespace, derived from the profiles' catalogs."""
+    from exporter.catalog import MetricType, Semantics
 
     names: set[str] = set()
 
@@ -169,30 +180,31 @@ def exported_names(ns: str = DEFAULT_NAMESPACE) -> frozenset[str]:
         else:
             names.add(name)
 
-    catalog = default_catalog()
+    catalog = profiles_catalog()
     for spec in catalog:
-        add(ns + spec.name, spec.type)
-        add(ns + "rollup_" + spec.name, spec.type)
+        own = catalog.namespace_of(spec, ns)
+        add(own + spec.name, spec.type)
+        add(own + "rollup_" + spec.name, spec.type)
         if spec.type is MetricType.COUNTER and spec.semantics is Semantics.REPLICATED:
-            names.add(ns + spec.base_name + "_replica_spread_ratio")
+            names.add(own + spec.base_name + "_replica_spread_ratio")
     for bytes_spec, _ in catalog.bandwidth_pairs():
-        names.add(ns + bytes_spec.bandwidth_name)
-        names.add(ns + "rollup_" + bytes_spec.bandwidth_name)
+        own = catalog.namespace_of(bytes_spec, ns)
+        names.add(own + bytes_spec.bandwidth_name)
+        names.add(own + "rollup_" + bytes_spec.bandwidth_name)
     return frozenset(names | collector_names(ns, prefix="hicache_exporter_"))
 
 
 @cache
 def collector_names(ns: str = DEFAULT_NAMESPACE, prefix: str = "") -> frozenset[str]:
     """Sample names the real collector (exporter/sidecar/expose/collector.py) declares, on a sidecar with one
-    upstream and a state file."""
-    from exporter.catalog import default_catalog
+    upstream, a state file and every packaged profile."""
     from exporter.config import SidecarConfig
     from exporter.sidecar.core.health import SidecarHealth, UpstreamHealth
     from exporter.sidecar.core.state import SidecarState
     from exporter.sidecar.expose.collector import SidecarCollector
 
     config = SidecarConfig()
-    state = SidecarState(default_catalog(), config.ranks, config.rollup.window_seconds)
+    state = SidecarState(profiles_catalog(), config.ranks, config.rollup.window_seconds)
     stats = SidecarHealth()
     # An upstream that has been read and has failed once, so its every health family is declared.
     upstream = UpstreamHealth("engine", "http://127.0.0.1:30000/metrics")
@@ -251,13 +263,18 @@ def unknown_names(names: set[str], ns: str = DEFAULT_NAMESPACE) -> set[str]:
             and name not in process_names()}
 
 
+def namespaces(ns: str) -> tuple[str, ...]:
+    """Every namespace the dashboard generated for `ns` reads: `ns` and the other profiles' own."""
+    return (ns, *OTHER_PROFILES.values())
+
+
 def is_rollup(name: str, ns: str) -> bool:
-    return name.startswith(ns + "rollup_")
+    return name.startswith(tuple(n + "rollup_" for n in namespaces(ns)))
 
 
 def is_cache_series(name: str, ns: str) -> bool:
-    """A per-rank or rollup series of a catalog family (or derived from one), not a recording rule."""
-    return name.startswith(ns) and not name.startswith(RECORD_LEVELS)
+    """A per-rank or rollup series of a catalog family (or derived from one) of any profile, not a recording rule."""
+    return name.startswith(namespaces(ns)) and not name.startswith(RECORD_LEVELS)
 
 
 # --- tests ---------------------------------------------------------------------------------------
@@ -345,6 +362,10 @@ def test_every_metric_name_exists(ns: str) -> None:
 
 def test_metric_check_catches_a_typo() -> None:
     assert unknown_names({"sglang_load_back_token_total"}) == {"sglang_load_back_token_total"}
+    assert unknown_names({"lmcache_num_hit_token_total"}) and unknown_names({"lmcache:num_hit_tokens_total"})
+    assert unknown_names({"cluster:lmcache_retrieve_hit_rate:ratio_rate1m"})
+    assert not unknown_names({"lmcache_rollup_num_hit_tokens_total", "cluster:lmcache_retrieve_hit_rate:ratio_rate5m"},
+                             "sglang:")
     assert unknown_names({"cluster:sglang_load_back_tokens:rate1m"})
     assert unknown_names({"sglang_rollup_load_back_tokens_total"}, "sglang:")
     assert not unknown_names({"sglang_rollup_load_back_duration_seconds_bucket"})
@@ -376,6 +397,10 @@ def test_the_rule_checks_can_fail() -> None:
     assert fleet_violations("sum(rate(sglang_rollup_load_back_tokens_total[5m]))", ns)
     assert fleet_violations("sum(rate(sglang_load_back_bytes_total[5m]))", ns)
     assert not fleet_violations("sum(cluster:sglang_load_back_tokens:rate5m)", ns)
+    assert fleet_violations("sum(rate(lmcache_rollup_num_hit_tokens_total[5m]))", ns)
+    assert fleet_violations("sum(lmcache_local_cache_usage)", ns)
+    assert not fleet_violations("sum(cluster:lmcache_num_hit_tokens:rate5m)", ns)
+    assert pod_violations("lmcache_local_cache_usage", ns)
     assert pod_violations('rate(sglang_rollup_load_back_bytes_total{instance=~"$instance"}[5m])', ns)
     assert pod_violations("sum(cluster:sglang_load_back_bytes:rate5m)", ns)
     assert not pod_violations('rate(sglang_rollup_load_back_bytes_total{instance="$instance"}[5m])', ns)
@@ -422,11 +447,14 @@ def summed_over_replicas(expr: str, names: set[str]) -> set[str]:
 @pytest.mark.parametrize("ns", NAMESPACES)
 def test_replicated_tokens_are_never_summed_over_replicas(ns: str) -> None:
     """A per-rank token series is drawn per rank, or reduced to one replica per dp group before a sum."""
-    from exporter.catalog import MetricType, Semantics, default_catalog
+    from exporter.catalog import MetricType, Semantics
 
-    replicated = {ns + s.name for s in default_catalog()
+    catalog = profiles_catalog()
+    replicated = {catalog.namespace_of(s, ns) + s.name for s in catalog
                   if s.semantics is Semantics.REPLICATED and s.type is MetricType.COUNTER}
     assert summed_over_replicas(f"sum(rate({ns}load_back_tokens_total[5m]))", replicated)
+    assert summed_over_replicas("sum(rate(lmcache_num_hit_tokens_total[5m]))", replicated)
+    assert not summed_over_replicas("sum(rate(lmcache_num_remote_read_bytes_total[5m]))", replicated)
     assert summed_over_replicas(f"sum without (tp_rank) (rate({ns}load_back_tokens_total[5m]))", replicated)
     assert not summed_over_replicas(f"sum without (pool) (rate({ns}load_back_tokens_total[5m]))", replicated)
     assert not summed_over_replicas(f"sum(rate({ns}load_back_bytes_total[5m]))", replicated)
@@ -457,6 +485,29 @@ def test_required_views_are_present(ns: str) -> None:
     assert len(by_reason) >= 2
     for panel in by_reason:
         assert panel["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal", panel["title"]
+
+
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_every_profile_in_use_has_its_fleet_and_pod_rows(ns: str) -> None:
+    """The LMCache rows: hit vs requested tokens once per engine, the hit ratio from counters, remote bytes
+    per shard, local CPU usage; the fleet row from the cluster:lmcache_ rules, the pod row from one sidecar."""
+    rows = [p["title"] for p in dashboard(ns)["panels"] if p["type"] == "row"]
+    lmcache_rows = [r for r in rows if "LMCache" in r]
+    assert len(lmcache_rows) == 2 and lmcache_rows[0].startswith("Fleet") and lmcache_rows[1].startswith("Pod")
+    exprs = " ".join(e for row, panel in sections(ns) if "LMCache" in row for e in (t["expr"] for t in panel["targets"]))
+    for needed in ("cluster:lmcache_num_hit_tokens:rate5m", "cluster:lmcache_num_requested_tokens:rate5m",
+                   "cluster:lmcache_retrieve_hit_rate:ratio_rate5m", "cluster:lmcache_num_remote_read_bytes:rate5m",
+                   "cluster:lmcache_num_remote_write_bytes:rate5m", "lmcache_rollup_num_hit_tokens_total",
+                   "lmcache_num_remote_read_bytes_total", "lmcache_local_cache_usage", "lmcache_rollup_local_cache_usage"):
+        assert needed in exprs, needed
+    own = ("lmcache_", "cluster:lmcache_", "dp_group:lmcache_", "hicache_exporter_", "process_")  # the guard's
+    strays = {name for name in referenced_names(exprs)[0] if not name.startswith(own)}
+    assert not strays, f"the LMCache rows read only the lmcache profile's names: {sorted(strays)}"
+    # No sglang row reads an lmcache name, and no LMCache row a HiCache one.
+    for row, panel in sections(ns):
+        names = {m for t in panel["targets"] for m in referenced_names(t["expr"])[0]}
+        if "LMCache" not in row:
+            assert not any("lmcache_" in m for m in names), panel["title"]
 
 
 def test_dashboard_expressions_are_plain_promql() -> None:

@@ -132,7 +132,7 @@ class CacheMetrics:
         write_policy: str = "write_through",
     ) -> None:
         self.clients: dict[str, RankClient | None] = {
-            Collector.RADIX: radix, Collector.STORAGE: storage, Collector.SCHEDULER: scheduler}
+            Collector.RADIX.value: radix, Collector.STORAGE.value: storage, Collector.SCHEDULER.value: scheduler}
         for collector, client in self.clients.items():
             if client is not None:
                 _check_client(collector, client)

@@ -4,9 +4,9 @@ released logger pushed with their functions' values, read at snapshot time."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
-import tomllib
 from importlib.metadata import EntryPoint
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,12 @@ DYNAMIC_GAUGES = 42  # observability.py:1467-1672 (docs/lmcache-0.5.6.md section
 
 
 def test_the_declared_vllm_plugin_is_register() -> None:
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    plugins = project["entry-points"]["vllm.general_plugins"]
+    # The table as pyproject.toml declares it (tomllib is Python 3.11+; the project supports 3.10).
+    text = (REPO / "pyproject.toml").read_text()
+    section = re.search(r'^\[project\.entry-points\."vllm\.general_plugins"\]\n((?:[^\[\n].*\n|\n)*)', text, re.M)
+    assert section is not None
+    lines = [line for line in section.group(1).splitlines() if line.strip() and not line.startswith("#")]
+    plugins = dict(re.fullmatch(r'(\w+) = "([^"]+)"', line).groups() for line in lines)  # type: ignore[union-attr]
     assert plugins == {"hicache_exporter_lmcache": "exporter.integrations.lmcache:register"}
     entry = EntryPoint("hicache_exporter_lmcache", plugins["hicache_exporter_lmcache"], "vllm.general_plugins")
     assert entry.load() is hook.register

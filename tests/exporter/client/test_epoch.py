@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
+from exporter.catalog import default_catalog
 from exporter.client import RankClient
 from exporter.client.metrics import GaugeChild, MetricSet
-from exporter.catalog import default_catalog
 from tests.helpers import SidecarThread, http_get, wait_until
 
 RANK = {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0}

@@ -160,3 +160,67 @@ def test_the_42_set_function_gauges_push_their_functions_values(released_wheel: 
         process.join(SYNC_TIMEOUT)
         sidecar.stop()
     assert process.exitcode == 0
+
+
+def multiprocess_process(socket_path: str, counted: Any, go_on: Any, finish: Any, conn: Any) -> None:
+    """A worker in LMCache's multiprocess mode (PROMETHEUS_MULTIPROC_DIR set before it started): 100 hit
+    tokens, `reset_counters()`, 20 more."""
+    from prometheus_client import REGISTRY
+
+    from tests.upstream_lmcache import install
+
+    lmcache = install()
+    import exporter.integrations.lmcache as h
+
+    h.install(socket_path, interval=0.05)
+    metadata = lmcache.LMCacheMetadata(
+        model_name="m", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0, kv_dtype=None,
+        kv_shape=(1, 2, 256, 8, 128), role="worker", served_model_name="s", engine_id="0a1b")
+    logger = lmcache.PrometheusLogger.GetOrCreate(metadata)
+    monitor = lmcache.LMCStatsMonitor.GetOrCreate()
+    own = {"model_name": "m", "worker_id": "0", "role": "worker", "served_model_name": "s"}
+    monitor.on_retrieve_finished(monitor.on_retrieve_request(128), 100)
+    logger.log_prometheus(monitor.get_stats_and_clear())
+    counted.set()
+    go_on.wait(SYNC_TIMEOUT)
+    logger.reset_counters()
+    after_reset = REGISTRY.get_sample_value("lmcache:num_hit_tokens_total", own)
+    monitor.on_retrieve_finished(monitor.on_retrieve_request(32), 20)
+    logger.log_prometheus(monitor.get_stats_and_clear())
+    conn.send([after_reset, REGISTRY.get_sample_value("lmcache:num_hit_tokens_total", own)])
+    finish.wait(SYNC_TIMEOUT)  # its client keeps pushing until the parent has read the sidecar
+
+
+def test_a_reset_in_multiprocess_mode_is_a_new_epoch_of_zeros_though_the_engine_keeps_its_value(
+        released_wheel: Path, socket_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # prometheus_client cannot clear in multiprocess mode: the engine's counter reads its file back
+    # (docs/lmcache-0.5.6.md section 5). The push door counts what happens, so its epoch starts at 0.
+    monkeypatch.setenv("HICACHE_LMCACHE_WHEEL", str(released_wheel))
+    directory = socket_dir / "mp"
+    directory.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(directory))
+    sidecar = SidecarThread(sidecar_config(socket_dir / "m.sock", metrics={"profiles": ["lmcache"]})).start()
+    counted, go_on, finish = SPAWN.Event(), SPAWN.Event(), SPAWN.Event()
+    process, receive = spawn(multiprocess_process, sidecar.socket_path, counted, go_on, finish)
+    rank = {"tp_rank": "0", "pp_rank": "0", "dp_rank": "0", "worker_id": "0"}
+
+    def shows(rank_value: float, rollup: float) -> bool:
+        scrape = sidecar.scrape()
+        series, rollups = scrape.find("lmcache_num_hit_tokens_total", **rank), scrape.find("lmcache_rollup_num_hit_tokens_total")
+        return [s.value for s in series] == [rank_value] and [s.value for s in rollups] == [rollup]
+
+    try:
+        assert counted.wait(SYNC_TIMEOUT)
+        wait_until(lambda: shows(100, 100), 60)
+        go_on.set()
+        assert receive.poll(SYNC_TIMEOUT)
+        engine = receive.recv()
+        wait_until(lambda: shows(20, 120), 60)
+        assert any(directory.iterdir())  # the engine's values are in its files: multiprocess mode indeed
+    finally:
+        go_on.set()
+        finish.set()
+        process.join(SYNC_TIMEOUT)
+        sidecar.stop()
+    assert engine == [100.0, 120.0]  # the engine's own counter did not drop
+    assert process.exitcode == 0

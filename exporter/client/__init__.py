@@ -118,6 +118,22 @@ class RankClient:
         """Push at the next opportunity instead of waiting for the interval."""
         self._pusher.push_now()
 
+    def new_epoch(self) -> str:
+        """Start this rank again in the same process, as a restart would: counters and histograms back to 0
+        (gauges keep their values), a fresh epoch id and a new hello; returns the new epoch.
+
+        For an engine that clears its metrics while it runs: the epoch's last snapshot goes out first,
+        then the sidecar continues the rank's positions from the new epoch's zeros (a restart), so no
+        rollup falls. Increments that race with it from other threads may land in either epoch or, between
+        the last snapshot and the zeroing, be lost."""
+
+        def begin() -> None:
+            self.metrics.restart()
+            self.epoch = uuid.uuid4().hex
+
+        self._pusher.restart(begin)
+        return self.epoch
+
     def close(self) -> None:
         """Send a last snapshot and `bye`, then stop; safe to call twice."""
         self._pusher.close()

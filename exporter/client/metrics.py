@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -49,15 +49,31 @@ class CounterChild:
 
 
 class GaugeChild:
-    """A current value bound to one label set."""
+    """A current value bound to one label set, or read from a callable at snapshot time (`set_function`)."""
 
-    __slots__ = ("value",)
+    __slots__ = ("value", "function")
 
     def __init__(self) -> None:
         self.value: float = 0
+        self.function: Callable[[], float] | None = None
 
     def set(self, value: float) -> None:
         self.value = value
+
+    def set_function(self, function: Callable[[], float] | None) -> None:
+        """Read the gauge from `function` at every snapshot (as prometheus_client's `Gauge.set_function`,
+        whose value nobody `set()`s); None goes back to the set value."""
+        self.function = function
+
+    def current(self) -> float:
+        """The value a snapshot carries: the function's when there is one (NaN when it fails: not pushed)."""
+        function = self.function
+        if function is None:
+            return self.value
+        try:
+            return float(function())
+        except Exception:  # an engine's callback must never break the push of the rank's other series
+            return math.nan
 
     def inc(self, amount: float = 1) -> None:
         self.value += amount
@@ -67,7 +83,7 @@ class GaugeChild:
 
     def sample(self, family: str, labels: dict[str, str] | None = None) -> Sample:
         """This child as a protocol sample of `family`: its current value."""
-        return ScalarSample(family, self.value, labels)
+        return ScalarSample(family, self.current(), labels)
 
 
 class HistogramChild:
@@ -177,10 +193,34 @@ class MetricSet:
         """Every child as a protocol sample: cumulative counters and histograms, current gauges."""
         out = []
         for (family, values), child in self.items():
-            if not isinstance(child, HistogramChild) and not math.isfinite(child.value):
-                continue  # JSON cannot carry NaN/Inf, and the sidecar would refuse it anyway
-            out.append(child.sample(family, dict(zip(self.catalog.get(family).labels, values))))
+            labels = dict(zip(self.catalog.get(family).labels, values))
+            if isinstance(child, HistogramChild):
+                out.append(child.sample(family, labels))
+                continue
+            value = child.current() if isinstance(child, GaugeChild) else child.value  # a function is read once
+            if math.isfinite(value):  # JSON cannot carry NaN/Inf, and the sidecar would refuse it anyway
+                out.append(ScalarSample(family, value, labels))
         return out
+
+    def counted(self) -> bool:
+        """Whether any counter or histogram has counted something since it was created or restarted."""
+        for _, child in self.items():
+            if isinstance(child, CounterChild) and child.value:
+                return True
+            if isinstance(child, HistogramChild) and (any(child.counts) or child.sum):
+                return True
+        return False
+
+    def restart(self) -> None:
+        """Counters and histograms back to 0, as in a process that starts again; gauges keep their values
+        (a gauge is a current value, not a position: a new epoch reports it as it is)."""
+        with self._lock:
+            for child in self._children.values():
+                if isinstance(child, CounterChild):
+                    child.value = 0
+                elif isinstance(child, HistogramChild):
+                    child.counts = [0] * len(child.counts)
+                    child.sum = 0.0
 
     def samples(self) -> list[dict[str, Any]]:
         """The same samples as plain JSON-ready objects, as they go on the wire (empty labels left out)."""

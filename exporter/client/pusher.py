@@ -93,6 +93,24 @@ class Pusher:
                     self._failed(err)
             self._disconnect()
 
+    def restart(self, begin: Callable[[], None]) -> None:
+        """End the connection's epoch and call `begin` (which starts the next), so that the next push says hello again.
+
+        The epoch ends as a process that exits ends it: its last snapshot and `bye`, then the sidecar
+        closing the connection, which frees the identity before the new hello (else it would be a
+        duplicate). Best effort and bounded in time, as `close()`; without a connection only `begin` runs."""
+        with self._io_lock:
+            if self._sock is not None and self.stats.refused is None:
+                try:
+                    self._send_snapshot()
+                    self._send(Bye())
+                    self._await_close()
+                except (OSError, ProtocolError) as err:
+                    self._failed(err)
+            self._disconnect()
+            begin()
+        self._wake.set()
+
     # --- the thread ---
 
     def _run(self) -> None:
@@ -155,6 +173,16 @@ class Pusher:
                 self._sock.close()
             finally:
                 self._sock = None
+
+    def _await_close(self) -> None:
+        """Read until the sidecar closes the connection (it does after `bye`, once the identity is free)."""
+        assert self._sock is not None
+        deadline = time.monotonic() + self.io_timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            self._sock.settimeout(remaining)
+            if not self._sock.recv(65536):
+                return
+        raise TimeoutError("the sidecar did not close the connection after bye")
 
     def _send(self, message: Hello | Snapshot | Bye) -> None:
         assert self._sock is not None

@@ -1,0 +1,461 @@
+"""LMCache's metrics hook: the released `PrometheusLogger` pushes its series to the sidecar as well.
+
+    import exporter.integrations.lmcache as hook
+    hook.install()  # before LMCache's first PrometheusLogger.GetOrCreate in this process
+
+Under vLLM nothing needs to be written: the package declares the vLLM general plugin
+`hicache_exporter_lmcache` (entry point group `vllm.general_plugins`, pointing at `register`), which
+vLLM loads in every process it starts (API server, engine cores, workers) before any KV connector
+exists (docs/lmcache-0.5.6.md section 6). When `VLLM_PLUGINS` is set, it must name
+`hicache_exporter_lmcache` too. Without the plugin machinery, the smallest alternative is one line in
+a `sitecustomize.py` (or a `.pth` file) on the engine's path:
+
+    import exporter.integrations.lmcache as h; h.register()
+
+LMCache has no setting for its logger's metric classes: `PrometheusLogger` builds every metric from its
+class attributes `_counter_cls`, `_gauge_cls` and `_histogram_cls` (lmcache/observability.py:857-859).
+`install()` sets them to subclasses of prometheus_client's Counter, Gauge and Histogram, so the engine's
+own metrics keep working as before (its registry, its multiprocess files, its `clear()`), and every
+family of the `lmcache` profile (exporter/defaults/lmcache.yaml: LMCache's names without `lmcache:`,
+counters with `_total`) is also counted in a `RankClient`, which pushes over the sidecar's socket
+(`HICACHE_EXPORTER_SOCKET`, default /run/hicache/metrics.sock) every `HICACHE_EXPORTER_PUSH_INTERVAL`
+seconds (default 1), one client per rank identity per process.
+
+A rank identity comes from LMCache's four labels (model_name, worker_id, role, served_model_name,
+observability.py:1905-1913) and the logger's metadata:
+
+* tp_rank, pp_rank (and attn_cp_rank) from `worker_id` by `exporter.labels.linear_rank_axes`, with the
+  tp size vLLM's parallel config gives when this process has one whose sizes multiply to the metadata's
+  `world_size`, else the metadata's `world_size` (pp 1);
+* dp_rank: the DP replica, which LMCache does not label: the `_dp<N>` suffix vLLM appends to each DP
+  engine's `engine_id` (vllm/v1/engine/core.py:1374-1382), read from the metadata; 0 without one;
+* static labels model_name, role, served_model_name (left out when empty: Prometheus drops an empty
+  label) and worker_id (the profile's derived label: kept per rank, left out of rollups).
+
+The hello carries no world: LMCache's metadata has no tp or pp size, and vLLM resets the DP size of a
+dense model's engine to 1 (vllm/config/parallel.py:1130-1139), so no process knows it for sure.
+
+Values are counted as they happen (a metric's `inc`, `set`, `observe`), except the 42 gauges LMCache
+feeds through `set_function`: their function is read when a snapshot is made. `clear()` (LMCache's
+`reset_counters()`/`reset_histograms()`, observability.py:1879-1903) clears the engine's metric as
+LMCache intends and starts a new epoch of the rank's client (`RankClient.new_epoch`): the sidecar then
+continues the rank's positions, and no rollup falls.
+
+This module imports LMCache only when `install()` or `register()` runs; the sidecar never imports it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import importlib.util
+import logging
+import math
+import multiprocessing.util
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
+
+import prometheus_client
+
+from exporter.catalog import Catalog, FamilySpec, MetricType, bucket_layout_problem, load_profile
+from exporter.client import CounterChild, GaugeChild, HistogramChild, LabelError, RankClient
+from exporter.defaults import DEFAULT_PUSH_INTERVAL, ENV_PUSH_INTERVAL, ENV_SOCKET
+from exporter.labels import linear_rank_axes
+
+__all__ = ["install", "register", "close", "PushingCounter", "PushingGauge", "PushingHistogram"]
+
+PROFILE = "lmcache"
+ENGINE_PREFIX = "lmcache:"
+OBSERVABILITY = "lmcache.observability"
+STATIC_LABELS = ("model_name", "role", "served_model_name", "worker_id")
+DP_SUFFIX = re.compile(r"_dp(\d+)\Z")  # vllm/v1/engine/core.py:1374-1382: f"{engine_id}_dp{dp_rank}"
+
+log = logging.getLogger("hicache_exporter.integrations.lmcache")
+
+Identity = tuple[tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]
+Child = CounterChild | GaugeChild | HistogramChild
+
+
+def install(socket_path: str | os.PathLike[str] | None = None, *, interval: float | None = None) -> None:
+    """Make LMCache's `PrometheusLogger` build pushing metrics in this process (idempotent).
+
+    Call it before the process's first `PrometheusLogger.GetOrCreate`: a logger made before keeps
+    prometheus_client's classes. `socket_path` and `interval`, when given, are set in this process's
+    environment (`HICACHE_EXPORTER_SOCKET`, `HICACHE_EXPORTER_PUSH_INTERVAL`), which processes it
+    starts inherit. Raises ImportError when LMCache cannot be imported."""
+    if socket_path is not None:
+        os.environ[ENV_SOCKET] = os.fspath(socket_path)
+    if interval is not None:
+        if not 0 < interval < math.inf:
+            raise ValueError(f"interval must be a positive number of seconds, got {interval}")
+        os.environ[ENV_PUSH_INTERVAL] = repr(float(interval))
+    logger_cls = importlib.import_module(OBSERVABILITY).PrometheusLogger
+    if logger_cls._counter_cls is PushingCounter:
+        return
+    if logger_cls._instances:
+        log.warning("LMCache already made %d PrometheusLogger(s) in this process; their metrics are not pushed",
+                    len(logger_cls._instances))
+    # lmcache/observability.py:857-859: the classes every _create_counter/_create_histogram and
+    # _gauge_cls(...) call builds from (935-1672).
+    logger_cls._counter_cls = PushingCounter
+    logger_cls._gauge_cls = PushingGauge
+    logger_cls._histogram_cls = PushingHistogram
+
+
+def register() -> None:
+    """vLLM's general plugin (entry point `hicache_exporter_lmcache`): `install()` where LMCache is installed.
+
+    vLLM calls it once in each process it starts (vllm/plugins/__init__.py:77-90); it does nothing
+    where LMCache cannot be found, and nothing more the second time."""
+    if OBSERVABILITY not in sys.modules:
+        try:
+            if importlib.util.find_spec("lmcache") is None:
+                return
+        except (ImportError, ValueError):
+            return
+    try:
+        install()
+    except ImportError as err:  # installed but broken (a missing dependency): the engine says so itself
+        log.warning("LMCache is installed but %s cannot be imported (%s); its metrics are not pushed", OBSERVABILITY, err)
+
+
+# --- this process's push clients ---
+
+
+class _ProcessClients:
+    """The push clients of one process, one per rank identity, created and started on first use."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.clients: dict[Identity, RankClient] = {}
+        self._lock = threading.Lock()
+
+    def client(self, rank: dict[str, int], static: dict[str, str]) -> RankClient:
+        key: Identity = (tuple(sorted(rank.items())), tuple(sorted(static.items())))
+        client = self.clients.get(key)
+        if client is not None:
+            return client
+        with self._lock:
+            if _exiting_pid == self.pid:
+                raise RuntimeError("this process has pushed its last snapshot (interpreter exit)")
+            client = self.clients.get(key)
+            if client is None:
+                client = RankClient(rank=rank, labels=static, interval=_push_interval(), preset=False,
+                                    catalog=profile_catalog())
+                _push_at_exit()
+                client.start()
+                self.clients[key] = client
+                log.info("pushing rank %s %s to %s", rank, static, client.socket_path)
+        return client
+
+    def close(self) -> None:
+        with self._lock:
+            clients = list(self.clients.values())
+        for client in clients:
+            client.close()
+
+
+_state_lock = threading.Lock()
+_process: _ProcessClients | None = None
+_generation = 0  # rises in a forked child and at close(): metrics then bind their push children again
+_exit_hooks_pid: int | None = None
+_exiting_pid: int | None = None
+
+
+def _this_process() -> _ProcessClients:
+    global _process
+    current = _process
+    if current is None or current.pid != os.getpid():
+        with _state_lock:
+            if _process is None or _process.pid != os.getpid():
+                _process = _ProcessClients()
+            current = _process
+    return current
+
+
+def _forget_parent_clients() -> None:
+    global _process, _generation
+    _process = None  # the parent's pusher threads do not exist here; its sockets are the parent's
+    _generation += 1
+
+
+os.register_at_fork(after_in_child=_forget_parent_clients)
+
+
+def close() -> None:
+    """Push this process's last snapshots and say bye now (what happens at interpreter exit).
+
+    Series written later start new clients, with new epochs (a restart, as far as the sidecar knows)."""
+    global _process, _generation
+    with _state_lock:
+        current = _process
+        if current is None or current.pid != os.getpid():
+            return
+        _process = None
+        _generation += 1
+    current.close()
+
+
+def _at_exit() -> None:
+    global _exiting_pid
+    _exiting_pid = os.getpid()  # from here on, what binds stays prometheus_client's only
+    close()
+
+
+def _push_at_exit() -> None:
+    global _exit_hooks_pid
+    if _exit_hooks_pid == os.getpid():
+        return
+    _exit_hooks_pid = os.getpid()
+    atexit.register(_at_exit)
+    # A child started by multiprocessing's fork or forkserver methods leaves through os._exit,
+    # skipping atexit; multiprocessing runs its exit-priority finalizers first.
+    multiprocessing.util.Finalize(None, _at_exit, exitpriority=10)
+
+
+def _push_interval() -> float:
+    text = os.environ.get(ENV_PUSH_INTERVAL)
+    if not text:
+        return DEFAULT_PUSH_INTERVAL
+    try:
+        interval = float(text)
+    except ValueError:
+        interval = math.nan
+    if not 0 < interval < math.inf:
+        log.warning("%s=%r is not a positive number of seconds; pushing every %s s",
+                    ENV_PUSH_INTERVAL, text, DEFAULT_PUSH_INTERVAL)
+        return DEFAULT_PUSH_INTERVAL
+    return interval
+
+
+# --- rank identity ---
+
+
+def _metadata(labels: dict[str, str]) -> Any:
+    """The `LMCacheMetadata` of the logger (or label view) that labels its series `labels`, or None."""
+    # lmcache/observability.py:1847-1868: GetOrCreate keeps every logger and label view in
+    # PrometheusLogger._instances under _metadata_to_key(metadata) (1914-1917), the sorted label
+    # strings; a label view keeps its own `.metadata` (1919-1929). A logger is filed there only once
+    # it is made, so a metric finds it from its first write on, not while the logger is being built.
+    module = sys.modules.get(OBSERVABILITY)
+    instances = getattr(getattr(module, "PrometheusLogger", None), "_instances", None) or {}
+    logger = instances.get(tuple(sorted(labels.items())))
+    return getattr(logger, "metadata", None)
+
+
+def _dp_rank(engine_id: object) -> int:
+    """The DP replica vLLM names in an engine id (`<id>_dp<N>`), 0 for an engine id without one."""
+    match = DP_SUFFIX.search(engine_id) if isinstance(engine_id, str) else None
+    return int(match.group(1)) if match else 0
+
+
+def _tp_cp_sizes(world_size: int) -> tuple[int | None, int]:
+    """(tp size, context-parallel size) of this engine: vLLM's parallel config when this process has one that
+    accounts for `world_size`, else every worker a tp rank of one stage (LMCache's metadata has no tp size)."""
+    config_module = sys.modules.get("vllm.config")  # only where vLLM runs: never imported here
+    if config_module is not None:
+        try:
+            parallel = config_module.get_current_vllm_config().parallel_config
+            tp = int(parallel.tensor_parallel_size)
+            pp = int(parallel.pipeline_parallel_size)
+            cp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
+            if tp * pp * cp == world_size:  # vllm/config/parallel.py:899-903
+                return tp, cp
+        except Exception:  # no current config, or one of another shape: the metadata decides
+            pass
+    return (world_size if world_size >= 1 else None), 1
+
+
+def rank_identity(labels: dict[str, str]) -> tuple[dict[str, int], dict[str, str]] | None:
+    """(rank axes, static labels) of a series LMCache labels `labels`; None while its logger is not filed yet."""
+    metadata = _metadata(labels)
+    if metadata is None:
+        return None
+    tp_size, cp_size = _tp_cp_sizes(int(metadata.world_size))
+    rank = linear_rank_axes(int(labels["worker_id"]), tp_size, cp_size)
+    rank["dp_rank"] = _dp_rank(getattr(metadata, "engine_id", None))
+    static = {name: labels[name] for name in STATIC_LABELS if labels.get(name)}
+    return rank, static
+
+
+# --- routing a family ---
+
+_catalog: Catalog | None = None
+_warned: set[str] = set()
+
+
+def profile_catalog() -> Catalog:
+    """The lmcache profile's catalog (parsed once per process), which every client here pushes."""
+    global _catalog
+    if _catalog is None:
+        _catalog = load_profile(PROFILE)
+    return _catalog
+
+
+def profile_family(name: str, kind: MetricType) -> FamilySpec | None:
+    """The profile's family that LMCache's metric `name` of type `kind` is, or None."""
+    if not name.startswith(ENGINE_PREFIX):
+        return None
+    family = name[len(ENGINE_PREFIX):]
+    if kind is MetricType.COUNTER and not family.endswith("_total"):
+        family += "_total"  # prometheus_client exposes a counter as name + "_total"
+    spec = profile_catalog().find(family)
+    if spec is None or spec.type is not kind:
+        return None
+    return spec
+
+
+def _warn_once(name: str, message: str) -> None:
+    if name not in _warned:
+        _warned.add(name)
+        log.warning(message)
+
+
+class _Pushing:
+    """A prometheus_client metric whose labelled children also count in the rank's push client."""
+
+    _kind: ClassVar[MetricType]
+    _original_name: str
+    _documentation: str
+    _labelnames: tuple[str, ...]
+    _labelvalues: tuple[str, ...]
+    _metrics: dict[Any, Any]
+    _lock: threading.Lock
+    _push: Any = None  # the push child (on a labelled child), bound on its first write
+    _push_client: RankClient | None = None
+    _push_generation: int | None = None  # the _generation it was bound in; -1: never pushed
+
+    def _push_child(self) -> Any:
+        """This series' push child, bound on first use; None while unbound (its logger is not filed yet) or never pushed."""
+        if self._push_generation == _generation or self._push_generation == -1:
+            return self._push
+        spec = profile_family(self._original_name, self._kind)
+        if spec is None or not self._labelvalues:
+            self._push_generation = -1
+            return None
+        labels = dict(zip(self._labelnames, self._labelvalues))
+        try:
+            identity = rank_identity(labels)
+            if identity is None:
+                _warn_once(self._original_name, f"{self._original_name}{labels}: no PrometheusLogger with these "
+                                                "labels yet; this write is not pushed")
+                return None
+            client = _this_process().client(*identity)
+            if self._documentation:
+                client.describe(spec.name, self._documentation)
+            child = self._bind(client, spec)
+        except (LabelError, ValueError, TypeError, RuntimeError) as err:
+            _warn_once(self._original_name, f"{self._original_name}{labels} is not pushed ({err})")
+            self._push_generation = -1
+            return None
+        self._push, self._push_client, self._push_generation = child, client, _generation
+        return child
+
+    def _bind(self, client: RankClient, spec: FamilySpec) -> Child:
+        raise NotImplementedError
+
+    def _bound_clients(self) -> list[RankClient]:
+        """The push clients this metric's children count in now (on the labelled parent)."""
+        with self._lock:
+            children = list(self._metrics.values())
+        clients: dict[int, RankClient] = {}
+        for child in children:
+            client = child._push_client if child._push_generation == _generation else None
+            if client is not None:
+                clients[id(client)] = client
+        return list(clients.values())
+
+    def _clear_epochs(self, clear: Callable[[], None]) -> None:
+        """`clear()` the engine's metric, and start a new epoch of every client whose series it held."""
+        clients = self._bound_clients() if self._labelnames and not self._labelvalues else []
+        clear()
+        for client in clients:
+            # One clear of each of the logger's 43 counters and histograms per reset: the first starts the
+            # epoch, the others find nothing counted in it yet and leave it.
+            if client.metrics.counted():
+                client.new_epoch()
+
+
+class PushingCounter(_Pushing, prometheus_client.Counter):
+    """prometheus_client's Counter; a profile family's children also count in the rank's push client."""
+
+    _kind = MetricType.COUNTER
+
+    def inc(self, amount: float = 1, exemplar: dict[str, str] | None = None) -> None:
+        super().inc(amount, exemplar)
+        push = self._push_child()
+        if push is not None:
+            push.inc(amount)
+
+    def clear(self) -> None:
+        self._clear_epochs(super().clear)
+
+    def _bind(self, client: RankClient, spec: FamilySpec) -> Child:
+        return client.counter(spec.name)
+
+
+class PushingGauge(_Pushing, prometheus_client.Gauge):
+    """prometheus_client's Gauge; a profile family's children also hold their value (or function) in the push client."""
+
+    _kind = MetricType.GAUGE
+
+    def set(self, value: float) -> None:
+        super().set(value)
+        push = self._push_child()
+        if push is not None:
+            push.set(float(value))
+
+    def inc(self, amount: float = 1) -> None:
+        super().inc(amount)
+        push = self._push_child()
+        if push is not None:
+            push.inc(amount)
+
+    def dec(self, amount: float = 1) -> None:
+        super().dec(amount)
+        push = self._push_child()
+        if push is not None:
+            push.dec(amount)
+
+    def set_function(self, f: Callable[[], float]) -> None:
+        super().set_function(f)
+        push = self._push_child()
+        if push is not None:
+            push.set_function(f)  # read at every snapshot: nobody calls set() on these gauges
+
+    def clear(self) -> None:
+        self._clear_epochs(super().clear)
+
+    def _bind(self, client: RankClient, spec: FamilySpec) -> Child:
+        return client.gauge(spec.name)
+
+
+class PushingHistogram(_Pushing, prometheus_client.Histogram):
+    """prometheus_client's Histogram; a profile family's children also observe in the push client, with the engine's buckets."""
+
+    _kind = MetricType.HISTOGRAM
+    _upper_bounds: list[float]
+
+    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
+        super().observe(amount, exemplar)
+        push = self._push_child()
+        if push is not None:
+            push.observe(amount)
+
+    def clear(self) -> None:
+        self._clear_epochs(super().clear)
+
+    def _bind(self, client: RankClient, spec: FamilySpec) -> Child:
+        bounds = _finite(self._upper_bounds)
+        problem = bucket_layout_problem(bounds)
+        if problem:  # e.g. a repeated bound from extra_config histogram_bucket_<name>
+            raise ValueError(f"{problem}, got {list(self._upper_bounds)}")
+        return client.histogram(spec.name, buckets=bounds)
+
+
+def _finite(bounds: Iterable[float]) -> tuple[float, ...]:
+    return tuple(b for b in bounds if b != math.inf)

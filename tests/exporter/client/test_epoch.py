@@ -1,0 +1,100 @@
+"""RankClient.new_epoch and GaugeChild.set_function against a real sidecar: a rank that clears its metrics
+while it runs is a restart to the sidecar, and a gauge read from a function is read when a snapshot is made."""
+
+from __future__ import annotations
+
+import json
+
+from exporter.catalog import default_catalog
+from exporter.client import RankClient
+from exporter.client.metrics import GaugeChild, MetricSet
+from tests.helpers import SidecarThread, http_get, wait_until
+
+RANK = {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0}
+
+
+def _rank(sidecar: SidecarThread) -> dict:
+    ranks = json.loads(http_get(sidecar.url + "/api/v1/ranks")[1])["ranks"]
+    assert len(ranks) == 1, ranks
+    return ranks[0]
+
+
+def _settled(sidecar: SidecarThread, name: str, value: float, **labels: str) -> bool:
+    found = sidecar.scrape().find(name, **labels)
+    return len(found) == 1 and found[0].value == value
+
+
+def test_new_epoch_restarts_the_rank_and_the_sidecar_continues_its_positions(sidecar: SidecarThread) -> None:
+    client = RankClient(sidecar.socket_path, rank=RANK, interval=0.05, preset=False).start()
+    try:
+        tokens = client.counter("evicted_tokens_total")
+        host = client.gauge("hicache_host_used_tokens")
+        tokens.inc(100)
+        host.set(7)
+        wait_until(lambda: _settled(sidecar, "sglang_rollup_evicted_tokens_total", 100))
+        tokens.inc(5)  # not pushed yet when the epoch ends: the old epoch's last snapshot carries it
+        first = client.epoch
+        assert client.new_epoch() == client.epoch != first
+        assert tokens.value == 0 and host.value == 7  # counters start again, gauges keep their value
+        assert not client.metrics.counted()
+        wait_until(lambda: _rank(sidecar)["epoch"] == client.epoch)
+        assert _rank(sidecar)["restarts"] == 1
+        tokens.inc(20)
+        # The per-rank series starts again from the new epoch; the rollup goes on from 105.
+        wait_until(lambda: _settled(sidecar, "sglang_rollup_evicted_tokens_total", 125))
+        wait_until(lambda: _settled(sidecar, "sglang_evicted_tokens_total", 20, tp_rank="0"))
+        assert sidecar.scrape().value("sglang_hicache_host_used_tokens", tp_rank="0") == 7
+        assert client.stats.refused is None and client.stats.errors_by_code == {}
+    finally:
+        client.close()
+
+
+def test_new_epoch_without_a_sidecar_only_starts_again(socket_dir) -> None:
+    client = RankClient(str(socket_dir / "none.sock"), rank=RANK, interval=0.05, preset=False)
+    tokens = client.counter("evicted_tokens_total")
+    tokens.inc(3)
+    first = client.epoch
+    client.new_epoch()
+    assert client.epoch != first and tokens.value == 0
+    client.close()
+
+
+def test_restart_zeroes_histograms_and_counted_sees_them() -> None:
+    metrics = MetricSet(default_catalog())
+    histogram = metrics.child("load_back_duration_seconds", {})
+    assert not metrics.counted()
+    histogram.observe(0.5)  # type: ignore[union-attr]
+    assert metrics.counted()
+    metrics.restart()
+    assert not metrics.counted()
+    assert histogram.cumulative() == ([0] * (len(histogram.bounds) + 1), 0.0)  # type: ignore[union-attr]
+
+
+def test_a_function_gauge_is_read_at_snapshot_time(sidecar: SidecarThread) -> None:
+    client = RankClient(sidecar.socket_path, rank=RANK, interval=0.05, preset=False).start()
+    try:
+        reading = [3.0]
+        gauge = client.gauge("hicache_host_used_tokens")
+        gauge.set(1)
+        gauge.set_function(lambda: reading[0])
+        wait_until(lambda: _settled(sidecar, "sglang_hicache_host_used_tokens", 3, tp_rank="0"))
+        reading[0] = 11.0  # nobody calls set(): the next snapshot reads it
+        wait_until(lambda: _settled(sidecar, "sglang_hicache_host_used_tokens", 11, tp_rank="0"))
+        gauge.set_function(None)
+        wait_until(lambda: _settled(sidecar, "sglang_hicache_host_used_tokens", 1, tp_rank="0"))
+    finally:
+        client.close()
+
+
+def test_a_failing_function_leaves_its_gauge_out_of_the_snapshot() -> None:
+    metrics = MetricSet(default_catalog())
+    gauge = metrics.child("hicache_host_used_tokens", {})
+    assert isinstance(gauge, GaugeChild)
+
+    def broken() -> float:
+        raise RuntimeError("the engine's callback failed")
+
+    gauge.set_function(broken)
+    assert [s.family for s in metrics.wire_samples()] == []
+    gauge.set_function(lambda: 2)
+    assert [(s.family, s.value) for s in metrics.wire_samples()] == [("hicache_host_used_tokens", 2.0)]

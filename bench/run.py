@@ -9,7 +9,8 @@ Benchmarks, in order (each module also runs alone: `python -m bench.<name> --hel
   scrape     /metrics latency of the sidecar vs MultiProcessCollector, 16..256 ranks, plain and
              with Accept-Encoding: gzip (vs the anchor's body gzipped at the sidecar's level)
   ingest     full-catalog snapshots per second the sidecar state applies, on one core
-  proxy      CPU per upstream read against prometheus_client's parser
+  proxy      CPU per upstream read against prometheus_client's parser (SGLang 16..256 ranks, and LMCache
+             8 engines x TP 8 as vLLM's /metrics serves it)
   status_api /api/v1/status and the status page at 256 ranks, against the /metrics render (<= 50 ms)
   memory     sidecar RSS holding 256 ranks x the full catalog
   proxy_memory  sidecar peak RSS under the worst upstream answers the proxy's caps allow
@@ -51,7 +52,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "hotpath": {"number": 100_000, "repeat": 5, "rounds": 2},
         "scrape": {"ranks": (16, 64, 128, 256), "repeats": 100, "budget_s": 6.0},
         "ingest": {"ranks": (64, 256), "snapshots": 3000},
-        "proxy": {"ranks": (16, 64, 256), "repeats": 10, "goal_ranks": 64},
+        "proxy": {"ranks": (16, 64, 256), "repeats": 10, "goal_ranks": 64, "lmcache": (8, 8)},
         "status_api": {"ranks": 256, "repeats": 30, "http_repeats": 20},
         "memory": {"ranks": 256, "rounds": 62, "period": 0.25, "scrapes": 2},
         "proxy_memory": {"reads": 3},
@@ -63,7 +64,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "hotpath": {"number": 20_000, "repeat": 3, "rounds": 1},
         "scrape": {"ranks": (16, 64), "repeats": 10, "budget_s": 1.5},
         "ingest": {"ranks": (64,), "snapshots": 500},
-        "proxy": {"ranks": (16, 64), "repeats": 3, "goal_ranks": 64},
+        "proxy": {"ranks": (16, 64), "repeats": 3, "goal_ranks": 64, "lmcache": (8, 8)},
         "status_api": {"ranks": 256, "repeats": 5, "http_repeats": 3},
         "memory": {"ranks": 256, "rounds": 8, "period": 0.1, "scrapes": 1},
         "proxy_memory": {"reads": 2},
@@ -75,7 +76,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "hotpath": {"number": 2_000, "repeat": 1, "rounds": 1},
         "scrape": {"ranks": (2, 4), "repeats": 3, "budget_s": 0.1, "goal_ranks": (4,), "gzip_goal_ranks": (4,)},
         "ingest": {"ranks": (4,), "snapshots": 16},
-        "proxy": {"ranks": (2, 4), "repeats": 2, "goal_ranks": 4},
+        "proxy": {"ranks": (2, 4), "repeats": 2, "goal_ranks": 4, "lmcache": (2, 2)},
         "status_api": {"ranks": 16, "repeats": 2, "http_repeats": 2},
         "memory": {"ranks": 4, "rounds": 3, "period": 0.05, "scrapes": 1},
         "proxy_memory": {"reads": 1, "cases": ("floods", "ranks"), "body_bytes": 100_000},

@@ -72,14 +72,14 @@ def test_profile_serves_a_profile_to_pushing_ranks_once() -> None:
     assert len(load_profiles(config.metrics.catalog, config.profiles_in_use)) == len(default_catalog()) + LMCACHE_FAMILIES
 
 
-def test_an_unknown_profile_is_one_config_error_line_naming_it() -> None:
+def test_an_unknown_profile_is_one_config_error_line_naming_it(socket_dir: Path) -> None:
     with pytest.raises(ConfigError) as refused:
         load_profiles(None, ["nosuch"])
     assert "nosuch" in str(refused.value) and "\n" not in str(refused.value)
     for flag in ("--upstream-profile", "--profile"):
         upstream = ["--upstream", "http://127.0.0.1:1/metrics"] if flag == "--upstream-profile" else []
-        result = subprocess.run([*CLI, "serve", *upstream, flag, "nosuch", "--port", "0"], capture_output=True,
-                                text=True, timeout=60)
+        result = subprocess.run([*CLI, "serve", *upstream, flag, "nosuch", "--port", "0", "--socket",
+                                 str(socket_dir / "m.sock")], capture_output=True, text=True, timeout=60)
         assert result.returncode == 2
         assert result.stderr.count("\n") == 1 and result.stderr.startswith("hicache-exporter: error: ")
         assert "nosuch" in result.stderr
@@ -113,3 +113,14 @@ def test_check_config_counts_the_families_of_every_profile_in_use(tmp_path: Path
     result = subprocess.run([*CLI, "check-config", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert f": OK ({len(default_catalog()) + families} families, " in result.stdout
+
+
+def test_serve_refuses_an_lmcache_upstream_world_of_several_replicas_in_one_line(socket_dir: Path) -> None:
+    result = subprocess.run([*CLI, "serve", "--upstream", "http://127.0.0.1:1/metrics", "--upstream-profile", "lmcache",
+                             "--upstream-world", "tp=4,dp=2", "--port", "0", "--socket", str(socket_dir / "m.sock")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == (
+        "hicache-exporter: error: upstream http://127.0.0.1:1/metrics: profile 'lmcache' labels no data-parallel "
+        "replica, so its replicas read as one engine here (their sum); give world dp_size 1, or push through the "
+        "hook, which tells replicas apart\n")

@@ -220,9 +220,12 @@ def settled(sidecar: Serve, steps: int) -> bool:
 def snapshot(directory: Path, sidecars: dict[str, Serve], engine: EngineServer, steps: int) -> Snapshot:
     """Both doors once they show `steps` intervals, the directory as vLLM reads it, and the engine's /metrics."""
     for sidecar in sidecars.values():
+        sidecar.read_again()  # a read that began after the workers wrote (one that began before may have seen a part)
         wait_until(lambda sidecar=sidecar: settled(sidecar, steps), timeout=SETTLE)
     return {"files": read(directory), "engine": http_get(engine.url)[1].decode(),
-            **{door: sidecar.scrape() for door, sidecar in sidecars.items()}}
+            **{door: sidecar.scrape() for door, sidecar in sidecars.items()},
+            "status": {door: json.loads(http_get(f"http://127.0.0.1:{sidecar.port}/api/v1/status")[1])
+                       for door, sidecar in sidecars.items()}}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -265,8 +268,6 @@ def doors(released_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
                     snapshots.append(snapshot(directory, sidecars, engine, 1))
                     barrier.wait(SYNC_TIMEOUT)
                     barrier.wait(SYNC_TIMEOUT)
-                    for sidecar in sidecars.values():
-                        sidecar.read_again()
                     snapshots.append(snapshot(directory, sidecars, engine, 1))
                     barrier.wait(SYNC_TIMEOUT)
                 except BaseException:
@@ -297,6 +298,11 @@ def test_each_worker_is_a_rank_holding_the_sum_over_the_replicas(doors: list[Sna
             (str(w), str(w), "0", "0"): replicas_summed for w in range(TP)}
         assert per_rank(scrape, "lmcache_num_remote_read_bytes_total") == {
             (str(w), str(w), "0", "0"): expected_bytes(steps, w) for w in range(TP)}
+        # The world tp=4 is trusted: the four ranks it expects are there, none missing.
+        (upstream,) = seen["status"][door]["upstreams"]
+        assert upstream["world_problems"] == [] and upstream["world"]["tp_size"] == TP
+        assert seen["status"][door]["totals"]["missing"] == 0
+        assert scrape.find("hicache_exporter_upstream_unranked_families") == []
         (sample,) = scrape.find("lmcache_num_hit_tokens_total", worker_id="1")
         assert sample.labels == {"worker_id": "1", "tp_rank": "1", "pp_rank": "0", "dp_rank": "0",
                                  "model_name": MODEL, "role": "worker", "served_model_name": SERVED}

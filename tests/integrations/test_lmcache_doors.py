@@ -430,6 +430,11 @@ def test_a_counter_that_drops_behind_the_url_is_a_reset_the_rollup_holds_and_cou
         do(0)  # interval 0 of replica A: 2560 tokens loaded
         # REGISTRY holds prometheus_client's process_* families too, which the sidecar writes itself: passed
         # through, they stop its start (a clear error); LMCache's families are read either way.
+        with pytest.raises(AssertionError, match=(
+                r"upstream engine: families \['process_cpu_seconds', .*\] are passed through and are also families "
+                r"the sidecar makes \(its rollups, self-metrics and process_\* metrics\); set pass_through: false on "
+                r"this upstream\n")):
+            Serve(socket_dir / "refused", "--upstream", url, HTTP_PACE, world="tp=1,dp=1")
         sidecar = Serve(socket_dir / "api", "--upstream", url, HTTP_PACE, world="tp=1,dp=1", pass_through=False)
         wait_until(lambda: sidecar.scrape().find("lmcache_rollup_num_hit_tokens_total") != [], timeout=SETTLE)
         first = sidecar.scrape()

@@ -79,7 +79,7 @@ def metadata(lmcache: Any, worker_id: int) -> Any:
     )
 
 
-def count(lmcache: Any, monitor: Any, logger: Any, retrieves: tuple[tuple[int, int], ...], read_bytes: int,
+def count(monitor: Any, logger: Any, retrieves: tuple[tuple[int, int], ...], read_bytes: int,
           evictions: int) -> None:
     """One interval of a worker through the released monitor, then the logger's one step."""
     for tokens, loaded in retrieves:
@@ -98,14 +98,14 @@ def worker(replica: int, worker_id: int, barrier: Any, conn: Any) -> None:
     logger = lmcache.PrometheusLogger.GetOrCreate(metadata(lmcache, worker_id))  # as the vLLM adapter does
     monitor = lmcache.LMCStatsMonitor.GetOrCreate()
     key = (replica, worker_id)
-    count(lmcache, monitor, logger, RETRIEVES[replica][0], READ_BYTES[key][0], EVICTIONS[key][0])
+    count(monitor, logger, RETRIEVES[replica][0], READ_BYTES[key][0], EVICTIONS[key][0])
     barrier.wait(SYNC_TIMEOUT)  # interval 1 is in the files
     barrier.wait(SYNC_TIMEOUT)  # the parent has read them
     if key == (RESET_REPLICA, RESET_WORKER):
         logger.reset_counters()
     barrier.wait(SYNC_TIMEOUT)  # the reset is done
     barrier.wait(SYNC_TIMEOUT)  # the parent has read the files again
-    count(lmcache, monitor, logger, RETRIEVES[replica][1], READ_BYTES[key][1], EVICTIONS[key][1])
+    count(monitor, logger, RETRIEVES[replica][1], READ_BYTES[key][1], EVICTIONS[key][1])
     conn.send(key)
 
 
@@ -404,7 +404,7 @@ def api_server_worker(port: int, commands: Any, conn: Any) -> None:
         if command == "reset":
             lmcache.reset_observability_metrics()  # what POST /metrics/reset calls (metrics_api.py:23-29)
         else:
-            count(lmcache, monitor, logger, RETRIEVES[0][command], READ_BYTES[(0, 0)][command], EVICTIONS[(0, 0)][command])
+            count(monitor, logger, RETRIEVES[0][command], READ_BYTES[(0, 0)][command], EVICTIONS[(0, 0)][command])
         conn.send(command)
     server.shutdown()
     conn.send("stopped")

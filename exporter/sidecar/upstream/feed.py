@@ -770,6 +770,11 @@ class UpstreamFeed:
 
     def _flag(self, result: FeedResult) -> None:
         for name in sorted(result.unranked - self.health.unranked):
+            if self.linear is not None:  # the profile's own rule, not SGLang's rank labels
+                self._log_once("unranked", name, logging.WARNING,
+                               "upstream %s: family %s has a series without a %s label that is a rank number, so "
+                               "it names no rank; it is not rolled up", self.health.name, name, self.linear)
+                continue
             self._log_once("unranked", name, logging.WARNING,
                            "upstream %s: family %s carries no rank labels (tp_rank, pp_rank, dp_rank): the engine "
                            "predates per-rank labels and prometheus_client's multiprocess mode summed its ranks, "

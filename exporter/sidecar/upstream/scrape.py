@@ -91,10 +91,13 @@ class UpstreamScraper:
         result = await self.scrape_once()
         if result is not None and result.clashes:
             await self.stop()
+            # A new namespace moves only the rollups and per-rank families: never process_* (an engine serving
+            # prometheus_client's default REGISTRY, as LMCache's API server does) nor the self-metrics.
+            renamed = any(not name.startswith(("process_", "hicache_exporter_")) for name in result.clashes)
             raise ConfigError(
                 f"upstream {self.health.name}: families {sorted(result.clashes)} are passed through and are also "
                 "families the sidecar makes (its rollups, self-metrics and process_* metrics); set "
-                "metrics.namespace to another prefix, or pass_through: false on this upstream"
+                + ("metrics.namespace to another prefix, or " if renamed else "") + "pass_through: false on this upstream"
             )
         self._task = asyncio.create_task(self._loop())
 

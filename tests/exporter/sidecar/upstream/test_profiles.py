@@ -1,0 +1,188 @@
+"""The feed of an upstream whose profile names its ranks with one linear label (lmcache: worker_id).
+
+Expositions are written by prometheus_client (a registry, or multiprocess files by its own writer),
+read by the feed into a state on the harness's fake clock, as in test_feed.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.exposition import generate_latest
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+from exporter.catalog import Catalog, load_profiles
+from exporter.config import UpstreamConfig
+from exporter.errors import ConfigError
+from exporter.sidecar.core.health import UpstreamHealth
+from exporter.sidecar.upstream.feed import UpstreamFeed, parse_exposition
+from exporter.sidecar.upstream.files import read_multiprocess_dir
+from tests.exporter.sidecar.harness import Harness
+from tests.exporter.sidecar.upstream.test_feed import Engine
+
+LABELS = ("model_name", "worker_id", "role", "served_model_name")  # every LMCache family's (observability.py:1905-1913)
+STATIC = {"model_name": "m", "role": "worker", "served_model_name": "s"}
+_catalog: Catalog | None = None
+
+
+def catalog() -> Catalog:
+    """The sglang and lmcache profiles as the sidecar merges them (loaded once)."""
+    global _catalog
+    if _catalog is None:
+        _catalog = load_profiles(None, ["lmcache"])
+    return _catalog
+
+
+class LMCache:
+    """An LMCache engine's /metrics: a replicated token counter and a per-shard byte counter per worker_id."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.hits = Counter("lmcache:num_hit_tokens", "tokens", LABELS, registry=self.registry)
+        self.bytes = Counter("lmcache:num_remote_read_bytes", "bytes", LABELS, registry=self.registry)
+
+    def worker(self, worker_id: str, hits: float, moved: float) -> None:
+        self.hits.labels("m", worker_id, "worker", "s").inc(hits)
+        self.bytes.labels("m", worker_id, "worker", "s").inc(moved)
+
+    def read(self) -> list[tuple[None, float, list[Any]]]:
+        return [(None, 0.0, parse_exposition(generate_latest(self.registry).decode(), False))]
+
+
+def feed(h: Harness, profile: str = "lmcache", **config: object) -> UpstreamFeed:
+    upstream = UpstreamConfig.model_validate({"url": "http://engine:8000/metrics", "profile": profile, **config})
+    return UpstreamFeed(upstream, h.state, UpstreamHealth(upstream.label, upstream.url or ""))
+
+
+def ranks(h: Harness) -> dict[str, tuple[int, int, int]]:
+    """worker_id -> (tp_rank, pp_rank, dp_rank) of every rank the state holds."""
+    return {dict(r.static)["worker_id"]: (r.tp_rank, r.pp_rank, r.dp_rank) for r in h.state.ranks.values()}
+
+
+def rollups(h: Harness, family: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """One counter family's rollup series, by their static labels."""
+    return {static: value for (name, static, _), value in h.state.ledger.counters.items() if name == family}
+
+
+def world(tp: int, pp: int = 1, dp: int = 1) -> dict[str, int]:
+    return {"tp_size": tp, "pp_size": pp, "dp_size": dp}
+
+
+def test_worker_id_names_tp_and_pp_ranks_by_the_worlds_tp_size() -> None:
+    h, engine = Harness(catalog()), LMCache()
+    for worker_id in range(4):
+        engine.worker(str(worker_id), hits=100, moved=10 * (worker_id + 1))
+    result = feed(h, world=world(tp=2, pp=2)).apply(engine.read())
+    assert result.ranks == 4 and not result.unranked
+    # vLLM's layout: worker = pp_rank * tp_size + tp_rank.
+    assert ranks(h) == {"0": (0, 0, 0), "1": (1, 0, 0), "2": (0, 1, 0), "3": (1, 1, 0)}
+    # worker_id stays on the rank's series, and is left out of the rollups.
+    assert all(dict(r.static) == {**STATIC, "worker_id": dict(r.static)["worker_id"]} for r in h.state.ranks.values())
+    static = tuple(sorted(STATIC.items()))
+    assert rollups(h, "num_remote_read_bytes_total") == {static: 10 + 20 + 30 + 40}  # per shard: every worker
+    assert rollups(h, "num_hit_tokens_total") == {static: 100}  # replicated: the engine's furthest worker, once
+
+
+def test_without_a_world_every_worker_is_a_tp_rank_of_one_stage() -> None:
+    h, engine = Harness(catalog()), LMCache()
+    for worker_id in range(4):
+        engine.worker(str(worker_id), hits=100 + worker_id, moved=1)
+    feed(h).apply(engine.read())
+    assert ranks(h) == {str(w): (w, 0, 0) for w in range(4)}
+    assert rollups(h, "num_hit_tokens_total") == {tuple(sorted(STATIC.items())): 103}
+
+
+@pytest.mark.parametrize("bad", ["x", "-1", "01", "1.0", ""])
+def test_a_series_without_a_rank_number_in_worker_id_is_flagged_and_its_family_not_rolled_up(
+        bad: str, caplog: pytest.LogCaptureFixture) -> None:
+    h, engine = Harness(catalog()), LMCache()
+    engine.worker("0", hits=100, moved=1)
+    engine.hits.labels("m", bad, "worker", "s").inc(5)
+    up = feed(h, world=world(tp=2))
+    with caplog.at_level(logging.WARNING, "hicache_exporter.upstream"):
+        result = up.apply(engine.read())
+    assert result.unranked == {"num_hit_tokens_total"} and up.health.unranked == {"num_hit_tokens_total"}
+    assert rollups(h, "num_hit_tokens_total") == {}
+    assert rollups(h, "num_remote_read_bytes_total") == {tuple(sorted(STATIC.items())): 1}  # the other family is
+    assert [r.message for r in caplog.records] == [
+        "upstream http://engine:8000/metrics: family num_hit_tokens_total has a series without a worker_id label "
+        "that is a rank number, so it names no rank; it is not rolled up"]
+
+
+def test_a_series_without_worker_id_is_unranked() -> None:
+    h = Harness(catalog())
+    registry = CollectorRegistry()
+    Counter("lmcache:num_hit_tokens", "tokens", ["model_name", "role"], registry=registry).labels("m", "worker").inc(7)
+    result = feed(h).apply([(None, 0.0, parse_exposition(generate_latest(registry).decode(), False))])
+    assert result.unranked == {"num_hit_tokens_total"} and result.ranks == 0 and not h.state.ranks
+
+
+def write_process(directory: Path, pid: str, values: dict[str, float], family: str = "lmcache:num_hit_tokens") -> None:
+    """One worker process's counter file, by prometheus_client's own writer: worker_id -> value."""
+    db = MmapedDict(str(directory / f"counter_{pid}.db"))
+    for worker_id, value in values.items():
+        db.write_value(mmap_key(family, family + "_total", list(LABELS), ["m", worker_id, "worker", "s"], "tokens"),
+                       value, 0.0)
+    db.close()
+
+
+def test_a_directory_is_read_merged_one_rank_per_worker_holding_the_sum_of_its_processes(tmp_path: Path) -> None:
+    h = Harness(catalog())
+    up = feed(h, url=None, multiprocess_dir=str(tmp_path), world=world(tp=2))
+    assert up.merges_processes
+    static = tuple(sorted(STATIC.items()))
+    # Two DP replicas' workers: pids 101, 102 (replica A), 201, 202 (replica B), one worker_id each.
+    write_process(tmp_path, "101", {"0": 100})
+    write_process(tmp_path, "102", {"1": 100})
+    write_process(tmp_path, "201", {"0": 40})
+    write_process(tmp_path, "202", {"1": 40})
+    result = up.apply(read_multiprocess_dir(tmp_path))
+    assert result.ranks == 2 and ranks(h) == {"0": (0, 0, 0), "1": (1, 0, 0)}
+    assert {dict(r.static)["worker_id"]: r.values[("num_hit_tokens_total", ())] for r in h.state.ranks.values()} == {
+        "0": 140, "1": 140}
+    assert rollups(h, "num_hit_tokens_total") == {static: 140}  # replica A's 100 + replica B's 40
+    # A new process for worker 0 (a replica restarted) adds to the sum; nothing is a restart.
+    write_process(tmp_path, "301", {"0": 25})
+    write_process(tmp_path, "302", {"1": 25})
+    result = up.apply(read_multiprocess_dir(tmp_path))
+    assert result.resets == 0 and result.series_resets == 0
+    assert rollups(h, "num_hit_tokens_total") == {static: 165}
+    assert all(r.restarts == 0 for r in h.state.ranks.values())
+    # A process's files gone: the sum drops, a reset of that series as Prometheus' increase() has it; the rollup never falls.
+    (tmp_path / "counter_101.db").unlink()
+    result = up.apply(read_multiprocess_dir(tmp_path))
+    assert result.series_resets == 1
+    assert rollups(h, "num_hit_tokens_total") == {static: 165 + 65}  # 165, then worker 0 counts 65 afresh
+    write_process(tmp_path, "401", {"0": 10, "1": 10})
+    up.apply(read_multiprocess_dir(tmp_path))
+    assert rollups(h, "num_hit_tokens_total") == {static: 165 + 65 + 10}
+
+
+def test_world_dp_size_above_one_on_an_lmcache_upstream_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError) as refused:
+        feed(Harness(catalog()), world=world(tp=4, dp=2))
+    assert str(refused.value) == (
+        "upstream http://engine:8000/metrics: profile 'lmcache' labels no data-parallel replica, so its replicas read "
+        "as one engine here (their sum); give world dp_size 1, or push through the hook, which tells replicas apart")
+
+
+def test_the_sglang_profiles_feed_is_unchanged_by_the_lmcache_profile_beside_it() -> None:
+    # The same engine read with and without the lmcache profile in the catalog gives the same ranks and rollups.
+    engine = Engine()
+    for tp in (0, 1):
+        for dp in (0, 1):
+            engine.rank(tp, dp, tokens=100 * (dp + 1), moved=1000 * (tp + 1) + dp, seconds=0.05)
+    engine.other.labels("demo").inc(3)
+    states = []
+    for h in (Harness(), Harness(catalog())):
+        up = feed(h, profile="sglang", world={"tp_size": 2, "dp_size": 2, "dp_attention": True})
+        assert up.linear is None and not up.merges_processes  # a multiprocess directory is read per process
+        result = up.apply([(None, 0.0, parse_exposition(engine.text(), False))])
+        assert result.ranks == 4 and not result.unranked
+        states.append((sorted((r.tp_rank, r.dp_rank, r.static, sorted(r.values.items())) for r in h.state.ranks.values()),
+                       sorted(h.state.ledger.counters.items()), up.pass_through_text(False)))
+    assert states[0] == states[1]

@@ -209,6 +209,14 @@ class ProfileSpec(BaseModel):
     # The labels the engine puts on every series besides the rank's (documentation, and a start-up check).
     static_labels: tuple[str, ...] = ()
 
+    def world_problem(self, dp_size: int) -> str | None:
+        """Why an upstream of this profile cannot be given a world of `dp_size` replicas, or None: a profile
+        whose series label no replica (a linear rank label) reads the replicas merged, as one."""
+        if self.linear_rank_label is not None and dp_size > 1:
+            return (f"profile {self.name!r} labels no data-parallel replica, so its replicas read as one engine here "
+                    "(their sum); give world dp_size 1, or push through the hook, which tells replicas apart")
+        return None
+
     @model_validator(mode="after")
     def _linear_rank_is_derived(self) -> ProfileSpec:
         if self.linear_rank_label is not None and self.linear_rank_label not in self.derived_labels:
@@ -231,6 +239,8 @@ class Catalog(BaseModel):
     streams: dict[str, StreamSpec] = Field(default_factory=lambda: dict(DEFAULT_STREAMS))
     # The engine profiles whose families these are, the default (first) one first.
     profiles: dict[str, ProfileSpec] = Field(default_factory=lambda: {DEFAULT_PROFILE: SGLANG_PROFILE}, min_length=1)
+    # How the config named a profile given as a file (its path) -> the profile's name.
+    aliases: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _families_are_consistent(self) -> Catalog:
@@ -327,7 +337,8 @@ class Catalog(BaseModel):
         return self.profiles[name].namespace
 
     def of_profile(self, name: str) -> Catalog:
-        """The families of one profile, as a catalog of their own (an upstream's, a client's)."""
+        """The families of one profile (by name, or by the file the config named), as a catalog of their own."""
+        name = self.aliases.get(name, name)
         if name not in self.profiles:
             raise UnknownFamilyError(f"profile {name!r} is not in use (in use: {', '.join(self.profiles)})")
         families = tuple(f for f in self.families if f.profile == name)
@@ -429,8 +440,13 @@ def load_profile(name_or_path: str | Path) -> Catalog:
 def load_profiles(default_catalog_path: Path | str | None, others: Sequence[str | Path]) -> Catalog:
     """The catalog of every profile in use: the default profile's (metrics.catalog) first, then `others`."""
     first = load_catalog(default_catalog_path)
-    rest = [load_profile(other) for other in others if str(other) != first.default_profile.name]
-    return Catalog.merged([first, *rest]) if rest else first
+    loaded = {str(other): load_profile(other) for other in others if str(other) != first.default_profile.name}
+    if not loaded:
+        return first
+    merged = Catalog.merged([first, *loaded.values()])
+    aliases = {ref: catalog.default_profile.name for ref, catalog in loaded.items()
+               if ref != catalog.default_profile.name}
+    return merged.model_copy(update={"aliases": aliases}) if aliases else merged
 
 
 _default_catalog: Catalog | None = None

@@ -16,7 +16,7 @@ from exporter import __version__
 from exporter.catalog import load_profiles
 from exporter.config import WORLD_SPEC_FORM, SidecarConfig, apply_web_config, load_config, setting_origin
 from exporter.defaults import DEFAULT_PORT, DEFAULT_SOCKET_PATH, ENV_CONFIG, ENV_PORT, ENV_SOCKET, LOG_LEVELS
-from exporter.errors import HicacheExporterError, StartupError
+from exporter.errors import ConfigError, HicacheExporterError, StartupError
 
 EXIT_USAGE = 2
 
@@ -292,6 +292,11 @@ def _check_config(args: argparse.Namespace) -> int:
 
     config: SidecarConfig = load_config(args.file, env={})
     catalog = load_profiles(config.metrics.catalog, config.profiles_in_use)
+    for upstream in config.upstreams:  # what serve's feeds would refuse at start
+        problem = catalog.of_profile(upstream.profile).default_profile.world_problem(upstream.world.dp_size) \
+            if upstream.world is not None else None
+        if problem:
+            raise ConfigError(f"upstream {upstream.label}: {problem}")
     if config.http.tls_server_config is not None:
         server_ssl_context(config.http.tls_server_config)  # the files exist and load, as serve needs them
     print(f"{args.file}: OK ({len(catalog)} families, namespace {config.metrics.namespace!r}, "

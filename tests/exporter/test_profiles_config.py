@@ -124,3 +124,29 @@ def test_serve_refuses_an_lmcache_upstream_world_of_several_replicas_in_one_line
         "hicache-exporter: error: upstream http://127.0.0.1:1/metrics: profile 'lmcache' labels no data-parallel "
         "replica, so its replicas read as one engine here (their sum); give world dp_size 1, or push through the "
         "hook, which tells replicas apart\n")
+
+
+def test_check_config_refuses_what_serve_refuses_an_lmcache_world_of_several_replicas(tmp_path: Path) -> None:
+    path = tmp_path / "sidecar.yaml"
+    path.write_text("upstreams: [{url: 'http://e:8000/metrics', profile: lmcache, world: {tp_size: 4, dp_size: 2}}]\n")
+    result = subprocess.run([*CLI, "check-config", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == (
+        "hicache-exporter: error: upstream http://e:8000/metrics: profile 'lmcache' labels no data-parallel "
+        "replica, so its replicas read as one engine here (their sum); give world dp_size 1, or push through the "
+        "hook, which tells replicas apart\n")
+
+
+def test_an_upstream_may_name_its_profile_by_file(tmp_path: Path) -> None:
+    """A profile file the config names is found by that name, though the profile inside is called otherwise."""
+    profile = tmp_path / "mine.yaml"
+    profile.write_text(yaml.safe_dump({
+        "profile": {"name": "mine", "namespace": "mine_", "upstream_prefix": "mine:"},
+        "families": [{"name": "widgets_total", "type": "counter", "semantics": "per_shard", "help": "Widgets."}]}))
+    path = tmp_path / "sidecar.yaml"
+    path.write_text(f"upstreams: [{{url: 'http://e:8000/metrics', profile: {str(profile)!r}}}]\n")
+    result = subprocess.run([*CLI, "check-config", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f": OK ({len(default_catalog()) + 1} families, " in result.stdout
+    catalog = load_profiles(None, [str(profile)])
+    assert [f.name for f in catalog.of_profile(str(profile))] == ["widgets_total"]

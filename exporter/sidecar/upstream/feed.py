@@ -341,10 +341,9 @@ class UpstreamFeed:
         self.linear = self.profile.linear_rank_label
         self.merges_processes = self.linear is not None
         world = config.world
-        if self.linear is not None and world is not None and world.dp_size > 1:
-            raise ConfigError(f"upstream {config.label}: profile {self.profile.name!r} labels no data-parallel replica, so "
-                              "its replicas read as one engine here (their sum); give world dp_size 1, or push "
-                              "through the hook, which tells replicas apart")
+        problem = self.profile.world_problem(world.dp_size) if world is not None else None
+        if problem:
+            raise ConfigError(f"upstream {config.label}: {problem}")
         self.linear_sizes = (world.tp_size, world.attn_cp_size or 1) if world is not None else (None, 1)
         self.ranks: dict[RankIdentity, _UpstreamRank] = {}
         digest = hashlib.sha256(config.label.encode()).hexdigest()[:8]

@@ -46,12 +46,10 @@ This module imports LMCache only when `install()` or `register()` runs; the side
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import importlib.util
 import logging
 import math
-import multiprocessing.util
 import os
 import re
 import sys
@@ -63,7 +61,7 @@ import prometheus_client
 
 from exporter.catalog import Catalog, FamilySpec, MetricType, bucket_layout_problem, load_profile
 from exporter.client import CounterChild, GaugeChild, HistogramChild, LabelError, RankClient
-from exporter.defaults import DEFAULT_PUSH_INTERVAL, ENV_PUSH_INTERVAL, ENV_SOCKET
+from exporter.integrations.push_clients import ProcessPushClients, push_interval, set_push_environment
 from exporter.labels import linear_rank_axes
 
 __all__ = ["install", "register", "close", "PushingCounter", "PushingGauge", "PushingHistogram"]
@@ -76,7 +74,6 @@ DP_SUFFIX = re.compile(r"_dp(\d+)\Z")  # vllm/v1/engine/core.py:1374-1382: f"{en
 
 log = logging.getLogger("hicache_exporter.integrations.lmcache")
 
-Identity = tuple[tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]
 Child = CounterChild | GaugeChild | HistogramChild
 
 
@@ -87,12 +84,7 @@ def install(socket_path: str | os.PathLike[str] | None = None, *, interval: floa
     prometheus_client's classes. `socket_path` and `interval`, when given, are set in this process's
     environment (`HICACHE_EXPORTER_SOCKET`, `HICACHE_EXPORTER_PUSH_INTERVAL`), which processes it
     starts inherit. Raises ImportError when LMCache cannot be imported."""
-    if socket_path is not None:
-        os.environ[ENV_SOCKET] = os.fspath(socket_path)
-    if interval is not None:
-        if not 0 < interval < math.inf:
-            raise ValueError(f"interval must be a positive number of seconds, got {interval}")
-        os.environ[ENV_PUSH_INTERVAL] = repr(float(interval))
+    set_push_environment(socket_path, interval)
     logger_cls = importlib.import_module(OBSERVABILITY).PrometheusLogger
     if logger_cls._counter_cls is PushingCounter:
         return
@@ -126,110 +118,18 @@ def register() -> None:
 # --- this process's push clients ---
 
 
-class _ProcessClients:
-    """The push clients of one process, one per rank identity, created and started on first use."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.clients: dict[Identity, RankClient] = {}
-        self._lock = threading.Lock()
-
-    def client(self, rank: dict[str, int], static: dict[str, str]) -> RankClient:
-        key: Identity = (tuple(sorted(rank.items())), tuple(sorted(static.items())))
-        client = self.clients.get(key)
-        if client is not None:
-            return client
-        with self._lock:
-            if _exiting_pid == self.pid:
-                raise RuntimeError("this process has pushed its last snapshot (interpreter exit)")
-            client = self.clients.get(key)
-            if client is None:
-                client = RankClient(rank=rank, labels=static, interval=_push_interval(), preset=False,
-                                    catalog=profile_catalog())
-                _push_at_exit()
-                client.start()
-                self.clients[key] = client
-                log.info("pushing rank %s %s to %s", rank, static, client.socket_path)
-        return client
-
-    def close(self) -> None:
-        with self._lock:
-            clients = list(self.clients.values())
-        for client in clients:
-            client.close()
+def _make_client(rank: dict[str, int], static: dict[str, str]) -> RankClient:
+    return RankClient(rank=rank, labels=static, interval=push_interval(), preset=False, catalog=profile_catalog())
 
 
-_state_lock = threading.Lock()
-_process: _ProcessClients | None = None
-_generation = 0  # rises in a forked child and at close(): metrics then bind their push children again
-_exit_hooks_pid: int | None = None
-_exiting_pid: int | None = None
-
-
-def _this_process() -> _ProcessClients:
-    global _process
-    current = _process
-    if current is None or current.pid != os.getpid():
-        with _state_lock:
-            if _process is None or _process.pid != os.getpid():
-                _process = _ProcessClients()
-            current = _process
-    return current
-
-
-def _forget_parent_clients() -> None:
-    global _process, _generation
-    _process = None  # the parent's pusher threads do not exist here; its sockets are the parent's
-    _generation += 1
-
-
-os.register_at_fork(after_in_child=_forget_parent_clients)
+_clients = ProcessPushClients(_make_client)
 
 
 def close() -> None:
     """Push this process's last snapshots and say bye now (what happens at interpreter exit).
 
     Series written later start new clients, with new epochs (a restart, as far as the sidecar knows)."""
-    global _process, _generation
-    with _state_lock:
-        current = _process
-        if current is None or current.pid != os.getpid():
-            return
-        _process = None
-        _generation += 1
-    current.close()
-
-
-def _at_exit() -> None:
-    global _exiting_pid
-    _exiting_pid = os.getpid()  # from here on, what binds stays prometheus_client's only
-    close()
-
-
-def _push_at_exit() -> None:
-    global _exit_hooks_pid
-    if _exit_hooks_pid == os.getpid():
-        return
-    _exit_hooks_pid = os.getpid()
-    atexit.register(_at_exit)
-    # A child started by multiprocessing's fork or forkserver methods leaves through os._exit,
-    # skipping atexit; multiprocessing runs its exit-priority finalizers first.
-    multiprocessing.util.Finalize(None, _at_exit, exitpriority=10)
-
-
-def _push_interval() -> float:
-    text = os.environ.get(ENV_PUSH_INTERVAL)
-    if not text:
-        return DEFAULT_PUSH_INTERVAL
-    try:
-        interval = float(text)
-    except ValueError:
-        interval = math.nan
-    if not 0 < interval < math.inf:
-        log.warning("%s=%r is not a positive number of seconds; pushing every %s s",
-                    ENV_PUSH_INTERVAL, text, DEFAULT_PUSH_INTERVAL)
-        return DEFAULT_PUSH_INTERVAL
-    return interval
+    _clients.close()
 
 
 # --- rank identity ---
@@ -327,11 +227,11 @@ class _Pushing:
     _lock: threading.Lock
     _push: Any = None  # the push child (on a labelled child), bound on its first write
     _push_client: RankClient | None = None
-    _push_generation: int | None = None  # the _generation it was bound in; -1: never pushed
+    _push_generation: int | None = None  # the _clients.generation it was bound in; -1: never pushed
 
     def _push_child(self) -> Any:
         """This series' push child, bound on first use; None while unbound (its logger is not filed yet) or never pushed."""
-        if self._push_generation == _generation or self._push_generation == -1:
+        if self._push_generation == _clients.generation or self._push_generation == -1:
             return self._push
         spec = profile_family(self._original_name, self._kind)
         if spec is None or not self._labelvalues:
@@ -344,7 +244,7 @@ class _Pushing:
                 _warn_once(self._original_name, f"{self._original_name}{labels}: no PrometheusLogger with these "
                                                 "labels yet; this write is not pushed")
                 return None
-            client = _this_process().client(*identity)
+            client = _clients.client(*identity)
             if self._documentation:
                 client.describe(spec.name, self._documentation)
             child = self._bind(client, spec)
@@ -352,7 +252,7 @@ class _Pushing:
             _warn_once(self._original_name, f"{self._original_name}{labels} is not pushed ({err})")
             self._push_generation = -1
             return None
-        self._push, self._push_client, self._push_generation = child, client, _generation
+        self._push, self._push_client, self._push_generation = child, client, _clients.generation
         return child
 
     def _bind(self, client: RankClient, spec: FamilySpec) -> Child:
@@ -364,7 +264,7 @@ class _Pushing:
             children = list(self._metrics.values())
         clients: dict[int, RankClient] = {}
         for child in children:
-            client = child._push_client if child._push_generation == _generation else None
+            client = child._push_client if child._push_generation == _clients.generation else None
             if client is not None:
                 clients[id(client)] = client
         return list(clients.values())

@@ -41,12 +41,9 @@ exit. This module imports the engine; the sidecar never imports this module.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
-import multiprocessing.util
 import os
-import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -62,7 +59,7 @@ from sglang.srt.observability.metrics_collector import (
 
 from exporter.catalog import Catalog, FamilySpec, MetricType, bucket_layout_problem, default_catalog
 from exporter.client import CounterChild, GaugeChild, HistogramChild, LabelError, RankClient
-from exporter.defaults import DEFAULT_PUSH_INTERVAL, ENV_PUSH_INTERVAL, ENV_SOCKET
+from exporter.integrations.push_clients import ProcessPushClients, push_interval, set_push_environment
 from exporter.labels import split_rank_labels
 
 __all__ = [
@@ -74,7 +71,6 @@ ENGINE_PREFIX = "sglang:"
 
 log = logging.getLogger("hicache_exporter.integrations.sglang")
 
-Identity = tuple[tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]
 Child = CounterChild | GaugeChild | HistogramChild
 
 
@@ -85,12 +81,7 @@ def stat_loggers(socket_path: str | os.PathLike[str] | None = None, *, interval:
     (`HICACHE_EXPORTER_SOCKET`, `HICACHE_EXPORTER_PUSH_INTERVAL`): the classes travel to the
     engine's scheduler processes by reference, and the environment travels with them.
     """
-    if socket_path is not None:
-        os.environ[ENV_SOCKET] = os.fspath(socket_path)
-    if interval is not None:
-        if not 0 < interval < math.inf:
-            raise ValueError(f"interval must be a positive number of seconds, got {interval}")
-        os.environ[ENV_PUSH_INTERVAL] = repr(float(interval))
+    set_push_environment(socket_path, interval)
     return {
         STAT_LOGGER_ROLE_RADIX_CACHE: SidecarRadixCacheMetricsCollector,
         STAT_LOGGER_ROLE_STORAGE: SidecarStorageMetricsCollector,
@@ -101,64 +92,11 @@ def stat_loggers(socket_path: str | os.PathLike[str] | None = None, *, interval:
 # --- this process's push clients ---
 
 
-class _ProcessClients:
-    """The push clients of one process, one per rank identity, created and started on first use."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.clients: dict[Identity, RankClient] = {}
-        self._lock = threading.Lock()
-
-    def client(self, rank: dict[str, int], static: dict[str, str]) -> RankClient:
-        key: Identity = (tuple(sorted(rank.items())), tuple(sorted(static.items())))
-        client = self.clients.get(key)
-        if client is not None:
-            return client
-        with self._lock:
-            if _exiting_pid == self.pid:
-                raise RuntimeError("this process has pushed its last snapshot (interpreter exit)")
-            client = self.clients.get(key)
-            if client is None:
-                client = RankClient(rank=rank, labels=static, interval=_push_interval(), preset=False,
-                                    world=_server_world())
-                _push_at_exit()
-                client.start()
-                self.clients[key] = client
-                log.info("pushing rank %s %s to %s", rank, static, client.socket_path)
-        return client
-
-    def close(self) -> None:
-        with self._lock:
-            clients = list(self.clients.values())
-        for client in clients:
-            client.close()
+def _make_client(rank: dict[str, int], static: dict[str, str]) -> RankClient:
+    return RankClient(rank=rank, labels=static, interval=push_interval(), preset=False, world=_server_world())
 
 
-_state_lock = threading.Lock()
-_process: _ProcessClients | None = None
-_generation = 0  # rises in a forked child and at close(): metrics then drop the children they bound before
-_exit_hooks_pid: int | None = None  # the process that registered the exit hooks
-_exiting_pid: int | None = None  # the process whose exit hooks have run
-
-
-def _this_process() -> _ProcessClients:
-    global _process
-    current = _process
-    if current is None or current.pid != os.getpid():
-        with _state_lock:
-            if _process is None or _process.pid != os.getpid():
-                _process = _ProcessClients()
-            current = _process
-    return current
-
-
-def _forget_parent_clients() -> None:
-    global _process, _generation
-    _process = None  # the parent's pusher threads do not exist here; its sockets are the parent's
-    _generation += 1
-
-
-os.register_at_fork(after_in_child=_forget_parent_clients)
+_clients = ProcessPushClients(_make_client)
 
 
 def close() -> None:
@@ -166,46 +104,7 @@ def close() -> None:
 
     Series bound later start new clients, with new epochs (a restart, as far as the sidecar knows).
     """
-    global _process, _generation
-    with _state_lock:
-        current = _process
-        if current is None or current.pid != os.getpid():
-            return
-        _process = None
-        _generation += 1
-    current.close()
-
-
-def _at_exit() -> None:
-    global _exiting_pid
-    _exiting_pid = os.getpid()  # no new clients from here on: what binds now stays prometheus_client's
-    close()
-
-
-def _push_at_exit() -> None:
-    global _exit_hooks_pid
-    if _exit_hooks_pid == os.getpid():
-        return
-    _exit_hooks_pid = os.getpid()
-    atexit.register(_at_exit)
-    # A child started by multiprocessing's fork or forkserver methods leaves through os._exit,
-    # skipping atexit; multiprocessing runs its exit-priority finalizers first.
-    multiprocessing.util.Finalize(None, _at_exit, exitpriority=10)
-
-
-def _push_interval() -> float:
-    text = os.environ.get(ENV_PUSH_INTERVAL)
-    if not text:
-        return DEFAULT_PUSH_INTERVAL
-    try:
-        interval = float(text)
-    except ValueError:
-        interval = math.nan
-    if not 0 < interval < math.inf:
-        log.warning("%s=%r is not a positive number of seconds; pushing every %s s",
-                    ENV_PUSH_INTERVAL, text, DEFAULT_PUSH_INTERVAL)
-        return DEFAULT_PUSH_INTERVAL
-    return interval
+    _clients.close()
 
 
 def _server_world() -> dict[str, int] | None:
@@ -325,7 +224,7 @@ class _SidecarMetric:
         self._label_set = frozenset(self._labelnames)
         self._kwargs = kwargs
         self._children: dict[tuple[str, ...], Child] = {}
-        self._generation = _generation
+        self._generation = _clients.generation
         self._fallback: prometheus_client.metrics.MetricWrapperBase | None = None
 
     @classmethod
@@ -345,8 +244,8 @@ class _SidecarMetric:
             labelkwargs = dict(zip(self._labelnames, labelvalues))
         elif labelkwargs.keys() != self._label_set:
             raise ValueError("Incorrect label names")
-        if self._generation != _generation:
-            self._children, self._generation = {}, _generation
+        if self._generation != _clients.generation:
+            self._children, self._generation = {}, _clients.generation
         key = tuple(str(labelkwargs[name]) for name in self._labelnames)
         child = self._children.get(key)
         if child is None:
@@ -367,7 +266,7 @@ class _SidecarMetric:
             replica = _replica_dp_rank()
             if replica is not None and rank["dp_rank"] == 0:
                 rank["dp_rank"] = replica
-            client = _this_process().client(rank, static)
+            client = _clients.client(rank, static)
             if self._documentation:
                 client.describe(spec.name, self._documentation)
             return self._child(client, {name: labels[name] for name in spec.labels})

@@ -57,7 +57,7 @@ def test_rank_processes_push_per_rank_series_and_the_sidecar_rolls_them_up(ranks
     push_to(sidecar)
     world = ranks.ranks(tp=2, dp=2)  # DP attention: two groups of two attention-TP ranks
     run_processes(ranks.run_rank, [(integration.stat_loggers(), rank) for rank in world])
-    assert integration._process is None, "the test process bound nothing: clients start where metrics are made"
+    assert integration._clients.clients == {}, "the test process bound nothing: clients start where metrics are made"
 
     scrape = sidecar.scrape()
     assert_nothing_rejected(scrape)
@@ -297,8 +297,10 @@ def test_forked_rank_processes_push_their_last_snapshot_on_the_way_out(ranks, in
 
 
 def test_stat_loggers_maps_the_roles_to_picklable_subclasses_of_the_released_collectors(ranks, integration, monkeypatch):
-    monkeypatch.delenv("HICACHE_EXPORTER_SOCKET", raising=False)
-    monkeypatch.delenv("HICACHE_EXPORTER_PUSH_INTERVAL", raising=False)
+    # stat_loggers() sets the two variables in os.environ: on a copy, so that they do not outlive the test (a
+    # sidecar a later test starts would take HICACHE_EXPORTER_SOCKET over its config file's socket).
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
+                                        if k not in ("HICACHE_EXPORTER_SOCKET", "HICACHE_EXPORTER_PUSH_INTERVAL")})
     loggers = integration.stat_loggers("/tmp/hc-test.sock", interval=0.25)
     assert issubclass(loggers["radix_cache"], ranks.released.RadixCacheMetricsCollector)
     assert issubclass(loggers["storage"], ranks.released.StorageMetricsCollector)
@@ -359,7 +361,7 @@ def test_a_repeated_bucket_bound_keeps_the_family_prometheus_clients_and_starts_
         assert isinstance(histogram, prometheus_client.Histogram)
         histogram.labels(tp_rank=0, pp_rank=0, dp_rank=0).observe(1.0)
         assert "sglang:eviction_duration_seconds: buckets must be strictly ascending" in caplog.text
-        assert in_process._this_process().clients == {}
+        assert in_process._clients.clients == {}
     finally:
         if isinstance(histogram, prometheus_client.Histogram):
             prometheus_client.REGISTRY.unregister(histogram)
@@ -375,7 +377,7 @@ def test_the_hook_splits_labels_by_the_proxys_rule(engine_sidecar, in_process, m
     made: list[Any] = []
     try:
         assert isinstance(counter.labels(tp_rank=0, pp_rank=0, dp_rank=0, priority=""), CounterChild)
-        assert [static for (_, static) in in_process._this_process().clients] == [()]
+        assert [static for (_, static) in in_process._clients.clients] == [()]
         odd = counter.labels(tp_rank="03", pp_rank=0, dp_rank=0, priority="")
         assert not isinstance(odd, CounterChild)
         assert "tp_rank='03' must be a whole number" in caplog.text

@@ -65,7 +65,8 @@ class RankClient:
             self.metrics.preset()
         path = socket_path or os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET_PATH
         self.socket_path = os.fspath(path)
-        self._pusher = Pusher(self.socket_path, self._hello, self._snapshot, interval, max_backoff)
+        self._pusher = Pusher(self.socket_path, self._hello, self._snapshot, interval, max_backoff,
+                              prepare=self.metrics.poll)
 
     # --- binding (once, off the hot path) ---
 

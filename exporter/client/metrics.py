@@ -49,31 +49,38 @@ class CounterChild:
 
 
 class GaugeChild:
-    """A current value bound to one label set, or read from a callable at snapshot time (`set_function`)."""
+    """A current value bound to one label set, or read from a callable before each snapshot (`set_function`)."""
 
-    __slots__ = ("value", "function")
+    __slots__ = ("value", "function", "read")
 
     def __init__(self) -> None:
         self.value: float = 0
         self.function: Callable[[], float] | None = None
+        self.read: float = math.nan  # the function's value when last polled (NaN: not yet, or it failed)
 
     def set(self, value: float) -> None:
         self.value = value
 
     def set_function(self, function: Callable[[], float] | None) -> None:
-        """Read the gauge from `function` at every snapshot (as prometheus_client's `Gauge.set_function`,
+        """Read the gauge from `function` before every snapshot (as prometheus_client's `Gauge.set_function`,
         whose value nobody `set()`s); None goes back to the set value."""
         self.function = function
+        self.read = math.nan
 
-    def current(self) -> float:
-        """The value a snapshot carries: the function's when there is one (NaN when it fails: not pushed)."""
+    def poll(self) -> None:
+        """Read the function now. The pusher does this outside its I/O lock, so that an engine's callback
+        that blocks holds up only its own pushes, never `close()` at exit or a new epoch."""
         function = self.function
         if function is None:
-            return self.value
+            return
         try:
-            return float(function())
+            self.read = float(function())
         except Exception:  # an engine's callback must never break the push of the rank's other series
-            return math.nan
+            self.read = math.nan
+
+    def current(self) -> float:
+        """The value a snapshot carries: the function's as last polled when there is one (NaN: not pushed)."""
+        return self.value if self.function is None else self.read
 
     def inc(self, amount: float = 1) -> None:
         self.value += amount
@@ -197,10 +204,16 @@ class MetricSet:
             if isinstance(child, HistogramChild):
                 out.append(child.sample(family, labels))
                 continue
-            value = child.current() if isinstance(child, GaugeChild) else child.value  # a function is read once
+            value = child.current() if isinstance(child, GaugeChild) else child.value
             if math.isfinite(value):  # JSON cannot carry NaN/Inf, and the sidecar would refuse it anyway
                 out.append(ScalarSample(family, value, labels))
         return out
+
+    def poll(self) -> None:
+        """Read every function gauge's function (GaugeChild.poll)."""
+        for _, child in self.items():
+            if isinstance(child, GaugeChild) and child.function is not None:
+                child.poll()
 
     def counted(self) -> bool:
         """Whether any counter or histogram has counted something since it was created or restarted."""

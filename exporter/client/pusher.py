@@ -46,10 +46,13 @@ class Pusher:
         interval: float = 1.0,
         max_backoff: float = 5.0,
         io_timeout: float = 2.0,
+        prepare: Callable[[], None] | None = None,
     ) -> None:
         self.socket_path = socket_path
         self._hello = hello
         self._snapshot = snapshot
+        # Run by the thread before each push, outside the I/O lock: what may block (an engine's callbacks).
+        self._prepare = prepare
         self.interval = interval
         self.max_backoff = max_backoff
         self.io_timeout = io_timeout
@@ -116,6 +119,11 @@ class Pusher:
     def _run(self) -> None:
         backoff = min(0.05, self.max_backoff)
         while not self._stop.is_set():
+            if self._prepare is not None:
+                try:
+                    self._prepare()
+                except Exception as err:  # nothing it does may stop the pushes
+                    log.warning("preparing a snapshot failed: %s", err)
             with self._io_lock:
                 if self._stop.is_set():
                     return

@@ -4,6 +4,7 @@ while it runs is a restart to the sidecar, and a gauge read from a function is r
 from __future__ import annotations
 
 import json
+import threading
 
 from exporter.catalog import default_catalog
 from exporter.client import RankClient
@@ -95,6 +96,32 @@ def test_a_failing_function_leaves_its_gauge_out_of_the_snapshot() -> None:
         raise RuntimeError("the engine's callback failed")
 
     gauge.set_function(broken)
+    metrics.poll()
     assert [s.family for s in metrics.wire_samples()] == []
     gauge.set_function(lambda: 2)
+    assert [s.family for s in metrics.wire_samples()] == []  # not read until polled
+    metrics.poll()
     assert [(s.family, s.value) for s in metrics.wire_samples()] == [("hicache_host_used_tokens", 2.0)]
+
+
+def test_a_blocking_function_holds_up_neither_close_nor_a_new_epoch(sidecar: SidecarThread) -> None:
+    """The pusher reads functions outside its I/O lock: an engine's callback that never returns stops that
+    client's pushes, as it would stall a scrape of the engine's own registry, but exit and a reset still go."""
+    client = RankClient(sidecar.socket_path, rank=RANK, interval=0.05, preset=False).start()
+    release = threading.Event()
+    client.counter("evicted_tokens_total").inc(5)
+    wait_until(lambda: _settled(sidecar, "sglang_rollup_evicted_tokens_total", 5))
+    client.gauge("hicache_host_used_tokens").set_function(lambda: float(release.wait()))  # blocks until released
+    try:
+        done = threading.Event()
+
+        def reset_then_close() -> None:
+            client.new_epoch()
+            client.close()
+            done.set()
+
+        threading.Thread(target=reset_then_close, daemon=True).start()
+        assert done.wait(30), "new_epoch() or close() waited on the blocked callback"
+    finally:
+        release.set()
+        client.close()

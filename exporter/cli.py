@@ -288,13 +288,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
+    from exporter.sidecar.expose.families import ExposedFamilies
     from exporter.sidecar.http.security import server_ssl_context
 
     config: SidecarConfig = load_config(args.file, env={})
     catalog = load_profiles(config.metrics.catalog, config.profiles_in_use)
+    ExposedFamilies(catalog, config.metrics.namespace)  # refuses names that would clash on /metrics, as serve does
     for upstream in config.upstreams:  # what serve's feeds would refuse at start
-        problem = catalog.of_profile(upstream.profile).default_profile.world_problem(upstream.world.dp_size) \
-            if upstream.world is not None else None
+        profile = catalog.of_profile(upstream.profile or catalog.default_profile.name).default_profile
+        problem = profile.world_problem(upstream.world.dp_size) if upstream.world is not None else None
         if problem:
             raise ConfigError(f"upstream {upstream.label}: {problem}")
     if config.http.tls_server_config is not None:

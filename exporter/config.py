@@ -305,8 +305,9 @@ class UpstreamConfig(_Strict):
     interval_seconds: float = Field(5.0, gt=0)
     timeout_seconds: float = Field(3.0, gt=0)
     format: Literal["text", "openmetrics"] = "text"  # which exposition to ask a URL upstream for
-    # The engine profile whose families the upstream serves (sglang, lmcache, or a profile file).
-    profile: str = Field("sglang", min_length=1)
+    # The engine profile whose families the upstream serves (sglang, lmcache, or a profile file); None:
+    # the default profile (metrics.catalog's, sglang unless that file says otherwise).
+    profile: str | None = Field(None, min_length=1)
     prefix: str | None = None  # stripped from the upstream's names to find its families; default: the profile's
     headers: dict[str, str] = Field(default_factory=dict)
     basic_auth: UpstreamBasicAuth | None = None
@@ -351,7 +352,7 @@ class SidecarConfig(_Strict):
     @property
     def profiles_in_use(self) -> tuple[str, ...]:
         """The profiles served besides the default one: metrics.profiles, then the upstreams' own."""
-        return tuple(dict.fromkeys([*self.metrics.profiles, *(u.profile for u in self.upstreams)]))
+        return tuple(dict.fromkeys([*self.metrics.profiles, *(u.profile for u in self.upstreams if u.profile)]))
 
     @field_validator("upstreams")
     @classmethod

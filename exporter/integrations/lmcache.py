@@ -62,7 +62,7 @@ import prometheus_client
 from exporter.catalog import Catalog, FamilySpec, MetricType, bucket_layout_problem, load_profile
 from exporter.client import CounterChild, GaugeChild, HistogramChild, LabelError, RankClient
 from exporter.integrations.push_clients import ProcessPushClients, push_interval, set_push_environment
-from exporter.labels import linear_rank_axes
+from exporter.labels import linear_rank_axes, rank_axis
 
 __all__ = ["install", "register", "close", "PushingCounter", "PushingGauge", "PushingHistogram"]
 
@@ -70,7 +70,8 @@ PROFILE = "lmcache"
 ENGINE_PREFIX = "lmcache:"
 OBSERVABILITY = "lmcache.observability"
 STATIC_LABELS = ("model_name", "role", "served_model_name", "worker_id")
-DP_SUFFIX = re.compile(r"_dp(\d+)\Z")  # vllm/v1/engine/core.py:1374-1382: f"{engine_id}_dp{dp_rank}"
+# vllm/v1/engine/core.py:1374-1382: f"{engine_id}_dp{dp_rank}"; the number in one spelling, as labels.rank_axis.
+DP_SUFFIX = re.compile(r"_dp(0|[1-9][0-9]{0,5})\Z", re.ASCII)
 
 log = logging.getLogger("hicache_exporter.integrations.lmcache")
 
@@ -150,7 +151,8 @@ def _metadata(labels: dict[str, str]) -> Any:
 def _dp_rank(engine_id: object) -> int:
     """The DP replica vLLM names in an engine id (`<id>_dp<N>`), 0 for an engine id without one."""
     match = DP_SUFFIX.search(engine_id) if isinstance(engine_id, str) else None
-    return int(match.group(1)) if match else 0
+    number = rank_axis(match.group(1)) if match else None
+    return number if number is not None else 0
 
 
 def _tp_cp_sizes(world_size: int) -> tuple[int | None, int]:
@@ -159,7 +161,11 @@ def _tp_cp_sizes(world_size: int) -> tuple[int | None, int]:
     config_module = sys.modules.get("vllm.config")  # only where vLLM runs: never imported here
     if config_module is not None:
         try:
-            parallel = config_module.get_current_vllm_config().parallel_config
+            # The current config exists only within vLLM's set_current_vllm_config (model set-up); outside
+            # it newer vLLM raises and older builds a default one, whose sizes do not match below.
+            current = getattr(config_module, "get_current_vllm_config_or_none", None) \
+                or config_module.get_current_vllm_config
+            parallel = current().parallel_config
             tp = int(parallel.tensor_parallel_size)
             pp = int(parallel.pipeline_parallel_size)
             cp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
@@ -170,8 +176,18 @@ def _tp_cp_sizes(world_size: int) -> tuple[int | None, int]:
     return (world_size if world_size >= 1 else None), 1
 
 
+# Each logger's label set -> its rank identity, made once: a metric first written inside vLLM's config
+# context and one first written while serving would otherwise read different tp sizes, and one worker
+# would push as two ranks. As many entries as LMCache makes loggers and label views (a few per process).
+_identities: dict[tuple[tuple[str, str], ...], tuple[dict[str, int], dict[str, str]]] = {}
+
+
 def rank_identity(labels: dict[str, str]) -> tuple[dict[str, int], dict[str, str]] | None:
     """(rank axes, static labels) of a series LMCache labels `labels`; None while its logger is not filed yet."""
+    key = tuple(sorted(labels.items()))
+    known = _identities.get(key)
+    if known is not None:
+        return dict(known[0]), dict(known[1])
     metadata = _metadata(labels)
     if metadata is None:
         return None
@@ -179,7 +195,8 @@ def rank_identity(labels: dict[str, str]) -> tuple[dict[str, int], dict[str, str
     rank = linear_rank_axes(int(labels["worker_id"]), tp_size, cp_size)
     rank["dp_rank"] = _dp_rank(getattr(metadata, "engine_id", None))
     static = {name: labels[name] for name in STATIC_LABELS if labels.get(name)}
-    return rank, static
+    _identities.setdefault(key, (rank, static))
+    return dict(rank), dict(static)
 
 
 # --- routing a family ---

@@ -144,3 +144,19 @@ def test_an_operator_profile_file_gives_its_families_its_namespace(tmp_path: Pat
     merged = load_profiles(None, [str(path)])
     assert merged.get("widgets_total").profile == "other"
     assert ExposedFamilies(merged, "sglang_").rollup["widgets_total"].name == "other_rollup_widgets"
+
+
+@pytest.mark.parametrize("profile, family, clash", [
+    (_profile(namespace="hicache_exporter_"), _family("ranks", type="gauge"), "hicache_exporter_ranks"),
+    (_profile(namespace="sglang_hicache_"), _family("host_used_tokens", type="gauge"), "sglang_hicache_host_used_tokens"),
+    (_profile(namespace="lmcache_"), _family("rollup_num_hit_tokens_total"), "lmcache_rollup_num_hit_tokens"),
+])
+def test_a_profile_whose_exported_names_clash_with_another_family_is_refused(
+        tmp_path: Path, profile: dict[str, object], family: dict[str, object], clash: str) -> None:
+    """Family names differ, yet namespace + name is what another family already writes: /metrics would carry
+    two TYPE lines for it and Prometheus would refuse the scrape, so the sidecar refuses to start."""
+    path = tmp_path / "other.yaml"
+    path.write_text(yaml.safe_dump({"profile": profile, "families": [family]}))
+    catalog = load_profiles(None, ["lmcache", str(path)])
+    with pytest.raises(ConfigError, match=f"exported names clash .*{clash}"):
+        ExposedFamilies(catalog, "sglang_")

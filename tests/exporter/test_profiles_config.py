@@ -25,9 +25,9 @@ def profiles_of(*argv: str) -> dict[str, str]:
     return per_upstream(args, args.upstream_profile, "--upstream-profile")
 
 
-def test_an_upstream_reads_sglang_unless_its_profile_says_otherwise_and_its_profile_is_served() -> None:
+def test_an_upstream_reads_the_default_profile_unless_its_profile_says_otherwise_and_its_profile_is_served() -> None:
     config = config_from_data({"upstreams": [{"url": "http://a/metrics"}]}, "test")
-    assert config.upstreams[0].profile == "sglang" and config.profiles_in_use == ("sglang",)  # the default's: one catalog
+    assert config.upstreams[0].profile is None and config.profiles_in_use == ()  # the default's: one catalog
     config = config_from_data({"upstreams": [{"url": "http://a/metrics", "profile": "lmcache"},
                                              {"multiprocess_dir": "/d", "profile": "lmcache"}]}, "test")
     assert [u.profile for u in config.upstreams] == ["lmcache", "lmcache"]
@@ -150,3 +150,32 @@ def test_an_upstream_may_name_its_profile_by_file(tmp_path: Path) -> None:
     assert f": OK ({len(default_catalog()) + 1} families, " in result.stdout
     catalog = load_profiles(None, [str(profile)])
     assert [f.name for f in catalog.of_profile(str(profile))] == ["widgets_total"]
+
+
+def test_check_config_refuses_a_profile_whose_names_clash_on_metrics(tmp_path: Path) -> None:
+    profile = tmp_path / "mine.yaml"
+    profile.write_text(yaml.safe_dump({
+        "profile": {"name": "mine", "namespace": "hicache_exporter_", "upstream_prefix": "mine:"},
+        "families": [{"name": "ranks", "type": "gauge", "semantics": "per_shard", "help": "Ranks."}]}))
+    path = tmp_path / "sidecar.yaml"
+    path.write_text(f"metrics: {{profiles: [{str(profile)!r}]}}\n")
+    result = subprocess.run([*CLI, "check-config", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith("hicache-exporter: error: exported names clash (hicache_exporter_ranks")
+    assert result.stderr.count("\n") == 1
+
+
+def test_an_upstream_without_a_profile_reads_the_default_profile_whichever_it_is(tmp_path: Path) -> None:
+    """metrics.catalog may be another engine's profile: an upstream without `profile` reads that one, and the
+    packaged sglang profile is not loaded beside it (its family names might clash)."""
+    path = tmp_path / "sidecar.yaml"
+    path.write_text(f"metrics: {{catalog: {str(default_path('lmcache.yaml'))!r}}}\n"
+                    "upstreams: [{url: 'http://e:8000/metrics', world: {tp_size: 4, dp_size: 2}}]\n")
+    result = subprocess.run([*CLI, "check-config", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2  # the lmcache profile's world rule, so the upstream reads lmcache
+    assert "profile 'lmcache' labels no data-parallel replica" in result.stderr
+    path.write_text(f"metrics: {{catalog: {str(default_path('lmcache.yaml'))!r}}}\n"
+                    "upstreams: [{url: 'http://e:8000/metrics'}]\n")
+    result = subprocess.run([*CLI, "check-config", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f": OK ({LMCACHE_FAMILIES} families, " in result.stdout

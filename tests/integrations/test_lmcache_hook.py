@@ -9,6 +9,7 @@ import subprocess
 import sys
 from importlib.metadata import EntryPoint
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -224,3 +225,32 @@ def test_a_reset_in_multiprocess_mode_is_a_new_epoch_of_zeros_though_the_engine_
         sidecar.stop()
     assert engine == [100.0, 120.0]  # the engine's own counter did not drop
     assert process.exitcode == 0
+
+
+@pytest.mark.parametrize("engine_id, dp_rank", [
+    ("3f2a_dp1", 1), ("3f2a_dp0", 0), ("3f2a_dp65535", 65535), ("3f2a", 0), (None, 0),
+    # One spelling per number, as labels.rank_axis: no leading zero, no non-ASCII digit, nothing past 65535.
+    ("3f2a_dp01", 0), ("3f2a_dp\u0661", 0), ("3f2a_dp-1", 0), ("3f2a_dp", 0), ("3f2a_dp65536", 0),
+])
+def test_the_dp_rank_is_the_engine_ids_dp_suffix_in_one_spelling(engine_id: object, dp_rank: int) -> None:
+    assert hook._dp_rank(engine_id) == dp_rank
+
+
+def test_a_loggers_rank_identity_is_made_once_whatever_vllms_config_context_says_later(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's current config exists only while it sets the model up: a gauge bound then reads tp 2 x pp 2, a
+    counter first written while serving would read the metadata's world alone. One worker must stay one rank."""
+    labels = {"model_name": "m", "worker_id": "3", "role": "worker", "served_model_name": "s"}
+    metadata = SimpleNamespace(world_size=4, engine_id="e_dp1")
+    logger = SimpleNamespace(PrometheusLogger=SimpleNamespace(
+        _instances={tuple(sorted(labels.items())): SimpleNamespace(metadata=metadata)}))
+    parallel = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=2, prefill_context_parallel_size=1)
+    in_context = SimpleNamespace(get_current_vllm_config=lambda: SimpleNamespace(parallel_config=parallel))
+    monkeypatch.setitem(sys.modules, hook.OBSERVABILITY, logger)
+    monkeypatch.setitem(sys.modules, "vllm.config", in_context)
+    monkeypatch.setattr(hook, "_identities", {})
+    first = hook.rank_identity(labels)
+    assert first == ({"tp_rank": 1, "pp_rank": 1, "dp_rank": 1}, {"model_name": "m", "role": "worker",
+                                                                   "served_model_name": "s", "worker_id": "3"})
+    monkeypatch.delitem(sys.modules, "vllm.config")  # outside the context: the metadata alone says tp 4
+    assert hook.rank_identity(labels) == first

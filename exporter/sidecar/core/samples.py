@@ -48,6 +48,7 @@ class SampleReader:
         self.config = config
         self.registry = registry
         self._plans = {f.name: FamilyPlan.of(f) for f in catalog}
+        self._profiles = ", ".join(catalog.profiles)  # named when a family is unknown
         self._interned: dict[Hashable, Hashable] = {}  # series keys, rollup keys and routes: see _intern
         self._new_series = 0
         self._layouts: dict[Layout, Layout] = {plan.default_layout: plan.default_layout
@@ -206,7 +207,8 @@ class SampleReader:
         family, labels = sample.family, sample.labels
         plan = self._plans.get(family)
         if plan is None:
-            raise SampleRejected(ErrorCode.UNKNOWN_FAMILY, f"family {family!r} is not in the catalog")
+            raise SampleRejected(ErrorCode.UNKNOWN_FAMILY, f"family {family!r} is not in the catalog of the profiles "
+                                 f"served ({self._profiles}); another engine's needs its profile served (--profile)")
         label_values = self._label_values(plan, labels) if labels or plan.labels else ()
         name = plan.name  # the catalog's string object, shared by every rank's keys
         if (name, label_values) not in rank.values:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from exporter.catalog import Catalog, MetricType, Semantics
+from exporter.errors import ConfigError
 
 SELF = "hicache_exporter_"
 ROLLUP_HELP = {
@@ -122,3 +123,22 @@ class ExposedFamilies:
             )
             for spec in catalog if spec.type is MetricType.COUNTER and spec.replicated
         }
+        self._refuse_clashes()
+
+    def _refuse_clashes(self) -> None:
+        """ConfigError where two exposed families would write one sample name (two profiles' names, or a
+        namespace that makes a family's name the sidecar's own): Prometheus would refuse the whole scrape."""
+        families = [*self.per_rank.values(), *self.rollup.values(), *self.spread.values(),
+                    *(f for pair in self.bandwidth.values() for f in pair), *SELF_FAMILIES.values()]
+        seen: dict[str, str] = {}
+        clashes: list[str] = []
+        for family in families:
+            for name in {family.name, family.sample_name}:
+                if name in seen and seen[name] != family.name:
+                    clashes.append(f"{seen[name]} and {family.name}")
+                elif name in seen:
+                    clashes.append(family.name)
+                seen.setdefault(name, family.name)
+        if clashes:
+            raise ConfigError(f"exported names clash ({', '.join(sorted(set(clashes))[:3])}): give the profiles "
+                              "namespaces and family names that no other family of the sidecar writes")

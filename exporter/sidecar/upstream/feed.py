@@ -328,7 +328,8 @@ class UpstreamFeed:
         self.state = state
         self.health = health
         self.reserved = frozenset(reserved_names)  # family names the sidecar makes: pass-through must not reuse them
-        self.catalog: Catalog = state.catalog.of_profile(config.profile)  # the families this engine serves
+        # The families this engine serves: its profile's, or the default profile's.
+        self.catalog: Catalog = state.catalog.of_profile(config.profile or state.catalog.default_profile.name)
         self.profile = self.catalog.default_profile
         # The upstream's names of catalog families (without the prefix), in both spellings of `:`.
         self.specs: dict[str, FamilySpec] = {spec.exported_name(""): spec for spec in self.catalog}

@@ -553,3 +553,12 @@ def test_below_compares_every_part_and_counts_a_missing_series_as_zero() -> None
     assert not below({a: 1.0}, {}, [a])  # a series the old values lack is not compared
     assert below({}, {a: 2.0}, [a]) and not below({}, {a: 0.0}, [a])  # one the new values lack counts as zero
     assert below({}, {h_: low}, [h_])
+
+
+def test_an_unknown_family_names_the_profiles_served(h: Harness) -> None:
+    """An LMCache rank pushing to a sidecar that serves only sglang learns what to change."""
+    _, rank = h.hello()
+    result = h.push(rank, ScalarSample(family="num_hit_tokens_total", value=1.0))
+    assert result.rejections == [(ErrorCode.UNKNOWN_FAMILY, (
+        "family 'num_hit_tokens_total' is not in the catalog of the profiles served (sglang); another engine's "
+        "needs its profile served (--profile)"))]

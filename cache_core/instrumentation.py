@@ -192,10 +192,10 @@ class CacheMetrics:
         spec = default_catalog().get(family)
         if spec.collector is None:
             raise ValueError(f"family {family!r} names no collector: cache_core cannot route it")
-        client = self.clients[spec.collector]
+        collector = Collector(spec.collector).value
+        client = self.clients[collector]
         if client is None:
-            raise ValueError(f"family {family!r} is a {spec.collector} family and this rank has no "
-                             f"{spec.collector} collector")
+            raise ValueError(f"family {family!r} is a {collector} family and this rank has no {collector} collector")
         return client
 
     def counter(self, family: str, **labels: Any) -> CounterChild:
@@ -276,6 +276,7 @@ def _check_client(collector: str, client: RankClient) -> None:
     """A collector's client may hold only that collector's families (else its presets leak others')."""
     foreign: list[FamilySpec] = [f for f in client.metrics.catalog if f.collector != collector]
     if foreign:
-        names = ", ".join(f"{f.name} ({f.collector or 'no collector'})" for f in foreign[:3])
+        names = ", ".join(f"{f.name} ({getattr(f.collector, 'value', f.collector) or 'no collector'})"
+                          for f in foreign[:3])
         raise ValueError(f"the {collector} client's catalog holds other collectors' families ({names}, ...): "
                          f"build it with cache_core.instrumentation.client_catalog({collector!r})")

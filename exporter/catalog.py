@@ -74,7 +74,8 @@ class FamilySpec(BaseModel):
     duration_histogram: str | None = None
     # Which engine collector emits the family (a key of its profile's `streams:`); None for an
     # operator's family that names none.
-    collector: str | None = None
+    # SGLang's collector names read as Collector members (left to right), another profile's as strings.
+    collector: Collector | str | None = Field(None, union_mode="left_to_right")
     # The released engine does not emit this family (the exporter's own addition).
     beyond_upstream: bool = False
     # The engine profile the family belongs to: its exported names take that profile's namespace.
@@ -311,6 +312,8 @@ class Catalog(BaseModel):
     def for_collector(self, collector: str) -> Catalog:
         """The families one collector emits, as a catalog of their own (for that collector's client)."""
         wanted = str(collector.value if isinstance(collector, Collector) else collector)
+        if wanted not in self.streams:
+            raise ValueError(f"no collector {wanted!r} in `streams:` ({', '.join(self.streams)})")
         families = tuple(f for f in self.families if f.collector == wanted)
         if not families:
             raise UnknownFamilyError(f"no family in the metric catalog is emitted by the {wanted!r} collector")

@@ -101,7 +101,7 @@ def check_families_and_labels(scrape: Scrape, extra_radix: set[str] = frozenset(
         assert found, spec.name
         assert spec.collector is not None
         wanted = COLLECTOR_LABELS[spec.collector] | set(spec.labels)
-        if spec.collector == Collector.RADIX:
+        if spec.collector is Collector.RADIX:
             wanted |= extra_radix
         for sample in found:
             assert set(sample.labels) == wanted, (spec.name, sorted(sample.labels))

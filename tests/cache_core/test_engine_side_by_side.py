@@ -260,7 +260,7 @@ def test_the_logging_rank_without_dp_attention_differs_only_by_dp_rank(tmp_path,
     assert clients.scheduler is not None
     engine = engine_series(replay(released, engine_labels(spec, released), clients, observed))
     core = core_series(clients)
-    scheduler_families = {f.name for f in default_catalog() if f.collector == "scheduler"}
+    scheduler_families = {f.name for f in default_catalog() if f.collector and f.collector.value == "scheduler"}
     for family in scheduler_families & set(engine):
         core[family] = {frozenset((k, v) for k, v in labels if k != "dp_rank"): value
                         for labels, value in core[family].items()}

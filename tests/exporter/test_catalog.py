@@ -118,7 +118,7 @@ def test_family_type_labels_and_semantics(catalog, name):
     assert family.type is kind
     assert tuple(family.labels) == labels
     assert family.semantics is semantics
-    assert family.collector == collector
+    assert family.collector is collector
     assert family.beyond_upstream is (name in BEYOND_UPSTREAM)
     assert family.help.strip()
     assert name in catalog
@@ -176,7 +176,7 @@ def test_for_collector_gives_each_collectors_families_as_a_catalog(catalog):
     # A bytes counter travels with its duration histogram.
     assert parts[STORAGE].get("storage_prefetch_bytes_total").duration_histogram in parts[STORAGE]
     assert catalog.for_collector("radix") == parts[RADIX]
-    with pytest.raises(UnknownFamilyError, match="'tokenizer' collector"):
+    with pytest.raises(ValueError):
         catalog.for_collector("tokenizer")
     with pytest.raises(UnknownFamilyError):
         catalog_from_data({"families": [_fam()]}).for_collector("radix")

@@ -32,9 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,9 +41,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from tests.helpers import Scrape, free_port, http_get, wait_ready, wait_until
-from tests.integrations.support import SPAWN, run_processes, samples
-from tests.integrations.test_proxy import DIRECTORY_PACE, HTTP_PACE, REPO, EngineServer
+from tests.helpers import Scrape, free_port, http_get, wait_until
+from tests.integrations.support import SPAWN, ServeProcess, run_processes, samples
+from tests.integrations.test_proxy import DIRECTORY_PACE, HTTP_PACE, EngineServer
 from tests.upstream_lmcache import WheelUnavailable, wheel_path
 
 TP = 4
@@ -121,38 +118,15 @@ def frontend() -> None:
         running.labels(SERVED, engine).set(RUNNING[engine])
 
 
-class Serve:
-    """`hicache-exporter serve` reading one LMCache upstream (a URL or a directory) in its own process."""
+class Serve(ServeProcess):
+    """The sidecar reading one LMCache upstream (a URL or a directory)."""
 
     def __init__(self, directory: Path, flag: str, source: str, pace: dict[str, float], world: str = WORLD,
                  pass_through: bool = True) -> None:
-        self.port = free_port()
-        directory.mkdir(parents=True, exist_ok=True)
-        config = directory / "sidecar.yaml"
         key = "url" if flag == "--upstream" else "multiprocess_dir"
         # The file gives the upstream its pace; the flags name it again, with its profile and world.
-        config.write_text(json.dumps({
-            "http": {"host": "127.0.0.1", "port": self.port}, "ingest": {"socket_path": str(directory / "m.sock")},
-            "upstreams": [{"name": "engine", key: source, "pass_through": pass_through, **pace}],
-        }))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "exporter.cli", "serve", "--config", str(config), flag, source,
-             "--upstream-profile", "lmcache", "--upstream-world", world],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            wait_ready(self.proc, self._ready)
-        except AssertionError as err:  # what it said, when it exited
-            said = self.proc.stdout.read()[-2000:] if self.proc.poll() is not None and self.proc.stdout else ""
-            raise AssertionError(f"{err}: {said}") from None
-
-    def _ready(self) -> bool:
-        try:
-            return http_get(f"http://127.0.0.1:{self.port}/-/ready")[0] == 200
-        except OSError:
-            return False
-
-    def scrape(self) -> Scrape:
-        return Scrape(http_get(f"http://127.0.0.1:{self.port}/metrics")[1].decode())
+        super().__init__(directory, {"upstreams": [{"name": "engine", key: source, "pass_through": pass_through, **pace}]},
+                         [flag, source, "--upstream-profile", "lmcache", "--upstream-world", world])
 
     def last_read(self) -> float:
         """When the upstream was last read successfully (0 before the first read)."""
@@ -165,13 +139,6 @@ class Serve:
             before = self.last_read()
             wait_until(lambda before=before: self.last_read() > before, timeout=SETTLE)
 
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]

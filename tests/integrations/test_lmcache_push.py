@@ -19,10 +19,6 @@ exact, while that worker's own series start again in a new epoch.
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import Scrape, free_port, http_get, wait_ready, wait_until
-from tests.integrations.support import SPAWN, run_processes
+from tests.helpers import wait_until
+from tests.integrations.support import SPAWN, ServeProcess, run_processes
 from tests.upstream_lmcache import WheelUnavailable, wheel_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -134,41 +130,15 @@ def worker_process(replica: int, worker: int, engine_id: str, socket_path: str, 
     conn.send(report)
 
 
-class Serve:
-    """`hicache-exporter serve --profile lmcache` in its own process."""
+class Serve(ServeProcess):
+    """The sidecar serving the lmcache profile to ranks that push."""
 
     def __init__(self, directory: Path) -> None:
-        self.port = free_port()
-        self.socket_path = str(directory / "m.sock")
-        config = directory / "sidecar.yaml"
-        config.write_text(json.dumps({"http": {"host": "127.0.0.1", "port": self.port},
-                                      "ingest": {"socket_path": self.socket_path}}))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "exporter.cli", "serve", "--config", str(config), "--profile", "lmcache"],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wait_ready(self.proc, self._ready)
-
-    def _ready(self) -> bool:
-        try:
-            return http_get(f"http://127.0.0.1:{self.port}/-/ready")[0] == 200
-        except OSError:
-            return False
-
-    def scrape(self) -> Scrape:
-        return Scrape(http_get(f"http://127.0.0.1:{self.port}/metrics")[1].decode())
+        super().__init__(directory, {}, ["--profile", "lmcache"])
 
     def ranks(self) -> list[dict[str, Any]]:
-        ranks: list[dict[str, Any]] = json.loads(http_get(f"http://127.0.0.1:{self.port}/api/v1/ranks")[1])["ranks"]
+        ranks: list[dict[str, Any]] = self.get_json("/api/v1/ranks")["ranks"]
         return ranks
-
-    def stop(self) -> str:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            out, _ = self.proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, _ = self.proc.communicate()
-        return out
 
 
 def settled(sidecar: Serve, expected: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> bool:

@@ -20,9 +20,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from exporter.config import config_from_data
 from tests.helpers import Scrape, SidecarThread, free_port, http_get, wait_until
-from tests.integrations.support import run_processes, samples
+from tests.integrations.support import REPO, run_processes, samples
 
-REPO = Path(__file__).resolve().parents[2]
 PASSED = frozenset({"sglang:num_requests_total"})
 STEP_EVENTS = 14  # one step of a rank's events: a restarted engine that has done less work so far
 RADIX_STATIC = {"cache_type": "UnifiedRadixCache"}

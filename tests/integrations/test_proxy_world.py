@@ -8,60 +8,31 @@ series say pp_size 1 and attn_cp_size 1, which complete the world the command li
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-from tests.helpers import Scrape, free_port, http_get, wait_ready, wait_until
-from tests.integrations.test_proxy import HTTP_PACE, REPO, EngineServer, run_engine
+from tests.helpers import free_port, wait_until
+from tests.integrations.support import ServeProcess
+from tests.integrations.test_proxy import HTTP_PACE, EngineServer, run_engine
 
 DP_ATTENTION_TP4 = "tp=4,dp=2,dp-attention"  # pp and cp from the engine's storage labels
 EXPECTED_WORLD = {"tp_size": 4, "pp_size": 1, "dp_size": 2, "attn_tp_size": 2, "attn_cp_size": 1}
 
 
-class Serve:
-    """`hicache-exporter serve` in its own process: a config file that paces the upstream, and the flags."""
+class Serve(ServeProcess):
+    """The sidecar reading one engine: a config file that paces the upstream, and the flags."""
 
     def __init__(self, directory: Path, url: str, world: str) -> None:
-        self.port = free_port()
-        directory.mkdir(parents=True, exist_ok=True)
-        config = directory / "sidecar.yaml"
         # The file names the URL for its pace; --upstream names it again with its world, which the flag gives.
-        config.write_text(json.dumps({
-            "http": {"host": "127.0.0.1", "port": self.port}, "ingest": {"socket_path": str(directory / "m.sock")},
-            "upstreams": [{"name": "engine", "url": url, **HTTP_PACE}],
-        }))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "exporter.cli", "serve", "--config", str(config), "--upstream", url,
-             "--upstream-world", world], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wait_ready(self.proc, self._ready)
-
-    def _ready(self) -> bool:
-        try:
-            return http_get(f"http://127.0.0.1:{self.port}/-/ready")[0] == 200
-        except OSError:
-            return False
-
-    def scrape(self) -> Scrape:
-        return Scrape(http_get(f"http://127.0.0.1:{self.port}/metrics")[1].decode())
+        super().__init__(directory, {"upstreams": [{"name": "engine", "url": url, **HTTP_PACE}]},
+                         ["--upstream", url, "--upstream-world", world])
 
     def status(self) -> dict[str, Any]:
-        document: dict[str, Any] = json.loads(http_get(f"http://127.0.0.1:{self.port}/api/v1/status")[1])
+        document: dict[str, Any] = self.get_json("/api/v1/status")
         return document
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def missing(sidecar: Serve) -> dict[str, float]:

@@ -20,7 +20,8 @@ from exporter.config import UpstreamConfig
 from exporter.errors import ConfigError
 from exporter.sidecar.core.health import UpstreamHealth
 from exporter.sidecar.upstream.feed import UpstreamFeed, parse_exposition
-from exporter.sidecar.upstream.files import read_multiprocess_dir
+from exporter.sidecar.upstream.files import read_directory
+from exporter.sidecar.upstream.merged import HeldProcesses
 from tests.exporter.sidecar.harness import Harness
 from tests.exporter.sidecar.upstream.test_feed import Engine
 
@@ -133,33 +134,58 @@ def write_process(directory: Path, pid: str, values: dict[str, float], family: s
 def test_a_directory_is_read_merged_one_rank_per_worker_holding_the_sum_of_its_processes(tmp_path: Path) -> None:
     h = Harness(catalog())
     up = feed(h, url=None, multiprocess_dir=str(tmp_path), world=world(tp=2))
+    held = HeldProcesses()
     assert up.merges_processes
+
+    def read() -> Any:
+        """A read as the directory source makes it: merged, held steady (upstream/merged.py), then fed."""
+        directory = read_directory(tmp_path)
+        return up.apply(held.hold(directory.reading, directory.skipped))
+
+    def per_rank() -> dict[str, float]:
+        return {dict(r.static)["worker_id"]: r.values[("num_hit_tokens_total", ())] for r in h.state.ranks.values()}
+
     static = tuple(sorted(STATIC.items()))
     # Two DP replicas' workers: pids 101, 102 (replica A), 201, 202 (replica B), one worker_id each.
     write_process(tmp_path, "101", {"0": 100})
     write_process(tmp_path, "102", {"1": 100})
     write_process(tmp_path, "201", {"0": 40})
     write_process(tmp_path, "202", {"1": 40})
-    result = up.apply(read_multiprocess_dir(tmp_path))
+    result = read()
     assert result.ranks == 2 and ranks(h) == {"0": (0, 0, 0), "1": (1, 0, 0)}
-    assert {dict(r.static)["worker_id"]: r.values[("num_hit_tokens_total", ())] for r in h.state.ranks.values()} == {
-        "0": 140, "1": 140}
+    assert per_rank() == {"0": 140, "1": 140}
     assert rollups(h, "num_hit_tokens_total") == {static: 140}  # replica A's 100 + replica B's 40
     # A new process for worker 0 (a replica restarted) adds to the sum; nothing is a restart.
     write_process(tmp_path, "301", {"0": 25})
     write_process(tmp_path, "302", {"1": 25})
-    result = up.apply(read_multiprocess_dir(tmp_path))
+    result = read()
     assert result.resets == 0 and result.series_resets == 0
     assert rollups(h, "num_hit_tokens_total") == {static: 165}
     assert all(r.restarts == 0 for r in h.state.ranks.values())
-    # A process's files gone: the sum drops, a reset of that series as Prometheus' increase() has it; the rollup never falls.
+    # A process's files removed while the others go on: what it counted stays counted, and the others are
+    # not counted again (the sum alone would fall by 100 and read as a reset of worker 0's series).
     (tmp_path / "counter_101.db").unlink()
-    result = up.apply(read_multiprocess_dir(tmp_path))
-    assert result.series_resets == 1
-    assert rollups(h, "num_hit_tokens_total") == {static: 165 + 65}  # 165, then worker 0 counts 65 afresh
+    result = read()
+    assert result.series_resets == 0 and rollups(h, "num_hit_tokens_total") == {static: 165}
     write_process(tmp_path, "401", {"0": 10, "1": 10})
-    up.apply(read_multiprocess_dir(tmp_path))
-    assert rollups(h, "num_hit_tokens_total") == {static: 165 + 65 + 10}
+    read()
+    assert rollups(h, "num_hit_tokens_total") == {static: 175} and per_rank() == {"0": 175, "1": 175}
+    # A file that cannot be read this time stands at its last values; it counts on once it reads again.
+    (tmp_path / "counter_202.db").write_bytes(b"\x00" * 3)
+    result = read()
+    assert result.series_resets == 0 and per_rank() == {"0": 175, "1": 175}
+    (tmp_path / "counter_202.db").unlink()
+    write_process(tmp_path, "202", {"1": 60})  # 40 before: 20 more
+    read()
+    assert per_rank() == {"0": 175, "1": 195}
+    assert rollups(h, "num_hit_tokens_total") == {static: 195}  # the furthest worker
+    # The engine restarts in a wiped directory: every process is new, the sums fall, a restart; rollups go on.
+    for old in tmp_path.iterdir():
+        old.unlink()
+    write_process(tmp_path, "501", {"0": 5})
+    write_process(tmp_path, "502", {"1": 5})
+    read()
+    assert per_rank() == {"0": 5, "1": 5} and rollups(h, "num_hit_tokens_total") == {static: 200}
 
 
 def test_world_dp_size_above_one_on_an_lmcache_upstream_is_refused_in_one_line() -> None:

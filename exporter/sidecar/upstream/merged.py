@@ -1,0 +1,77 @@
+"""A multiprocess directory read merged (every process's files summed, as vLLM's /metrics sums them), held
+steady where the sum alone would fall because some processes' files are gone or unreadable for a read.
+
+A profile whose series label no data-parallel replica (LMCache) is read merged: one rank per label set,
+its value the sum over the processes that wrote it. Counters and histograms of a process that exited stay
+in its files, so the sum goes on. If some processes' files are removed while others remain (a replica's
+processes cleaned up), or one file cannot be read this time, the sum falls by their part, and a fall is a
+reset: the survivors would be counted again from there. So a process's last counter and histogram values
+are kept: a process whose files are gone keeps adding them (retired), and one whose file was skipped this
+read adds them in place of what was read of it. When no process of the last read is left (the engine
+restarted in a wiped directory), nothing is kept: the fall is a restart, and the rollups continue past it.
+Gauges are left as read: they are current values, not sums to continue.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from prometheus_client.metrics_core import Metric
+
+from exporter.sidecar.upstream.files import MERGED, Reading, Skipped
+
+Key = tuple[str, tuple[tuple[str, str], ...]]  # a sample's name and sorted labels
+# Retired values are one float per merged sample key (a few hundred per engine process); past this many
+# keys a retired value is dropped and counted, and its series falls as it would without this module.
+MAX_RETIRED_KEYS = 65536
+_PID = re.compile(r"_([^_]+)\.db\Z")  # a file's pid, as files.py names it
+_CONTINUED = frozenset({"counter", "histogram"})
+
+
+def _values(families: Iterable[Metric]) -> dict[Key, float]:
+    """A process's counter and histogram samples (buckets, _count, _sum), by key."""
+    return {(s.name, tuple(sorted(s.labels.items()))): float(s.value)
+            for family in families if family.type in _CONTINUED for s in family.samples}
+
+
+class HeldProcesses:
+    """The processes of one directory upstream as its last reads saw them (used by its reading thread only)."""
+
+    def __init__(self, max_keys: int = MAX_RETIRED_KEYS) -> None:
+        self.last: dict[str, dict[Key, float]] = {}  # pid -> its last values read whole
+        self.retired: dict[Key, float] = {}  # the last values of processes whose files are gone, summed
+        self.max_keys = max_keys
+        self.dropped = 0  # retired values left out past max_keys
+
+    def hold(self, reading: Reading, skipped: Iterable[Skipped]) -> Reading:
+        """`reading` with its merged entry's counters and histograms held steady (module docstring)."""
+        current = {pid: _values(families) for pid, _, families in reading if pid is not None and pid != MERGED}
+        held = {match.group(1) for s in skipped if (match := _PID.search(s.name))} & self.last.keys()
+        listed = current.keys() | held
+        if self.last and not self.last.keys() & listed:
+            self.last.clear()  # every process is new: the engine restarted; its counters start again
+            self.retired.clear()
+        for pid in [pid for pid in self.last if pid not in listed]:
+            for key, value in self.last.pop(pid).items():
+                if key in self.retired or len(self.retired) < self.max_keys:
+                    self.retired[key] = self.retired.get(key, 0.0) + value
+                else:
+                    self.dropped += 1
+        extra = dict(self.retired)
+        for pid in held:  # what was read of it this time (maybe nothing) stands for its last values
+            now = current.get(pid, {})
+            for key, value in self.last[pid].items():
+                extra[key] = extra.get(key, 0.0) + value - now.get(key, 0.0)
+        for pid, values in current.items():
+            if pid not in held:
+                self.last[pid] = values
+        if extra:
+            for source, _, families in reading:
+                if source == MERGED:
+                    for family in families:
+                        if family.type in _CONTINUED:
+                            family.samples = [
+                                s._replace(value=s.value + extra.get((s.name, tuple(sorted(s.labels.items()))), 0.0))
+                                for s in family.samples]
+        return reading

@@ -673,6 +673,9 @@ def sidecar_section(doc: v1.StatusDocument) -> list[RenderableType]:
                       f"{duration(limits.expire_after_seconds)} · window {duration(limits.window_seconds)}"
                       " · namespace ")
     limit_line.append_text(literal(repr(sidecar.namespace)))
+    for profile in sidecar.profiles[1:]:  # profiles besides the default one, each with its own namespace
+        limit_line.append(" · ")
+        limit_line.append_text(literal(f"{profile.name} {profile.namespace!r}"))
     rejected = Text(f"rejections {count(sidecar.rejections_total)}",
                     style="bold red" if sidecar.rejections_total else "green")
     nonzero = sorted(((reason, n) for reason, n in sidecar.rejections.items() if number(n)), key=lambda item: -item[1])

@@ -1065,3 +1065,14 @@ def test_a_password_in_the_url_is_warned_about_on_stderr() -> None:
     quiet = subprocess.run([*CLI, "top", "--once", "--url", f"http://127.0.0.1:{port}"],
                            capture_output=True, text=True, timeout=30)
     assert "process list" not in quiet.stderr
+
+
+def test_profiles_besides_the_default_are_shown_with_their_namespaces_escaped() -> None:
+    doc = copy.deepcopy(HOSTILE_BASE)
+    doc["sidecar"]["profiles"] = [{"name": "sglang", "namespace": "sglang_", "families": 32},
+                                  {"name": "lmcache", "namespace": "lmcache_", "families": 94},
+                                  {"name": "x\x1b]0;PWNED\x07", "namespace": "\x1b[2J", "families": 1}]
+    raw = frame_bytes(view_of(doc), width=260)
+    assert_terminal_safe(raw)
+    text = SGR.sub("", raw)
+    assert "namespace 'sglang_' · lmcache 'lmcache_' · x\\x1b]0;PWNED\\x07 '\\x1b[2J'" in text, text

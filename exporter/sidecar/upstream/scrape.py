@@ -80,7 +80,8 @@ class UpstreamScraper:
         # a directory's entries cost 2 KiB each in prometheus_client's reader, so they get 4 per
         # series of max_series_total (98,304: 3 times a 256-rank engine), counted as they are read.
         self.max_entries = ENTRIES_PER_SERIES * feed.state.config.max_series_total
-        self.held = HeldProcesses()  # a merged directory's processes (merged.py), on this source's thread only
+        # A merged directory's processes (merged.py), on this source's thread only.
+        self.held = HeldProcesses(lambda name: feed.spec_of(name) is not None)
         self.clock: Callable[[], float] = time.monotonic
         self._thread = WorkerThread(f"upstream {self.health.name}")
         self._running: concurrent.futures.Future[object] | None = None

@@ -134,7 +134,7 @@ def write_process(directory: Path, pid: str, values: dict[str, float], family: s
 def test_a_directory_is_read_merged_one_rank_per_worker_holding_the_sum_of_its_processes(tmp_path: Path) -> None:
     h = Harness(catalog())
     up = feed(h, url=None, multiprocess_dir=str(tmp_path), world=world(tp=2))
-    held = HeldProcesses()
+    held = HeldProcesses(lambda name: up.spec_of(name) is not None)
     assert up.merges_processes
 
     def read() -> Any:

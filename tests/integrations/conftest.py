@@ -26,6 +26,20 @@ def ranks() -> ModuleType:
 
 
 @pytest.fixture(scope="session")
+def released_wheel() -> Path:
+    """The LMCache wheel, fetched and checked once, here rather than in each worker process (where it would
+    surface as a broken barrier a minute later): without it the tests fail in one line (never skip)."""
+    from tests.upstream_lmcache import WheelUnavailable as LMCacheWheelUnavailable
+    from tests.upstream_lmcache import wheel_path
+
+    try:
+        return wheel_path()
+    except LMCacheWheelUnavailable as err:
+        problem = str(err)
+    pytest.fail(f"the released LMCache PrometheusLogger is needed: {problem}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
 def integration(ranks: ModuleType) -> ModuleType:
     """exporter.integrations.sglang, importing the released collectors."""
     from exporter.integrations import sglang

@@ -44,7 +44,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from tests.helpers import Scrape, free_port, http_get, wait_until
 from tests.integrations.support import SPAWN, ServeProcess, run_processes, samples
 from tests.integrations.test_proxy import DIRECTORY_PACE, HTTP_PACE, EngineServer
-from tests.upstream_lmcache import WheelUnavailable, wheel_path
+
+pytestmark = pytest.mark.usefixtures("released_wheel")  # the wheel checked once, before any process starts
 
 TP = 4
 REPLICAS = 2
@@ -194,15 +195,6 @@ def snapshot(directory: Path, sidecars: dict[str, Serve], engine: EngineServer, 
             "status": {door: json.loads(http_get(f"http://127.0.0.1:{sidecar.port}/api/v1/status")[1])
                        for door, sidecar in sidecars.items()}}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def released_wheel() -> Path:
-    """The lmcache wheel, fetched and checked once here: without it the tests fail in one line (never skip)."""
-    try:
-        return wheel_path()
-    except WheelUnavailable as err:
-        problem = str(err)
-    pytest.fail(f"the released LMCache PrometheusLogger is needed: {problem}", pytrace=False)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import pytest
 from exporter.integrations import lmcache as hook
 from tests.helpers import SidecarThread, sidecar_config, wait_until
 from tests.integrations.support import SPAWN
-from tests.upstream_lmcache import WheelUnavailable, wheel_path
 
 REPO = Path(__file__).resolve().parents[2]
 SYNC_TIMEOUT = 120
@@ -70,14 +69,6 @@ def patched_process(conn: Any) -> None:
         "subclasses": [issubclass(new, old) for new, old in zip(once, before)],
     })
 
-
-@pytest.fixture(scope="module")
-def released_wheel() -> Path:
-    try:
-        return wheel_path()
-    except WheelUnavailable as err:
-        problem = str(err)
-    pytest.fail(f"the released LMCache PrometheusLogger is needed: {problem}", pytrace=False)
 
 
 def spawn(target: Any, *args: Any) -> tuple[Any, Any]:

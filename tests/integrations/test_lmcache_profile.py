@@ -9,13 +9,13 @@ from the engine fails here and names the family.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from exporter.catalog import Catalog, MetricType, load_profile
 from tests.integrations.support import run_processes
-from tests.upstream_lmcache import WheelUnavailable, wheel_path
 
 LABELS = ("model_name", "worker_id", "role", "served_model_name")  # observability.py:1905-1913, in order
 
@@ -47,11 +47,7 @@ def registered(conn: Any) -> None:
 
 
 @pytest.fixture(scope="module")
-def released() -> Registered:
-    try:
-        wheel_path()
-    except WheelUnavailable as err:
-        pytest.fail(str(err))
+def released(released_wheel: Path) -> Registered:
     return run_processes(registered, [()], receive=True)[0]
 
 

@@ -28,7 +28,9 @@ import pytest
 
 from tests.helpers import wait_until
 from tests.integrations.support import SPAWN, ServeProcess, run_processes
-from tests.upstream_lmcache import WheelUnavailable, wheel_path
+from tests.upstream_lmcache import wheel_path
+
+pytestmark = pytest.mark.usefixtures("released_wheel")  # the wheel checked once, before any process starts
 
 REPO = Path(__file__).resolve().parents[2]
 TP = 4
@@ -183,15 +185,6 @@ def expected_at(step: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], floa
         expected[("lmcache_scheduler_unfinished_requests_count", rank_series(r, 0, "scheduler"))] = float(UNFINISHED[r])
     return expected
 
-
-@pytest.fixture(scope="module", autouse=True)
-def released_wheel() -> Path:
-    """The lmcache wheel, fetched and checked once here: without it the tests fail in one line (never skip)."""
-    try:
-        return wheel_path()
-    except WheelUnavailable as err:
-        problem = str(err)
-    pytest.fail(f"the released LMCache PrometheusLogger is needed: {problem}", pytrace=False)
 
 
 def test_two_dp_replicas_of_tp4_push_per_rank_series_and_exact_rollups_through_a_reset(

@@ -65,7 +65,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from tests.integrations.support import SPAWN, run_processes
-from tests.upstream_lmcache import WheelUnavailable, wheel_path
+
+pytestmark = pytest.mark.usefixtures("released_wheel")  # the wheel checked once, before any process starts
 
 TP = 4
 MODEL = "Qwen/Qwen3-8B"
@@ -232,16 +233,6 @@ def run_engine(directory: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[S
     reads.append(read(directory))
     return reads, reports
 
-
-@pytest.fixture(scope="module", autouse=True)
-def released_wheel() -> Path:
-    """The lmcache wheel, fetched and checked once here: without it the tests fail in one line (never skip)."""
-    # Here rather than in each worker process, where it would surface as a broken barrier a minute later.
-    try:
-        return wheel_path()
-    except WheelUnavailable as err:
-        problem = str(err)
-    pytest.fail(f"the released LMCache PrometheusLogger is needed: {problem}", pytrace=False)
 
 
 @pytest.fixture(scope="module")

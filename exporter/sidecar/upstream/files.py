@@ -53,6 +53,12 @@ class Skipped:
     kind: str  # bad_name, not_regular, too_large, truncated, corrupt
     message: str
 
+    @property
+    def pid(self) -> str | None:
+        """The process whose file it is, by prometheus_client's file name; None for a name it does not give."""
+        match = _DB_FILE.match(self.name)
+        return match.group("pid") if match else None
+
 
 @dataclass
 class DirectoryReading:

@@ -14,7 +14,6 @@ Gauges are left as read: they are current values, not sums to continue.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 
 from prometheus_client.metrics_core import Metric
@@ -26,9 +25,8 @@ from exporter.sidecar.upstream.files import MERGED, Reading, Skipped
 # samples of one read share a hash with a chance of about 1 in 10^9 (64-bit hashes, 10^5 samples).
 Key = int
 # Retired values are one float per merged sample key (a few hundred per engine process); past this many
-# keys a retired value is dropped and counted, and its series falls as it would without this module.
+# keys a retired value is dropped, and its series falls as it would without this module.
 MAX_RETIRED_KEYS = 65536
-_PID = re.compile(r"_([^_]+)\.db\Z")  # a file's pid, as files.py names it
 _CONTINUED = frozenset({"counter", "histogram"})
 
 
@@ -50,13 +48,12 @@ class HeldProcesses:
         self.last: dict[str, dict[Key, float]] = {}  # pid -> its last values read whole
         self.retired: dict[Key, float] = {}  # the last values of processes whose files are gone, summed
         self.max_keys = max_keys
-        self.dropped = 0  # retired values left out past max_keys
 
     def hold(self, reading: Reading, skipped: Iterable[Skipped]) -> Reading:
         """`reading` with its merged entry's counters and histograms held steady (module docstring)."""
         current = {pid: _values(families, self.wanted) for pid, _, families in reading
                    if pid is not None and pid != MERGED}
-        held = {match.group(1) for s in skipped if (match := _PID.search(s.name))} & self.last.keys()
+        held = {s.pid for s in skipped if s.pid is not None} & self.last.keys()
         listed = current.keys() | held
         if self.last and not self.last.keys() & listed:
             self.last.clear()  # every process is new: the engine restarted; its counters start again
@@ -65,8 +62,6 @@ class HeldProcesses:
             for key, value in self.last.pop(pid).items():
                 if key in self.retired or len(self.retired) < self.max_keys:
                     self.retired[key] = self.retired.get(key, 0.0) + value
-                else:
-                    self.dropped += 1
         extra = dict(self.retired)
         for pid in held:  # what was read of it this time (maybe nothing) stands for its last values
             now = current.get(pid, {})

@@ -301,6 +301,16 @@ class Catalog(BaseModel):
         """The family called `name`, or None."""
         return self._index.get(name)
 
+    def engine_family(self, name: str, prefix: str, kind: MetricType) -> FamilySpec | None:
+        """The family an engine's metric `name` (`prefix` + family, as the engine builds it; a counter's
+        with or without `_total`, which prometheus_client adds) is, whatever its type; None outside both."""
+        if not name.startswith(prefix):
+            return None
+        family = name[len(prefix):]
+        if kind is MetricType.COUNTER and not family.endswith("_total"):
+            family += "_total"
+        return self.find(family)
+
     @property
     def _index(self) -> dict[str, FamilySpec]:
         index = self.__dict__.get("_cached_index")

@@ -215,12 +215,7 @@ def profile_catalog() -> Catalog:
 
 def profile_family(name: str, kind: MetricType) -> FamilySpec | None:
     """The profile's family that LMCache's metric `name` of type `kind` is, or None."""
-    if not name.startswith(ENGINE_PREFIX):
-        return None
-    family = name[len(ENGINE_PREFIX):]
-    if kind is MetricType.COUNTER and not family.endswith("_total"):
-        family += "_total"  # prometheus_client exposes a counter as name + "_total"
-    spec = profile_catalog().find(family)
+    spec = profile_catalog().engine_family(name, ENGINE_PREFIX, kind)
     if spec is None or spec.type is not kind:
         return None
     return spec

@@ -172,14 +172,9 @@ _warned: set[str] = set()
 def catalog_family(name: str, kind: MetricType) -> FamilySpec | None:
     """The catalog family that the engine's metric `name` of type `kind` is, or None."""
     global _catalog
-    if not name.startswith(ENGINE_PREFIX):
-        return None
-    family = name[len(ENGINE_PREFIX):]
-    if kind is MetricType.COUNTER and not family.endswith("_total"):
-        family += "_total"  # prometheus_client exposes a counter as name + "_total"
     if _catalog is None:
         _catalog = default_catalog()
-    spec = _catalog.find(family)
+    spec = _catalog.engine_family(name, ENGINE_PREFIX, kind)
     if spec is None:
         return None
     if spec.type is not kind:

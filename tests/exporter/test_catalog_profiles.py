@@ -160,3 +160,15 @@ def test_a_profile_whose_exported_names_clash_with_another_family_is_refused(
     catalog = load_profiles(None, ["lmcache", str(path)])
     with pytest.raises(ConfigError, match=f"exported names clash .*{clash}"):
         ExposedFamilies(catalog, "sglang_")
+
+
+def test_an_engines_metric_name_finds_its_family_as_both_hooks_look_it_up(lmcache: Catalog) -> None:
+    counter = lmcache.get("num_hit_tokens_total")
+    assert lmcache.engine_family("lmcache:num_hit_tokens", "lmcache:", MetricType.COUNTER) is counter
+    assert lmcache.engine_family("lmcache:num_hit_tokens_total", "lmcache:", MetricType.COUNTER) is counter
+    assert lmcache.engine_family("lmcache:periodic_threads_low_total", "lmcache:", MetricType.GAUGE) is lmcache.get(
+        "periodic_threads_low_total")
+    assert lmcache.engine_family("lmcache:num_hit_tokens", "lmcache:", MetricType.GAUGE) is None  # no _total added
+    assert lmcache.engine_family("sglang:num_hit_tokens", "lmcache:", MetricType.COUNTER) is None
+    assert default_catalog().engine_family("sglang:evicted_tokens", "sglang:", MetricType.COUNTER) is \
+        default_catalog().get("evicted_tokens_total")

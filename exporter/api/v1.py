@@ -187,7 +187,7 @@ class Stream(Model):
     own_labels: Annotated[Labels, Meta(description=(
         "static labels of its identity that its group's label set leaves out (moe_ep_rank); usually empty"))]
     state: RankStateName
-    source: Annotated[str, Meta(pattern="^(push|upstream:.+)$")]
+    source: Annotated[str, Meta(pattern="^(push|released|upstream:.+)$")]
     seconds_since_push: Annotated[float | None, Meta(description="null: never pushed a snapshot")]
     epoch: str
     pid: int

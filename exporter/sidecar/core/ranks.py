@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,10 +28,14 @@ from exporter.sidecar.core.keys import (
     static_key,
 )
 
+log = logging.getLogger("hicache_exporter.ranks")
 Clock = Callable[[], float]
 RankIdentity = tuple[int, int, int, int, StaticKey]  # (tp_rank, pp_rank, dp_rank, attn_cp_rank, static labels)
 REPLACED_EPOCHS_KEPT = 64
 PUSH_SOURCE = "push"  # the source of identities that ranks push over the socket; an upstream's is "upstream:<name>"
+# The source of identities taken back from the durable state whose upstream is no longer configured: the
+# first source that reports one continues it (a move from the proxy to push, or to another upstream).
+RELEASED_SOURCE = "released"
 # Position-history entries kept per rank per window (5 s apart at 60 s): bounds memory whatever the
 # push rate. Not the status page's history of points (expose/status.py HISTORY_POINTS).
 WINDOW_HISTORY_ENTRIES = 12
@@ -207,7 +212,9 @@ class Writer:
 
 
 def source_words(source: str) -> str:
-    """Who reports an identity, for messages: "pushed ranks" or "upstream <name>"."""
+    """Who reports an identity, for messages: "pushed ranks", "upstream <name>", or none (released)."""
+    if source == RELEASED_SOURCE:
+        return "no source (its upstream is no longer configured)"
     return "pushed ranks" if source == PUSH_SOURCE else source.replace(":", " ", 1)
 
 
@@ -279,7 +286,9 @@ class RankRegistry:
         static = static_key(msg.labels)
         identity = (msg.rank.tp_rank, msg.rank.pp_rank, msg.rank.dp_rank, msg.rank.attn_cp_rank or 0, static)
         rank = self.ranks.get(identity)
-        if rank is not None and rank.source != source:
+        if rank is not None and rank.source == RELEASED_SOURCE and not rank.connected:
+            self._adopt(rank, msg, source)
+        elif rank is not None and rank.source != source:
             self._check_owner(rank, source)  # raises while the owner holds it
             # Its owner went silent past expire_after: the identity is free. The owner is forgotten
             # as making room forgets (its rollup contribution stays, its epoch goes into its own
@@ -323,6 +332,22 @@ class RankRegistry:
         rank.pushed = False
         rank.last_activity = self.clock()  # live again: not stale, not expired
         return result
+
+    def _adopt(self, rank: RankState, msg: Join, source: str) -> None:
+        """`source` takes over a released identity in place, so that no history is counted twice.
+
+        A pushed hello's epoch is a process start whose values count from zero: the usual restart
+        (positions carry on). Another upstream's values are the engine's own, which may have gone on
+        since the state was saved: the hello is a reconnect of the identity's epoch under the new
+        source's name, and its first snapshot continues the saved values (only the increase counts)
+        or, below them, starts the epoch over in place (an engine restart; `epoch_conflict`)."""
+        log.info("rank %s, released by an upstream no longer configured, is continued by %s",
+                 rank.describe(), source_words(source))
+        rank.source = source
+        if source != PUSH_SOURCE and msg.epoch != rank.epoch:
+            rank.replaced_epochs.append(rank.epoch)
+            rank.epoch = msg.epoch
+            rank.last_push = None  # no seq to continue: the new source's seq starts where it likes
 
     def _check_owner(self, rank: RankState, source: str) -> None:
         """Refuse a hello from `source` for an identity another source holds, unless it expired.

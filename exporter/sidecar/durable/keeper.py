@@ -48,6 +48,8 @@ class SavedFile(msgspec.Struct, array_like=True, frozen=True):
     namespace: str
     core: core_saved.SavedCore
     upstreams: dict[str, feed_saved.SavedFeed]
+    # Each upstream source -> what it read (UpstreamFeed.physical): its state follows that, not its name.
+    sources: dict[str, str] = {}
 
 
 def max_file_bytes(limits: RanksConfig, family_labels: int, upstreams: int) -> int:
@@ -118,14 +120,17 @@ class StateKeeper:
             return
         scratch = self.state.fresh()  # taken whole or not at all: a failure leaves the state empty
         try:
-            restored = core_saved.restore(scratch, saved.core)
+            core, upstreams, relocation = feed_saved.relocate(saved.core, saved.upstreams, saved.sources,
+                                                              self.feeds.values())
+            restored = core_saved.restore(scratch, core)
         except Exception as err:  # a file that decodes but holds what no state can (a bug, or a hand-edited file)
             self._set_aside(StateFileError("corrupt", f"its contents cannot be taken back: {type(err).__name__}: {err}"))
             return
         self.state.adopt(scratch)
         identities = restored.identities
+        relocation.log(self.path)
         for name, feed in self.feeds.items():
-            feed_state = saved.upstreams.get(name)
+            feed_state = upstreams.get(name)
             if feed_state is not None:
                 try:
                     feed_saved.restore(feed, feed_state)
@@ -137,8 +142,8 @@ class StateKeeper:
                     self._set_aside(StateFileError(
                         "corrupt", f"upstream {name}'s state cannot be taken back: {type(err).__name__}: {err}"))
                     return
-        for name in sorted(set(saved.upstreams) - set(self.feeds)):
-            log.info("state file %s: upstream %s is no longer configured; its state is dropped", self.path, name)
+        for count in relocation.collided.values():
+            self.health.count(self.health.dropped, "world_changed", count)
         for reason, count in restored.dropped.items():
             self.health.count(self.health.dropped, reason, count)
         health = self.health
@@ -170,6 +175,7 @@ class StateKeeper:
         payload = msgspec.msgpack.encode((
             self.state.wall_time(), self.namespace, core_saved.dump(self.state),
             {name: feed_saved.dump(feed) for name, feed in self.feeds.items()},
+            {feed.source: feed.physical for feed in self.feeds.values()},
         ))
         return frame(payload)
 

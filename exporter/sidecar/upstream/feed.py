@@ -77,6 +77,7 @@ import copy
 import hashlib
 import logging
 import math
+import os
 import re
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -104,6 +105,7 @@ from exporter.sidecar.core.keys import static_key
 from exporter.sidecar.core.ranks import Join, RankIdentity, RankState
 from exporter.sidecar.core.state import Push, SidecarState
 from exporter.sidecar.upstream.files import MERGED, Reading, TooLarge
+from exporter.sidecar.upstream.merged import HeldProcesses
 from exporter.sidecar.upstream.text import Number, TextLayout
 from exporter.sidecar.upstream.world import NO_WORLD, Judgement, judge
 
@@ -341,15 +343,20 @@ class UpstreamFeed:
         # of one worker are one rank whose values are their sum, never two processes taking turns.
         self.linear = self.profile.linear_rank_label
         self.merges_processes = self.linear is not None
+        # A merged directory's processes (merged.py): held on the source's thread, saved with the feed's state.
+        self.held = HeldProcesses(lambda name: self.spec_of(name) is not None)
         world = config.world
         problem = self.profile.world_problem(world.dp_size) if world is not None else None
         if problem:
             raise ConfigError(f"upstream {config.label}: {problem}")
         self.linear_sizes = (world.tp_size, world.attn_cp_size or 1) if world is not None else (None, 1)
         self.ranks: dict[RankIdentity, _UpstreamRank] = {}
-        digest = hashlib.sha256(config.label.encode()).hexdigest()[:8]
         self.source = f"upstream:{health.name}"  # the identities this upstream reports are its own
-        self.tag = f"up-{digest}"  # epochs are at most 64 characters: the name itself may be longer
+        # What the engine is, whatever the upstream is named: the durable state keys the source by it
+        # (a renamed upstream continues its state), hashed so that a URL's credentials are not kept.
+        where = f"url:{config.url}" if config.url is not None else f"dir:{os.path.abspath(config.multiprocess_dir or '')}"
+        self.physical = hashlib.sha256(where.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+        self.tag = f"up-{self.physical[:8]}"  # epochs are at most 64 characters: the name itself may be longer
         self.pass_through: list[Metric] = []
         self.layout_lines = LAYOUT_LINES_PER_SERIES * state.config.max_series_total
         self._layout: tuple[TextLayout, ReadPlan] | None = None  # the last text read's, while it is one

@@ -30,7 +30,6 @@ from exporter.config import UpstreamConfig
 from exporter.errors import ConfigError
 from exporter.sidecar.upstream.feed import FeedResult, TextReading, UpstreamFeed
 from exporter.sidecar.upstream.files import Skipped, TooLarge, read_directory
-from exporter.sidecar.upstream.merged import HeldProcesses
 from exporter.sidecar.worker import WorkerThread
 
 log = logging.getLogger("hicache_exporter.upstream")
@@ -80,8 +79,6 @@ class UpstreamScraper:
         # a directory's entries cost 2 KiB each in prometheus_client's reader, so they get 4 per
         # series of max_series_total (98,304: 3 times a 256-rank engine), counted as they are read.
         self.max_entries = ENTRIES_PER_SERIES * feed.state.config.max_series_total
-        # A merged directory's processes (merged.py), on this source's thread only.
-        self.held = HeldProcesses(lambda name: feed.spec_of(name) is not None)
         self.clock: Callable[[], float] = time.monotonic
         self._thread = WorkerThread(f"upstream {self.health.name}")
         self._running: concurrent.futures.Future[object] | None = None
@@ -164,7 +161,7 @@ class UpstreamScraper:
         assert directory is not None
         try:
             read = read_directory(directory, self.config.pass_through or self.feed.merges_processes, self.max_entries)
-            reading = self.held.hold(read.reading, read.skipped) if self.feed.merges_processes else read.reading
+            reading = self.feed.held.hold(read.reading, read.skipped) if self.feed.merges_processes else read.reading
             return read.skipped, self.feed.plan_reading(reading)
         except TooLarge as err:
             raise _ReadError("too_large", str(err)) from None

@@ -286,7 +286,8 @@ class RankRegistry:
         static = static_key(msg.labels)
         identity = (msg.rank.tp_rank, msg.rank.pp_rank, msg.rank.dp_rank, msg.rank.attn_cp_rank or 0, static)
         rank = self.ranks.get(identity)
-        if rank is not None and rank.source == RELEASED_SOURCE and not rank.connected:
+        if rank is not None and rank.source != source and not rank.connected and (
+                rank.source == RELEASED_SOURCE or (rank.restored and rank.expired)):
             self._adopt(rank, msg, source)
         elif rank is not None and rank.source != source:
             self._check_owner(rank, source)  # raises while the owner holds it
@@ -334,17 +335,19 @@ class RankRegistry:
         return result
 
     def _adopt(self, rank: RankState, msg: Join, source: str) -> None:
-        """`source` takes over a released identity in place, so that no history is counted twice.
+        """`source` continues an identity whose source is gone, in place, so that no history is counted twice.
 
-        A pushed hello's epoch is a process start whose values count from zero: the usual restart
-        (positions carry on). Another upstream's values are the engine's own, which may have gone on
-        since the state was saved: the hello is a reconnect of the identity's epoch under the new
-        source's name, and its first snapshot continues the saved values (only the increase counts)
-        or, below them, starts the epoch over in place (an engine restart; `epoch_conflict`)."""
-        log.info("rank %s, released by an upstream no longer configured, is continued by %s",
-                 rank.describe(), source_words(source))
-        rank.source = source
-        if source != PUSH_SOURCE and msg.epoch != rank.epoch:
+        Gone: released (its upstream is no longer configured), or taken back from the durable state and
+        not reported again within expire_after (a move between doors). A pushed hello's epoch, and any
+        hello after pushed ranks, is a process start whose values count from zero: the usual restart
+        (positions carry on). After another upstream, the values are the engine's own, which may have
+        gone on since the state was saved: the hello is a reconnect of the identity's epoch under the new
+        source's name, and its first snapshot continues the saved values (only the increase counts) or,
+        below them, starts the epoch over in place (an engine restart; `epoch_conflict`)."""
+        log.info("rank %s, last reported by %s, is continued by %s", rank.describe(), source_words(rank.source),
+                 source_words(source))
+        previous, rank.source = rank.source, source
+        if PUSH_SOURCE not in (source, previous) and msg.epoch != rank.epoch:
             rank.replaced_epochs.append(rank.epoch)
             rank.epoch = msg.epoch
             rank.last_push = None  # no seq to continue: the new source's seq starts where it likes

@@ -260,22 +260,22 @@ def relocate(
         tp, pp, cp = placed(source, entry.tp_rank, entry.pp_rank, entry.attn_cp_rank, statics[entry.static])
         forgotten.append(msgspec.structs.replace(entry, source=source, tp_rank=tp, pp_rank=pp, attn_cp_rank=cp or 0))
     moved_upstreams: dict[str, SavedFeed] = {}
-    for name, feed_state in upstreams.items():
+    for name, saved_feed in upstreams.items():
         source = owner[f"upstream:{name}"]
         feed = feeds_now.get(source)
         if feed is None or feed.health.name in moved_upstreams:
             continue
         feed_ranks = []
-        for item in feed_state.ranks:
+        for item in saved_feed.ranks:
             tp, pp, cp = placed(source, item.tp_rank, item.pp_rank, item.attn_cp_rank, item.static)
             if taken.get((tp, pp, item.dp_rank, cp or 0, item.static)) != (item.tp_rank, item.pp_rank, item.attn_cp_rank):
                 continue  # its identity is not taken back, or another saved identity took its place
             feed_ranks.append(msgspec.structs.replace(item, tp_rank=tp, pp_rank=pp, attn_cp_rank=cp or 0))
         generations = []
-        for generation in feed_state.generations:
+        for generation in saved_feed.generations:
             tp, pp, cp = placed(source, generation.tp_rank, generation.pp_rank, generation.attn_cp_rank,
                                 generation.static)
             generations.append(msgspec.structs.replace(generation, tp_rank=tp, pp_rank=pp, attn_cp_rank=cp or 0))
-        moved_upstreams[feed.health.name] = msgspec.structs.replace(feed_state, ranks=feed_ranks,
+        moved_upstreams[feed.health.name] = msgspec.structs.replace(saved_feed, ranks=feed_ranks,
                                                                     generations=generations)
     return msgspec.structs.replace(core, ranks=ranks, forgotten=forgotten), moved_upstreams, done

@@ -196,3 +196,25 @@ def test_another_url_of_the_same_engine_continues_its_released_ranks(tmp_path: P
     # The engine's values continue the saved ones (only the increase counts), or are lower: a restart.
     assert rollup(moved.h, BYTES) == BYTES_PER_SCALE * 1.5
     assert rollup(moved.h, TOKENS, pool="kv") == TOKENS_PER_SCALE * 1.5
+
+
+def test_moving_from_push_to_the_proxy_continues_each_rank_once_the_pushed_ones_expire(tmp_path: Path) -> None:
+    pushing = Sidecar(tmp_path / "state", [])
+    for tp in (0, 1):
+        for dp in (0, 1):
+            rank = push_join(pushing, tp, dp, epoch=f"pushed-{tp}-{dp}")
+            pushing.h.push(rank, ScalarSample(family=BYTES, labels={}, value=1000.0 * (tp + 1)),
+                           ScalarSample(family=TOKENS, labels={"pool": "kv"}, value=100.0 * (dp + 1)))
+    proxy = pushing.restart([{"url": URL}])
+    engine = Engine()  # the engine restarted without the hook: its own counters from zero
+    two_groups(engine, 0.25)
+    proxy.feed.apply(read(engine.text()))
+    assert proxy.feed.health.errors == {"identity_owned": 4}  # the pushed ranks may still come back
+    assert rollup(proxy.h, BYTES) == BYTES_PER_SCALE
+    proxy.h.clock.advance(301.0)  # they did not, within expire_after: the upstream continues them in place
+    two_groups(engine, 0.25)
+    proxy.feed.apply(read(engine.text()))
+    assert {r.source for r in proxy.h.state.ranks.values()} == {"upstream:" + URL}
+    assert rollup(proxy.h, BYTES) == BYTES_PER_SCALE * 1.5
+    # Replicated: each group's watermark goes on from the pushed position (a new rank from zero stayed under it).
+    assert rollup(proxy.h, TOKENS, pool="kv") == TOKENS_PER_SCALE * 1.5

@@ -347,6 +347,10 @@ class RankRegistry:
         log.info("rank %s, last reported by %s, is continued by %s", rank.describe(), source_words(rank.source),
                  source_words(source))
         previous, rank.source = rank.source, source
+        # The epochs the old source replaced are its own: the new source names its epochs afresh (an upstream
+        # that starts without saved state reuses its first names), and the old source, should it come
+        # back, is refused as another source (identity_owned) before any epoch is compared.
+        rank.replaced_epochs.clear()
         if PUSH_SOURCE not in (source, previous) and msg.epoch != rank.epoch:
             rank.replaced_epochs.append(rank.epoch)
             rank.epoch = msg.epoch

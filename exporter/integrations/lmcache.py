@@ -36,8 +36,9 @@ The hello carries no world: LMCache's metadata has no tp or pp size, and vLLM re
 dense model's engine to 1 (vllm/config/parallel.py:1130-1139), so no process knows it for sure.
 
 Values are counted as they happen (a metric's `inc`, `set`, `observe`), except the 42 gauges LMCache
-feeds through `set_function`: their function is read when a snapshot is made. `clear()` (LMCache's
-`reset_counters()`/`reset_histograms()`, observability.py:1879-1903) clears the engine's metric as
+feeds through `set_function`: their function is read before each push, on the client's own thread and
+with a deadline (exporter.client.pusher.FunctionPoller: a callback that blocks costs only its gauge).
+`clear()` (LMCache's `reset_counters()`/`reset_histograms()`, observability.py:1879-1903) clears the engine's metric as
 LMCache intends and starts a new epoch of the rank's client (`RankClient.new_epoch`): the sidecar then
 continues the rank's positions, and no rollup falls.
 
@@ -406,7 +407,7 @@ class PushingGauge(_Pushing, prometheus_client.Gauge):
         try:
             push = self._push_child()
             if push is not None:
-                push.set_function(f)  # read at every snapshot: nobody calls set() on these gauges
+                push.set_function(f)  # read before every push: nobody calls set() on these gauges
         except Exception as err:  # never into the engine, whose metric took the write
             self._push_failed(err)
 

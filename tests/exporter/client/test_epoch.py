@@ -12,6 +12,7 @@ import pytest
 from exporter.catalog import default_catalog
 from exporter.client import RankClient
 from exporter.client.metrics import GaugeChild, MetricSet
+from exporter.client.pusher import FunctionPoller, PushStats
 from tests.helpers import SidecarThread, http_get, wait_until
 
 RANK = {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0}
@@ -152,7 +153,7 @@ def test_a_blocking_callback_costs_only_its_own_gauge(sidecar: SidecarThread, ca
             assert closed.wait(30), "close() waited on the blocked callback"
         stuck = [r.getMessage() for r in caplog.records if "has not returned" in r.getMessage()]
         assert len(stuck) == 1 and "hicache_host_used_tokens" in stuck[0], stuck
-        assert _rank(sidecar)["status"] == "departed"  # its last snapshot and bye went out
+        wait_until(lambda: _rank(sidecar)["status"] == "departed")  # its last snapshot and bye went out
     finally:
         release.set()
         client.close()
@@ -172,3 +173,36 @@ def test_a_callback_that_returns_at_last_has_its_gauge_pushed_again(sidecar: Sid
     finally:
         release.set()
         client.close()
+
+
+def test_callbacks_stuck_for_good_cost_one_thread_each_however_often_the_gauges_are_read() -> None:
+    metrics = MetricSet(default_catalog())
+    stats = PushStats()
+    poller = FunctionPoller(metrics.functions, 0.05, stats)
+    release = threading.Event()
+    for family in ("hicache_host_used_tokens", "hicache_host_total_tokens"):
+        gauge = metrics.child(family, {})
+        assert isinstance(gauge, GaugeChild)
+        gauge.set_function(lambda: float(release.wait()))
+    fine = metrics.child("hicache_host_mamba_used_states", {})
+    assert isinstance(fine, GaugeChild)
+    fine.set_function(lambda: 2.0)
+    before = {thread for thread in threading.enumerate() if thread.name == "hicache-gauge-reader"}
+
+    def readers() -> set[threading.Thread]:
+        return {thread for thread in threading.enumerate() if thread.name == "hicache-gauge-reader"} - before
+
+    try:
+        for _ in range(200):  # each read waits at most the deadline
+            poller.poll()
+            if stats.callbacks_stuck == 2:
+                break
+        for _ in range(20):
+            poller.poll()
+        assert stats.callbacks_stuck == 2
+        assert len(readers()) == 3  # one per stuck callback, one reading the rest
+        assert [s.family for s in metrics.wire_samples()] == ["hicache_host_mamba_used_states"]
+    finally:
+        release.set()
+        poller.close()
+    wait_until(lambda: not readers())  # released, the stuck threads end; closed, so does the last

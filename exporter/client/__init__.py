@@ -66,7 +66,7 @@ class RankClient:
         path = socket_path or os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET_PATH
         self.socket_path = os.fspath(path)
         self._pusher = Pusher(self.socket_path, self._hello, self._snapshot, interval, max_backoff,
-                              prepare=self.metrics.poll)
+                              functions=self.metrics.functions)
 
     # --- binding (once, off the hot path) ---
 

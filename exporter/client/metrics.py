@@ -25,7 +25,7 @@ _INF = math.inf  # a module global is one lookup cheaper than math.inf on the ho
 LabelValues = tuple[str, ...]
 SeriesKey = tuple[str, LabelValues]
 
-__all__ = ["CounterChild", "GaugeChild", "HistogramChild", "LabelError", "MetricSet"]
+__all__ = ["CounterChild", "GaugeChild", "HistogramChild", "LabelError", "MetricSet", "SeriesKey"]
 
 
 class CounterChild:
@@ -68,8 +68,7 @@ class GaugeChild:
         self.read = math.nan
 
     def poll(self) -> None:
-        """Read the function now. The pusher does this outside its I/O lock, so that an engine's callback
-        that blocks holds up only its own pushes, never `close()` at exit or a new epoch."""
+        """Read the function now (the pusher's FunctionPoller does, on a thread of its own, with a deadline)."""
         function = self.function
         if function is None:
             return
@@ -209,11 +208,14 @@ class MetricSet:
                 out.append(ScalarSample(family, value, labels))
         return out
 
+    def functions(self) -> list[tuple[SeriesKey, GaugeChild]]:
+        """The gauges read from a function (`set_function`), which the pusher's FunctionPoller reads."""
+        return [(key, child) for key, child in self.items() if isinstance(child, GaugeChild) and child.function is not None]
+
     def poll(self) -> None:
-        """Read every function gauge's function (GaugeChild.poll)."""
-        for _, child in self.items():
-            if isinstance(child, GaugeChild) and child.function is not None:
-                child.poll()
+        """Read every function gauge's function now, in this thread (GaugeChild.poll)."""
+        for _, child in self.functions():
+            child.poll()
 
     def counted(self) -> bool:
         """Whether any counter or histogram has counted something since it was created or restarted."""

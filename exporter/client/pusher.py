@@ -7,6 +7,7 @@ and retried after a capped exponential backoff with jitter.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import socket
 import threading
@@ -14,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from exporter.client.metrics import GaugeChild, SeriesKey
 from exporter.errors import ErrorCode, ProtocolError
 from exporter.protocol.framing import FrameDecoder, encode_message
 from exporter.protocol.messages import Bye, ErrorMessage, Hello, Snapshot, Welcome, parse_server_message
@@ -21,6 +23,9 @@ from exporter.protocol.messages import Bye, ErrorMessage, Hello, Snapshot, Welco
 log = logging.getLogger("hicache_exporter.client")
 
 REFUSAL_LOG_SECONDS = 60.0  # a refused rank says so at once, then once a minute while it lasts
+# How long a push waits for the function gauges' callbacks: one still running then is stuck (left out, logged
+# once, counted), and the pushes go on. An engine's callback reads a value under a lock: microseconds, not this.
+CALLBACK_DEADLINE = 1.0
 
 
 @dataclass
@@ -33,6 +38,7 @@ class PushStats:
     errors_by_code: dict[str, int] = field(default_factory=dict)
     last_error: str | None = None
     refused: str | None = None  # why the sidecar refuses this rank's hello now (None once accepted)
+    callbacks_stuck: int = 0  # function gauges' callbacks that missed their deadline (FunctionPoller)
 
 
 class Pusher:
@@ -46,17 +52,18 @@ class Pusher:
         interval: float = 1.0,
         max_backoff: float = 5.0,
         io_timeout: float = 2.0,
-        prepare: Callable[[], None] | None = None,
+        functions: Callable[[], list[tuple[SeriesKey, GaugeChild]]] | None = None,
+        callback_deadline: float = CALLBACK_DEADLINE,
     ) -> None:
+        """`functions` lists the gauges read from callbacks, which a FunctionPoller reads before each push."""
         self.socket_path = socket_path
         self._hello = hello
         self._snapshot = snapshot
-        # Run by the thread before each push, outside the I/O lock: what may block (an engine's callbacks).
-        self._prepare = prepare
         self.interval = interval
         self.max_backoff = max_backoff
         self.io_timeout = io_timeout
         self.stats = PushStats()
+        self._poller = FunctionPoller(functions, callback_deadline, self.stats) if functions is not None else None
         self._sock: socket.socket | None = None
         self._decoder = FrameDecoder()
         self._seq = 0
@@ -86,6 +93,8 @@ class Pusher:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._poller is not None:
+            self._poller.close()
         with self._io_lock:
             if self.stats.refused is None:  # a refused rank would only be refused once more
                 try:
@@ -119,11 +128,11 @@ class Pusher:
     def _run(self) -> None:
         backoff = min(0.05, self.max_backoff)
         while not self._stop.is_set():
-            if self._prepare is not None:
+            if self._poller is not None:
                 try:
-                    self._prepare()
+                    self._poller.poll()
                 except Exception as err:  # nothing it does may stop the pushes
-                    log.warning("preparing a snapshot failed: %s", err)
+                    log.warning("reading the function gauges failed: %s", err)
             with self._io_lock:
                 if self._stop.is_set():
                     return
@@ -248,3 +257,109 @@ class Pusher:
             )
             self._refusal_logged = now
         self.stats.refused = f"{reply.code}: {reply.message}"
+
+
+class _Reader:
+    """One thread of a FunctionPoller; `calling` is the gauge whose callback it is in now, and since when."""
+
+    __slots__ = ("thread", "calling", "retired")
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.calling: tuple[SeriesKey, GaugeChild, float] | None = None
+        self.retired = False  # left to a callback past its deadline: it ends when that call returns
+
+
+class FunctionPoller:
+    """Reads the function gauges (`set_function`) on a thread of its own, with a deadline, off the counters' path.
+
+    Before each push the pusher asks for a round of reads and waits for it at most `deadline` seconds. A
+    callback still running then (an engine's callback blocked on a lock) is stuck: its gauge is left out of
+    the snapshots, as one whose callback raised; it is logged once and counted (`PushStats.callbacks_stuck`);
+    and its thread is left to it: a new thread reads the other gauges, and skips the stuck one until its call
+    returns (then the old thread ends). So a callback stuck for good costs one thread and its own gauge, and
+    the rank's counters are pushed on time; no thread is started while no callback is stuck."""
+
+    def __init__(self, functions: Callable[[], list[tuple[SeriesKey, GaugeChild]]], deadline: float,
+                 stats: PushStats) -> None:
+        self._functions = functions
+        self.deadline = deadline
+        self._stats = stats
+        self._cond = threading.Condition()
+        self._asked = 0  # rounds of reads asked for
+        self._done = 0  # the last round asked for that a reader has finished
+        self._reader: _Reader | None = None  # the thread that reads the rounds now (started on the first)
+        self._stuck: set[SeriesKey] = set()  # gauges whose callback has not returned: skipped
+        self._reported: set[SeriesKey] = set()  # stuck gauges logged already: once each
+        self._closed = False
+
+    def poll(self) -> None:
+        """Read every function gauge, waiting at most the deadline; a callback past it is given up on."""
+        if not self._functions():
+            return  # no callbacks: no thread
+        with self._cond:
+            if self._closed:
+                return
+            if self._reader is None:
+                self._reader = self._start_reader()
+            self._asked += 1
+            asked = self._asked
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: self._done >= asked or self._closed, self.deadline):
+                self._give_up_stuck()
+
+    def close(self) -> None:
+        """Stop reading; a thread in a callback that does not return is a daemon, and is not waited for."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            reader = self._reader
+        if reader is not None and reader.thread is not None:
+            reader.thread.join(self.deadline)  # bounded: a callback that blocks would hold it forever
+
+    def _start_reader(self) -> _Reader:
+        reader = _Reader()
+        reader.thread = threading.Thread(target=self._read, args=(reader,), name="hicache-gauge-reader", daemon=True)
+        reader.thread.start()
+        return reader
+
+    def _give_up_stuck(self) -> None:
+        """With the lock held: leave the callback the reader has been in past the deadline to its thread, and read
+        the other gauges on a new one. A round that is only slow (no call past the deadline) is waited for later."""
+        reader = self._reader
+        calling = reader.calling if reader is not None else None
+        if reader is None or calling is None or time.monotonic() - calling[2] < self.deadline:
+            return
+        key, gauge, _ = calling
+        reader.retired = True
+        self._stuck.add(key)
+        gauge.read = math.nan  # left out: its last value would look current
+        self._stats.callbacks_stuck += 1
+        if key not in self._reported:
+            self._reported.add(key)
+            family, values = key
+            log.warning("the callback of gauge %s%s has not returned within %.1f s: the gauge is left out of the "
+                        "snapshots until it returns; the rank's other series are pushed", family,
+                        list(values) if values else "", self.deadline)
+        self._reader = self._start_reader()  # serves the round asked for, without the stuck gauge
+
+    def _read(self, reader: _Reader) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: reader.retired or self._closed or self._asked > self._done)
+                if reader.retired or self._closed:
+                    return
+                asked, skip = self._asked, set(self._stuck)
+            for key, gauge in self._functions():
+                if key in skip:
+                    continue
+                reader.calling = (key, gauge, time.monotonic())
+                gauge.poll()
+                with self._cond:
+                    reader.calling = None
+                    if reader.retired:  # given up on during this call: another reader has taken over
+                        self._stuck.discard(key)
+                        return
+            with self._cond:
+                self._done = max(self._done, asked)
+                self._cond.notify_all()

@@ -36,12 +36,20 @@ The hello carries no world: LMCache's metadata has no tp or pp size, and vLLM re
 dense model's engine to 1 (vllm/config/parallel.py:1130-1139), so no process knows it for sure.
 
 Values are counted as they happen (a metric's `inc`, `set`, `observe`), except the 42 gauges LMCache
-feeds through `set_function`: their function is read when a snapshot is made. `clear()` (LMCache's
-`reset_counters()`/`reset_histograms()`, observability.py:1879-1903) clears the engine's metric as
+feeds through `set_function`: their function is read before each push, on the client's own thread and
+with a deadline (exporter.client.pusher.FunctionPoller: a callback that blocks costs only its gauge).
+`clear()` (LMCache's `reset_counters()`/`reset_histograms()`, observability.py:1879-1903) clears the engine's metric as
 LMCache intends and starts a new epoch of the rank's client (`RankClient.new_epoch`): the sidecar then
 continues the rank's positions, and no rollup falls.
 
 This module imports LMCache only when `install()` or `register()` runs; the sidecar never imports it.
+
+It is a guest in the engine (DESIGN section 15): `register()` never raises, and a LMCache of another shape
+than 0.5.6's, recognised by feature (`unsupported_shape`: the three metric-class attributes still
+prometheus_client's, loggers filed in an `_instances` mapping), or one that cannot be imported at all, gets
+one warning line, and the engine runs as if this package were absent. Once installed, a write the push
+side refuses (or a series whose rank cannot be made out) is the engine's alone: its prometheus_client
+metric has it first, and the series is not pushed, with one warning.
 """
 
 from __future__ import annotations
@@ -54,13 +62,13 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 import prometheus_client
 
 from exporter.catalog import Catalog, FamilySpec, MetricType, bucket_layout_problem, load_profile
-from exporter.client import CounterChild, GaugeChild, HistogramChild, LabelError, RankClient
+from exporter.client import CounterChild, GaugeChild, HistogramChild, RankClient
 from exporter.integrations.push_clients import ProcessPushClients, push_interval, set_push_environment
 from exporter.labels import linear_rank_axes, rank_axis
 
@@ -84,10 +92,18 @@ def install(socket_path: str | os.PathLike[str] | None = None, *, interval: floa
     Call it before the process's first `PrometheusLogger.GetOrCreate`: a logger made before keeps
     prometheus_client's classes. `socket_path` and `interval`, when given, are set in this process's
     environment (`HICACHE_EXPORTER_SOCKET`, `HICACHE_EXPORTER_PUSH_INTERVAL`), which processes it
-    starts inherit. Raises ImportError when LMCache cannot be imported."""
+    starts inherit. Raises what importing `lmcache.observability` raises (ImportError where LMCache is
+    missing); a `PrometheusLogger` of another shape than the one this is built for is left alone, with
+    one warning line (`unsupported_shape` says why)."""
     set_push_environment(socket_path, interval)
-    logger_cls = importlib.import_module(OBSERVABILITY).PrometheusLogger
-    if logger_cls._counter_cls is PushingCounter:
+    logger_cls: Any = getattr(importlib.import_module(OBSERVABILITY), "PrometheusLogger", None)
+    problem = unsupported_shape(logger_cls)
+    if problem is not None:
+        _say_inactive(f"LMCache's {problem}; LMCache's metrics are not pushed (hicache-exporter supports the "
+                      "PrometheusLogger of LMCache 0.5.6)")
+        return
+    if logger_cls._counter_cls is PushingCounter and logger_cls._gauge_cls is PushingGauge \
+            and logger_cls._histogram_cls is PushingHistogram:
         return
     if logger_cls._instances:
         log.warning("LMCache already made %d PrometheusLogger(s) in this process; their metrics are not pushed",
@@ -99,21 +115,53 @@ def install(socket_path: str | os.PathLike[str] | None = None, *, interval: floa
     logger_cls._histogram_cls = PushingHistogram
 
 
+def unsupported_shape(logger_cls: object) -> str | None:
+    """Why LMCache's `PrometheusLogger` is not the shape install() patches, or None when it is."""
+    # By feature rather than version: the class attributes install() replaces (each still prometheus_client's,
+    # or already its own: another subclass would be someone else's to keep), and the mapping of loggers by
+    # their sorted labels that a series' rank identity is read from (_metadata).
+    if not isinstance(logger_cls, type):
+        return f"{OBSERVABILITY} has no PrometheusLogger class"
+    for name, base, ours in (("_counter_cls", prometheus_client.Counter, PushingCounter),
+                             ("_gauge_cls", prometheus_client.Gauge, PushingGauge),
+                             ("_histogram_cls", prometheus_client.Histogram, PushingHistogram)):
+        value = getattr(logger_cls, name, None)
+        if value is not base and value is not ours:
+            return f"PrometheusLogger.{name} is {'missing' if value is None else repr(value)}, not prometheus_client's"
+    if not isinstance(getattr(logger_cls, "_instances", None), Mapping):
+        return "PrometheusLogger has no _instances mapping of its loggers"
+    return None
+
+
+_said_inactive = False  # this process has said why it pushes nothing: once is enough
+
+
+def _say_inactive(message: str) -> None:
+    """One warning line per process: the engine then runs as if this package were absent."""
+    global _said_inactive
+    if not _said_inactive:
+        _said_inactive = True
+        log.warning("hicache-exporter: %s", " ".join(message.split()))  # one line, whatever the error's text
+
+
 def register() -> None:
     """vLLM's general plugin (entry point `hicache_exporter_lmcache`): `install()` where LMCache is installed.
 
-    vLLM calls it once in each process it starts (vllm/plugins/__init__.py:77-90); it does nothing
-    where LMCache cannot be found, and nothing more the second time."""
-    if OBSERVABILITY not in sys.modules:
-        try:
-            if importlib.util.find_spec("lmcache") is None:
-                return
-        except (ImportError, ValueError):
-            return
+    vLLM calls it once in each process it starts (vllm/plugins/__init__.py:77-90) with no guard, so
+    it never raises: where LMCache cannot be found it does nothing; where LMCache cannot be imported
+    (a missing dependency, a CUDA library that will not load) or has another shape, it says so in one
+    warning line and leaves the engine as it was."""
     try:
+        if OBSERVABILITY not in sys.modules:
+            try:
+                if importlib.util.find_spec("lmcache") is None:
+                    return
+            except (ImportError, ValueError):
+                return
         install()
-    except ImportError as err:  # installed but broken (a missing dependency): the engine says so itself
-        log.warning("LMCache is installed but %s cannot be imported (%s); its metrics are not pushed", OBSERVABILITY, err)
+    except Exception as err:  # whatever it is, the engine must start: it reports its own import errors
+        _say_inactive(f"{OBSERVABILITY} could not be set up ({type(err).__name__}: {err}); LMCache's metrics "
+                      "are not pushed")
 
 
 # --- this process's push clients ---
@@ -260,12 +308,18 @@ class _Pushing:
             if self._documentation:
                 client.describe(spec.name, self._documentation)
             child = self._bind(client, spec)
-        except (LabelError, ValueError, TypeError, RuntimeError) as err:
+        except Exception as err:  # a label or layout the sidecar would refuse, metadata of another shape, exit
             _warn_once(self._original_name, f"{self._original_name}{labels} is not pushed ({err})")
             self._push_generation = -1
             return None
         self._push, self._push_client, self._push_generation = child, client, _clients.generation
         return child
+
+    def _push_failed(self, err: Exception) -> None:
+        """A write the push side refused (the engine's own metric took it): this series is pushed no more."""
+        _warn_once(f"{self._original_name} write", f"{self._original_name}{self._labelvalues} is no longer pushed: "
+                                                   f"its push side refused a write ({type(err).__name__}: {err})")
+        self._push, self._push_client, self._push_generation = None, None, -1
 
     def _bind(self, client: RankClient, spec: FamilySpec) -> Child:
         raise NotImplementedError
@@ -285,11 +339,14 @@ class _Pushing:
         """`clear()` the engine's metric, and start a new epoch of every client whose series it held."""
         clients = self._bound_clients() if self._labelnames and not self._labelvalues else []
         clear()
-        for client in clients:
-            # One clear of each of the logger's 43 counters and histograms per reset: the first starts the
-            # epoch, the others find nothing counted in it yet and leave it.
-            if client.metrics.counted():
-                client.new_epoch()
+        try:
+            for client in clients:
+                # One clear of each of the logger's 43 counters and histograms per reset: the first starts the
+                # epoch, the others find nothing counted in it yet and leave it.
+                if client.metrics.counted():
+                    client.new_epoch()
+        except Exception as err:  # the engine's metric is cleared; the push side must not raise into it
+            _warn_once(f"{self._original_name} clear", f"{self._original_name}: a new push epoch failed ({err})")
 
 
 class PushingCounter(_Pushing, prometheus_client.Counter):
@@ -299,9 +356,12 @@ class PushingCounter(_Pushing, prometheus_client.Counter):
 
     def inc(self, amount: float = 1, exemplar: dict[str, str] | None = None) -> None:
         super().inc(amount, exemplar)
-        push = self._push_child()
-        if push is not None:
-            push.inc(amount)
+        try:
+            push = self._push_child()
+            if push is not None:
+                push.inc(amount)
+        except Exception as err:  # never into the engine, whose metric took the write
+            self._push_failed(err)
 
     def clear(self) -> None:
         self._clear_epochs(super().clear)
@@ -317,27 +377,39 @@ class PushingGauge(_Pushing, prometheus_client.Gauge):
 
     def set(self, value: float) -> None:
         super().set(value)
-        push = self._push_child()
-        if push is not None:
-            push.set(float(value))
+        try:
+            push = self._push_child()
+            if push is not None:
+                push.set(float(value))
+        except Exception as err:  # never into the engine, whose metric took the write
+            self._push_failed(err)
 
     def inc(self, amount: float = 1) -> None:
         super().inc(amount)
-        push = self._push_child()
-        if push is not None:
-            push.inc(amount)
+        try:
+            push = self._push_child()
+            if push is not None:
+                push.inc(amount)
+        except Exception as err:  # never into the engine, whose metric took the write
+            self._push_failed(err)
 
     def dec(self, amount: float = 1) -> None:
         super().dec(amount)
-        push = self._push_child()
-        if push is not None:
-            push.dec(amount)
+        try:
+            push = self._push_child()
+            if push is not None:
+                push.dec(amount)
+        except Exception as err:  # never into the engine, whose metric took the write
+            self._push_failed(err)
 
     def set_function(self, f: Callable[[], float]) -> None:
         super().set_function(f)
-        push = self._push_child()
-        if push is not None:
-            push.set_function(f)  # read at every snapshot: nobody calls set() on these gauges
+        try:
+            push = self._push_child()
+            if push is not None:
+                push.set_function(f)  # read before every push: nobody calls set() on these gauges
+        except Exception as err:  # never into the engine, whose metric took the write
+            self._push_failed(err)
 
     def clear(self) -> None:
         self._clear_epochs(super().clear)
@@ -354,9 +426,12 @@ class PushingHistogram(_Pushing, prometheus_client.Histogram):
 
     def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
         super().observe(amount, exemplar)
-        push = self._push_child()
-        if push is not None:
-            push.observe(amount)
+        try:
+            push = self._push_child()
+            if push is not None:
+                push.observe(amount)
+        except Exception as err:  # never into the engine, whose metric took the write
+            self._push_failed(err)
 
     def clear(self) -> None:
         self._clear_epochs(super().clear)

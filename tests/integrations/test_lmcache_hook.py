@@ -245,3 +245,76 @@ def test_a_loggers_rank_identity_is_made_once_whatever_vllms_config_context_says
                                                                    "served_model_name": "s", "worker_id": "3"})
     monkeypatch.delitem(sys.modules, "vllm.config")  # outside the context: the metadata alone says tp 4
     assert hook.rank_identity(labels) == first
+
+
+# --- the engine never pays (issue 30): what the hook does inside the engine raises nothing into it ---
+
+LABELS = {"model_name": "m", "role": "worker", "served_model_name": "s", "worker_id": "0"}
+
+
+def fake_observability(monkeypatch: pytest.MonkeyPatch, metadata: Any) -> None:
+    """An `lmcache.observability` whose PrometheusLogger files one logger, of `metadata`, under LABELS."""
+    loggers = {tuple(sorted(LABELS.items())): SimpleNamespace(metadata=metadata)}
+    monkeypatch.setitem(sys.modules, hook.OBSERVABILITY, SimpleNamespace(PrometheusLogger=SimpleNamespace(_instances=loggers)))
+    monkeypatch.setattr(hook, "_identities", {})
+
+
+def hit_tokens_counter() -> Any:
+    """LMCache's hit-token counter as install() has it built (outside any registry), labelled as a worker's."""
+    return hook.PushingCounter("lmcache:num_hit_tokens", "hit tokens", labelnames=sorted(LABELS), registry=None)
+
+
+def test_a_logger_without_instances_has_no_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    older = SimpleNamespace(PrometheusLogger=SimpleNamespace(_instance=SimpleNamespace(metadata="m")))
+    monkeypatch.setitem(sys.modules, hook.OBSERVABILITY, older)
+    assert hook._metadata(LABELS) is None
+
+
+def test_metadata_of_another_shape_leaves_the_series_unpushed_not_the_engine_broken(
+        monkeypatch: pytest.MonkeyPatch, socket_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("HICACHE_EXPORTER_SOCKET", str(socket_dir / "nobody.sock"))
+    fake_observability(monkeypatch, SimpleNamespace(engine_id="e"))  # no world_size
+    counter = hit_tokens_counter()
+    with caplog.at_level("WARNING", logger=hook.log.name):
+        counter.labels(**LABELS).inc(3)
+        counter.labels(**LABELS).inc(4)
+    assert counter.labels(**LABELS)._value.get() == 7  # the engine's own metric counted both
+    said = [r.getMessage() for r in caplog.records if r.name == hook.log.name]
+    assert len(said) == 1 and "is not pushed" in said[0] and "world_size" in said[0]
+
+
+def test_a_write_the_push_side_refuses_stops_that_series_and_never_reaches_the_engine(
+        monkeypatch: pytest.MonkeyPatch, socket_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # prometheus_client's Counter takes NaN (it refuses only amounts below 0); the push client refuses it.
+    monkeypatch.setenv("HICACHE_EXPORTER_SOCKET", str(socket_dir / "nobody.sock"))
+    fake_observability(monkeypatch, SimpleNamespace(world_size=1, engine_id="e"))
+    counter = hit_tokens_counter()
+    child = counter.labels(**LABELS)
+    try:
+        with caplog.at_level("WARNING", logger=hook.log.name):
+            child.inc(5)
+            push = child._push
+            child.inc(float("nan"))
+            child.inc(1)
+        assert push.value == 5  # the refused write and what followed stayed out of the push series
+        assert child._push is None and child._push_generation == -1
+        assert [r.getMessage() for r in caplog.records if r.name == hook.log.name] == [
+            "lmcache:num_hit_tokens('m', 'worker', 's', '0') is no longer pushed: its push side refused a write "
+            "(ValueError: a counter only adds finite non-negative amounts, got nan)"]
+    finally:
+        hook.close()
+
+
+def test_install_leaves_a_logger_of_another_shape_alone_with_one_warning(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    older = type("PrometheusLogger", (), {"_instance": None, "_counter_cls": None})
+    monkeypatch.setitem(sys.modules, hook.OBSERVABILITY, SimpleNamespace(PrometheusLogger=older))
+    monkeypatch.setattr(hook, "_said_inactive", False, raising=False)
+    with caplog.at_level("WARNING", logger=hook.log.name):
+        hook.install()
+        hook.install()
+        hook.register()
+    assert older._counter_cls is None and not hasattr(older, "_gauge_cls")
+    assert [r.getMessage() for r in caplog.records if r.name == hook.log.name] == [
+        "hicache-exporter: LMCache's PrometheusLogger._counter_cls is missing, not prometheus_client's; LMCache's "
+        "metrics are not pushed (hicache-exporter supports the PrometheusLogger of LMCache 0.5.6)"]

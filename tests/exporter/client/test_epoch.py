@@ -4,11 +4,15 @@ while it runs is a restart to the sidecar, and a gauge read from a function is r
 from __future__ import annotations
 
 import json
+import logging
 import threading
+
+import pytest
 
 from exporter.catalog import default_catalog
 from exporter.client import RankClient
 from exporter.client.metrics import GaugeChild, MetricSet
+from exporter.client.pusher import FunctionPoller, PushStats
 from tests.helpers import SidecarThread, http_get, wait_until
 
 RANK = {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0}
@@ -105,8 +109,8 @@ def test_a_failing_function_leaves_its_gauge_out_of_the_snapshot() -> None:
 
 
 def test_a_blocking_function_holds_up_neither_close_nor_a_new_epoch(sidecar: SidecarThread) -> None:
-    """The pusher reads functions outside its I/O lock: an engine's callback that never returns stops that
-    client's pushes, as it would stall a scrape of the engine's own registry, but exit and a reset still go."""
+    """The pusher reads functions on a thread of its own (FunctionPoller): an engine's callback that never
+    returns holds up neither exit nor a reset."""
     client = RankClient(sidecar.socket_path, rank=RANK, interval=0.05, preset=False).start()
     release = threading.Event()
     client.counter("evicted_tokens_total").inc(5)
@@ -125,3 +129,80 @@ def test_a_blocking_function_holds_up_neither_close_nor_a_new_epoch(sidecar: Sid
     finally:
         release.set()
         client.close()
+
+
+def test_a_blocking_callback_costs_only_its_own_gauge(sidecar: SidecarThread, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 30: LMCache's callbacks take locks; one that blocked once stopped every push of its rank, silently."""
+    release = threading.Event()
+    client = RankClient(sidecar.socket_path, rank=RANK, interval=0.05, preset=False)
+    client.gauge("hicache_host_used_tokens").set_function(lambda: float(release.wait()))  # bound first: read first
+    client.gauge("hicache_host_total_tokens").set_function(lambda: 64.0)
+    evicted = client.counter("evicted_tokens_total")
+    evicted.inc(5)
+    try:
+        with caplog.at_level(logging.WARNING, logger="hicache_exporter.client"):
+            client.start()
+            wait_until(lambda: _settled(sidecar, "sglang_rollup_evicted_tokens_total", 5))
+            evicted.inc(7)  # counted while the callback still blocks: pushed all the same
+            wait_until(lambda: _settled(sidecar, "sglang_rollup_evicted_tokens_total", 12))
+            wait_until(lambda: _settled(sidecar, "sglang_hicache_host_total_tokens", 64, tp_rank="0"))  # read after it
+            assert sidecar.scrape().find("sglang_hicache_host_used_tokens") == []  # left out, not a stale value
+            assert client.stats.callbacks_stuck == 1
+            closed = threading.Event()
+            threading.Thread(target=lambda: (client.close(), closed.set()), daemon=True).start()
+            assert closed.wait(30), "close() waited on the blocked callback"
+        stuck = [r.getMessage() for r in caplog.records if "has not returned" in r.getMessage()]
+        assert len(stuck) == 1 and "hicache_host_used_tokens" in stuck[0], stuck
+        wait_until(lambda: _rank(sidecar)["status"] == "departed")  # its last snapshot and bye went out
+    finally:
+        release.set()
+        client.close()
+
+
+def test_a_callback_that_returns_at_last_has_its_gauge_pushed_again(sidecar: SidecarThread) -> None:
+    release = threading.Event()
+    client = RankClient(sidecar.socket_path, rank=RANK, interval=0.05, preset=False)
+    client.gauge("hicache_host_used_tokens").set_function(lambda: 3.0 if release.wait() else 0.0)
+    client.counter("evicted_tokens_total").inc(5)
+    client.start()
+    try:
+        wait_until(lambda: client.stats.callbacks_stuck == 1 and _settled(sidecar, "sglang_rollup_evicted_tokens_total", 5))
+        release.set()
+        wait_until(lambda: _settled(sidecar, "sglang_hicache_host_used_tokens", 3, tp_rank="0"))
+        assert client.stats.callbacks_stuck == 1
+    finally:
+        release.set()
+        client.close()
+
+
+def test_callbacks_stuck_for_good_cost_one_thread_each_however_often_the_gauges_are_read() -> None:
+    metrics = MetricSet(default_catalog())
+    stats = PushStats()
+    poller = FunctionPoller(metrics.functions, 0.05, stats)
+    release = threading.Event()
+    for family in ("hicache_host_used_tokens", "hicache_host_total_tokens"):
+        gauge = metrics.child(family, {})
+        assert isinstance(gauge, GaugeChild)
+        gauge.set_function(lambda: float(release.wait()))
+    fine = metrics.child("hicache_host_mamba_used_states", {})
+    assert isinstance(fine, GaugeChild)
+    fine.set_function(lambda: 2.0)
+    before = {thread for thread in threading.enumerate() if thread.name == "hicache-gauge-reader"}
+
+    def readers() -> set[threading.Thread]:
+        return {thread for thread in threading.enumerate() if thread.name == "hicache-gauge-reader"} - before
+
+    try:
+        for _ in range(200):  # each read waits at most the deadline
+            poller.poll()
+            if stats.callbacks_stuck == 2:
+                break
+        for _ in range(20):
+            poller.poll()
+        assert stats.callbacks_stuck == 2
+        assert len(readers()) == 3  # one per stuck callback, one reading the rest
+        assert [s.family for s in metrics.wire_samples()] == ["hicache_host_mamba_used_states"]
+    finally:
+        release.set()
+        poller.close()
+    wait_until(lambda: not readers())  # released, the stuck threads end; closed, so does the last

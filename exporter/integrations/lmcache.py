@@ -324,6 +324,16 @@ class _Pushing:
     def _bind(self, client: RankClient, spec: FamilySpec) -> Child:
         raise NotImplementedError
 
+    def _forward(self, write: str, *args: Any) -> None:
+        """Make the write the engine's metric just took on this series' push child too, never raising into the engine.
+        (Function gauges are read before every push: nobody calls set() on them.)"""
+        try:
+            push = self._push_child()
+            if push is not None:
+                getattr(push, write)(*args)
+        except Exception as err:
+            self._push_failed(err)
+
     def _bound_clients(self) -> list[RankClient]:
         """The push clients this metric's children count in now (on the labelled parent)."""
         with self._lock:
@@ -356,12 +366,7 @@ class PushingCounter(_Pushing, prometheus_client.Counter):
 
     def inc(self, amount: float = 1, exemplar: dict[str, str] | None = None) -> None:
         super().inc(amount, exemplar)
-        try:
-            push = self._push_child()
-            if push is not None:
-                push.inc(amount)
-        except Exception as err:  # never into the engine, whose metric took the write
-            self._push_failed(err)
+        self._forward("inc", amount)
 
     def clear(self) -> None:
         self._clear_epochs(super().clear)
@@ -377,39 +382,19 @@ class PushingGauge(_Pushing, prometheus_client.Gauge):
 
     def set(self, value: float) -> None:
         super().set(value)
-        try:
-            push = self._push_child()
-            if push is not None:
-                push.set(float(value))
-        except Exception as err:  # never into the engine, whose metric took the write
-            self._push_failed(err)
+        self._forward("set", float(value))
 
     def inc(self, amount: float = 1) -> None:
         super().inc(amount)
-        try:
-            push = self._push_child()
-            if push is not None:
-                push.inc(amount)
-        except Exception as err:  # never into the engine, whose metric took the write
-            self._push_failed(err)
+        self._forward("inc", amount)
 
     def dec(self, amount: float = 1) -> None:
         super().dec(amount)
-        try:
-            push = self._push_child()
-            if push is not None:
-                push.dec(amount)
-        except Exception as err:  # never into the engine, whose metric took the write
-            self._push_failed(err)
+        self._forward("dec", amount)
 
     def set_function(self, f: Callable[[], float]) -> None:
         super().set_function(f)
-        try:
-            push = self._push_child()
-            if push is not None:
-                push.set_function(f)  # read before every push: nobody calls set() on these gauges
-        except Exception as err:  # never into the engine, whose metric took the write
-            self._push_failed(err)
+        self._forward("set_function", f)
 
     def clear(self) -> None:
         self._clear_epochs(super().clear)
@@ -426,12 +411,7 @@ class PushingHistogram(_Pushing, prometheus_client.Histogram):
 
     def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
         super().observe(amount, exemplar)
-        try:
-            push = self._push_child()
-            if push is not None:
-                push.observe(amount)
-        except Exception as err:  # never into the engine, whose metric took the write
-            self._push_failed(err)
+        self._forward("observe", amount)
 
     def clear(self) -> None:
         self._clear_epochs(super().clear)

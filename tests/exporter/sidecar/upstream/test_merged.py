@@ -27,13 +27,19 @@ def directory_upstream(directory: Path) -> list[dict[str, object]]:
     return [{"multiprocess_dir": str(directory), "profile": "lmcache"}]
 
 
-def test_a_wiped_restart_that_reuses_some_pids_is_a_restart(tmp_path: Path) -> None:
+def two_processes_read(tmp_path: Path) -> tuple[Path, Sidecar]:
+    """A sidecar that has read pids 10 and 11, each 1,000 hit tokens of worker 0."""
     processes = tmp_path / "multiproc"
     processes.mkdir()
     sidecar = Sidecar(tmp_path / "state", directory_upstream(processes), catalog())
     write_process(processes, "10", {"0": 1000})
     write_process(processes, "11", {"0": 1000})
     read(sidecar.feed, processes)
+    return processes, sidecar
+
+
+def test_a_wiped_restart_that_reuses_some_pids_is_a_restart(tmp_path: Path) -> None:
+    processes, sidecar = two_processes_read(tmp_path)
     assert lm_rollup(sidecar, LM_HITS) == 2000
     for old in processes.iterdir():
         old.unlink()
@@ -44,12 +50,7 @@ def test_a_wiped_restart_that_reuses_some_pids_is_a_restart(tmp_path: Path) -> N
 
 
 def test_a_process_replaced_under_its_pid_while_others_go_on_counts_both(tmp_path: Path) -> None:
-    processes = tmp_path / "multiproc"
-    processes.mkdir()
-    sidecar = Sidecar(tmp_path / "state", directory_upstream(processes), catalog())
-    write_process(processes, "10", {"0": 1000})
-    write_process(processes, "11", {"0": 1000})
-    read(sidecar.feed, processes)
+    processes, sidecar = two_processes_read(tmp_path)
     (processes / "counter_10.db").unlink()
     write_process(processes, "10", {"0": 5})  # pid 10 is another process now; 11 goes on
     write_process(processes, "11", {"0": 1010})
@@ -59,12 +60,7 @@ def test_a_process_replaced_under_its_pid_while_others_go_on_counts_both(tmp_pat
 
 
 def test_files_removed_while_the_sidecar_is_down_stay_counted(tmp_path: Path) -> None:
-    processes = tmp_path / "multiproc"
-    processes.mkdir()
-    sidecar = Sidecar(tmp_path / "state", directory_upstream(processes), catalog())
-    write_process(processes, "10", {"0": 1000})
-    write_process(processes, "11", {"0": 1000})
-    read(sidecar.feed, processes)
+    processes, sidecar = two_processes_read(tmp_path)
     sidecar.save()
     (processes / "counter_11.db").unlink()  # while no sidecar runs
     write_process(processes, "10", {"0": 1005})

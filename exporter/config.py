@@ -132,7 +132,8 @@ class RanksConfig(_Strict):
     stale_after_seconds: float = Field(10.0, gt=0)
     expire_after_seconds: float = Field(300.0, gt=0)
     max_series_per_rank: int = Field(4096, ge=1)
-    max_label_value_length: int = Field(128, ge=1, le=4096)
+    # a static label holds a model path (LMCache's model_name is vLLM's, a Hugging Face snapshot path)
+    max_label_value_length: int = Field(1024, ge=1, le=4096)
     max_static_labels: int = Field(8, ge=0, le=64)
     max_series_total: int = Field(24_576, ge=1)  # rank and rollup series together, sized to a 320 Mi pod
     max_ranks: int = Field(1024, ge=1)  # rank identities remembered (expired ones are forgotten first)

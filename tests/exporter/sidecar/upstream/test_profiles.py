@@ -259,3 +259,16 @@ def test_the_sglang_profiles_feed_is_unchanged_by_the_lmcache_profile_beside_it(
         states.append((sorted((r.tp_rank, r.dp_rank, r.static, sorted(r.values.items())) for r in h.state.ranks.values()),
                        sorted(h.state.ledger.counters.items()), up.pass_through_text(False)))
     assert states[0] == states[1]
+
+
+def test_the_sglang_profile_refuses_a_series_without_rank_labels_alone_beside_ranked_ones() -> None:
+    """As for worker_id: before, the one series without tp_rank, pp_rank and dp_rank flagged its whole family."""
+    h = Harness()
+    text = ("# TYPE sglang:load_back_bytes_total counter\n"
+            'sglang:load_back_bytes_total{cache_type="c",tp_rank="0",pp_rank="0",dp_rank="0"} 100\n'
+            'sglang:load_back_bytes_total{cache_type="c",tp_rank="1",pp_rank="0",dp_rank="0"} 20\n'
+            'sglang:load_back_bytes_total{cache_type="c"} 5\n')
+    up = feed(h, profile="sglang")
+    result = up.apply([(None, 0.0, parse_exposition(text, False))])
+    assert (result.rejected, result.ranks, result.unranked) == (1, 2, set())
+    assert rollups(h, "load_back_bytes_total") == {(("cache_type", "c"),): 120}

@@ -6,15 +6,24 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 import time
 import traceback
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 
 from exporter import __version__
 from exporter.catalog import load_profiles
-from exporter.config import WORLD_SPEC_FORM, SidecarConfig, apply_web_config, load_config, setting_origin
+from exporter.config import (
+    MAX_DURATION_MS,
+    WORLD_SPEC_FORM,
+    SidecarConfig,
+    apply_web_config,
+    load_config,
+    setting_origin,
+)
 from exporter.defaults import DEFAULT_PORT, DEFAULT_SOCKET_PATH, ENV_CONFIG, ENV_PORT, ENV_SOCKET, LOG_LEVELS
 from exporter.errors import ConfigError, HicacheExporterError, StartupError
 
@@ -24,12 +33,70 @@ DESCRIPTION = """\
 Rank-aware Prometheus exporter for hierarchical KV caches (HiCache) of sharded LLM servers.
 Ranks push cumulative snapshots over a Unix socket; the sidecar serves per-rank series and
 rollups (summed bytes, one-replica tokens, active bandwidth) on /metrics."""
+MAX_SECONDS = MAX_DURATION_MS / 1000  # about 292 years, Prometheus' longest duration (and under threading's)
+MAX_SIZE = 1 << 16  # a parallel size, as the wire protocol bounds a rank number
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in one line as every other error of the command line (and no usage block)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _cut(text: str) -> str:
+    """A flag's value for a message: thousands of characters are cut."""
+    return repr(text) if len(text) <= 40 else repr(text[:40]) + f"... ({len(text)} characters)"
+
+
+def _path(text: str) -> Path:
+    """A path flag: an empty one (an unset $VAR in a manifest) is refused, not taken as the current directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the path must not be empty (an unset variable?)")
+    return Path(text)
+
+
+def _int(text: str) -> int:
+    """A whole number flag (its range is the config's, or the command's)."""
+    if not text.strip().lstrip("+-").isdigit():
+        raise argparse.ArgumentTypeError(f"{_cut(text)} is not a whole number")
+    if len(text) > 20:  # no flag takes one so large, and int() refuses thousands of digits by raising
+        raise argparse.ArgumentTypeError(f"{_cut(text)} is out of range (more than 20 digits)")
+    return int(text)
+
+
+def _size(text: str) -> int:
+    """A parallel size: 1 to MAX_SIZE."""
+    value = _int(text)
+    if not 1 <= value <= MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"{_cut(text)} must be a whole number from 1 to {MAX_SIZE}")
+    return value
+
+
+def _positive(text: str, high: float, unit: str, shown_high: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= high):  # nan, inf, zero and below
+        raise argparse.ArgumentTypeError(f"{_cut(text)} must be positive: a number of {unit} above 0, at most {shown_high}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A number of seconds: finite, above 0, at most Prometheus' longest duration (nan would never end a wait)."""
+    return _positive(text, MAX_SECONDS, "seconds", "292 years")
+
+
+def _mebibytes(text: str) -> float:
+    """A size in MiB: finite, above 0, at most 1 PiB."""
+    return _positive(text, float(1 << 30), "MiB", "1 PiB")
 
 
 def _add_listen_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, help=f"HTTP port for /metrics (default {DEFAULT_PORT}; env {ENV_PORT})")
+    parser.add_argument("--port", type=_int, help=f"HTTP port for /metrics (default {DEFAULT_PORT}; env {ENV_PORT})")
     parser.add_argument("--host", help="HTTP listen address (default 0.0.0.0)")
-    parser.add_argument("--socket", type=Path,
+    parser.add_argument("--socket", type=_path,
                         help=f"ingest Unix socket path (default {DEFAULT_SOCKET_PATH}; env {ENV_SOCKET})")
 
 
@@ -39,7 +106,7 @@ def _add_exporter_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--web.listen-address", dest="web_listen_address", metavar="HOST:PORT",
                         help="HTTP listen address: HOST:PORT, [IPV6]:PORT, or :PORT for every IPv4 address "
                              "(instead of --host and --port)")
-    parser.add_argument("--web.config.file", dest="web_config_file", type=Path, metavar="FILE",
+    parser.add_argument("--web.config.file", dest="web_config_file", type=_path, metavar="FILE",
                         help="Prometheus exporter-toolkit web config file: tls_server_config and "
                              "basic_auth_users (bcrypt), as http.tls_server_config and http.basic_auth_users; "
                              "beats the config file's")
@@ -100,7 +167,7 @@ def parse_listen_address(text: str) -> tuple[str, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hicache-exporter", description=DESCRIPTION,
+    parser = _Parser(prog="hicache-exporter", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hicache-exporter {__version__}",
                         help="print the version and exit")
@@ -109,12 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the sidecar",
                            description="Run the sidecar until SIGTERM/SIGINT. Flags beat environment, "
                                        "which beats the config file, which beats the defaults.")
-    serve.add_argument("--config", type=Path, help=f"YAML config file (env {ENV_CONFIG})")
+    serve.add_argument("--config", type=_path, help=f"YAML config file (env {ENV_CONFIG})")
     _add_listen_flags(serve)
     _add_exporter_flags(serve)
     serve.add_argument("--upstream", action=_AppendUpstream, metavar="URL", default=[],
                        help="proxy an engine's own /metrics at URL (repeatable); settings per upstream in the config")
-    serve.add_argument("--upstream-multiprocess-dir", action=_AppendUpstream, metavar="DIR", default=[],
+    serve.add_argument("--upstream-multiprocess-dir", action=_AppendUpstream, type=_path, metavar="DIR", default=[],
                        help="proxy a prometheus_client multiprocess directory (the engine's PROMETHEUS_MULTIPROC_DIR, "
                             "shared as a volume; repeatable), each process's files read apart")
     serve.add_argument("--upstream-world", action="append", metavar="SPEC", default=[],
@@ -131,17 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve an engine profile besides sglang for ranks that push (lmcache, or a profile YAML "
                             "file; repeatable; config metrics.profiles)")
     serve.set_defaults(upstream_order=[])
-    serve.add_argument("--persistence.file", dest="persistence_file", type=Path, metavar="FILE",
+    serve.add_argument("--persistence.file", dest="persistence_file", type=_path, metavar="FILE",
                        help="keep the rollups' durable state in FILE, so that they continue exactly across restarts "
                             "of the sidecar (config persistence.file; default: not kept)")
     serve.add_argument("--persistence.interval", dest="persistence_interval", metavar="DURATION",
                        help="how often the state file is written, as a Prometheus duration (default 5s; config "
                             "persistence.interval); it is written once more at SIGTERM")
 
-    serve.add_argument("--ranks.nodes", dest="ranks_nodes", type=int, metavar="N",
+    serve.add_argument("--ranks.nodes", dest="ranks_nodes", type=_int, metavar="N",
                        help="nodes the server spans (the engine's --nnodes; config ranks.nodes; default 1): this "
                             "sidecar then expects only its own node's ranks")
-    serve.add_argument("--ranks.node-rank", dest="ranks_node_rank", type=int, metavar="K",
+    serve.add_argument("--ranks.node-rank", dest="ranks_node_rank", type=_int, metavar="K",
                        help="which node this sidecar runs on, 0 to N-1 (the engine's --node-rank; in a "
                             "LeaderWorkerSet $(LWS_WORKER_INDEX); config ranks.node_rank; default 0)")
     serve.add_argument("--log-level", choices=LOG_LEVELS, help="override log_level")
@@ -150,24 +217,24 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Start the sidecar and one cache_core process per rank (needs torch). "
                                       "With --requests or --duration the ranks stop after that much work and "
                                       "the sidecar keeps serving until interrupted.")
-    demo.add_argument("--attn-tp", "--tp", dest="attn_tp", type=int, default=2,
+    demo.add_argument("--attn-tp", "--tp", dest="attn_tp", type=_size, default=2,
                       help="attention tensor-parallel size: ranks per dp group and cp rank (default 2; "
                            "--tp is an alias); the server's tp size is attn-tp x cp x dp")
-    demo.add_argument("--cp", type=int, default=1, help="attention context-parallel size (default 1)")
-    demo.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
-    demo.add_argument("--dp", type=int, default=1, help="attention data-parallel groups (default 1; more than 1 "
+    demo.add_argument("--cp", type=_size, default=1, help="attention context-parallel size (default 1)")
+    demo.add_argument("--pp", type=_size, default=1, help="pipeline-parallel size (default 1)")
+    demo.add_argument("--dp", type=_size, default=1, help="attention data-parallel groups (default 1; more than 1 "
                                                        "turns DP attention on)")
     _add_listen_flags(demo)
-    demo.add_argument("--requests", type=int, help="requests per dp group, then the ranks stop")
-    demo.add_argument("--duration", type=float, help="seconds of work, then the ranks stop")
-    demo.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    demo.add_argument("--interval", type=float, default=1.0, help="rank push interval in seconds (default 1)")
-    demo.add_argument("--l3-capacity-mb", type=float, default=256.0,
+    demo.add_argument("--requests", type=_int, help="requests per dp group, then the ranks stop")
+    demo.add_argument("--duration", type=_seconds, help="seconds of work, then the ranks stop")
+    demo.add_argument("--seed", type=_int, default=0, help="workload seed (default 0)")
+    demo.add_argument("--interval", type=_seconds, default=1.0, help="rank push interval in seconds (default 1)")
+    demo.add_argument("--l3-capacity-mb", type=_mebibytes, default=256.0,
                       help="L3 store budget of all ranks together, in MiB (default 256); past it the least "
                            "recently used pages are evicted. The demo's directory is removed on exit")
 
     check = sub.add_parser("check-config", help="validate a config file and its catalog, then exit")
-    check.add_argument("file", type=Path)
+    check.add_argument("file", type=_path)
 
     _add_top_parser(sub)
 
@@ -175,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_top_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_top_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     from exporter.top.fetch import DEFAULT_URL, ENV_PASSWORD
 
     top = sub.add_parser("top", help="a refreshing terminal view of a sidecar's status (needs the `top` extra: rich)",
@@ -186,18 +253,18 @@ def _add_top_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     top.add_argument("--url", default=DEFAULT_URL,
                      help=f"the sidecar's base URL, http:// or https://, with an optional path prefix and "
                           f"USER:PASSWORD@ (default {DEFAULT_URL})")
-    top.add_argument("--interval", type=float, default=2.0, help="seconds between polls (default 2)")
-    top.add_argument("--timeout", type=float, default=5.0,
+    top.add_argument("--interval", type=_seconds, default=2.0, help="seconds between polls (default 2)")
+    top.add_argument("--timeout", type=_seconds, default=5.0,
                      help="seconds one poll may take before it counts as unreachable (default 5)")
     top.add_argument("--once", action="store_true",
                      help="print one frame and exit: 0 when the sidecar was read, 1 when it could not be")
     top.add_argument("--web.user", dest="web_user", metavar="USER", help="basic-auth user (beats the URL's)")
-    top.add_argument("--web.password-file", dest="web_password_file", type=Path, metavar="FILE",
+    top.add_argument("--web.password-file", dest="web_password_file", type=_path, metavar="FILE",
                      help=f"file holding the basic-auth password (beats ${ENV_PASSWORD}, which beats the URL's)")
-    top.add_argument("--ca-file", type=Path, metavar="FILE", help="CA bundle that signed the sidecar's certificate")
+    top.add_argument("--ca-file", type=_path, metavar="FILE", help="CA bundle that signed the sidecar's certificate")
     top.add_argument("--insecure", action="store_true", help="do not verify the sidecar's TLS certificate")
-    top.add_argument("--cert-file", type=Path, metavar="FILE", help="client certificate, when the sidecar asks for one")
-    top.add_argument("--key-file", type=Path, metavar="FILE", help="the client certificate's key")
+    top.add_argument("--cert-file", type=_path, metavar="FILE", help="client certificate, when the sidecar asks for one")
+    top.add_argument("--key-file", type=_path, metavar="FILE", help="the client certificate's key")
 
 
 def _logfmt_value(value: str) -> str:
@@ -319,8 +386,6 @@ def _demo(args: argparse.Namespace) -> int:
 def _top(args: argparse.Namespace) -> int:
     from exporter.top.fetch import build_target
 
-    if args.interval <= 0 or args.timeout <= 0:
-        raise HicacheExporterError("--interval and --timeout must be positive")
     target = build_target(args.url, args.web_user, args.web_password_file, insecure=args.insecure,
                           ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file)
     try:

@@ -10,7 +10,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -22,7 +22,15 @@ NAMESPACE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)?$")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: a YAML .inf or .nan is no duration, size or count (an infinite timeout never fires)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _path_is_given(value: Any) -> Any:
+    """An empty path is refused, not read as the current directory (an unset $VAR in a manifest gives one)."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("the path must not be empty (an unset variable?)")
+    return value
 
 
 def _parse_mode(value: Any) -> int:
@@ -117,13 +125,7 @@ class IngestConfig(_Strict):
     allowed_uids: tuple[int, ...] | None = None
 
     _modes = field_validator("socket_mode", "dir_mode", mode="before")(_parse_mode)
-
-    @field_validator("socket_path", mode="before")
-    @classmethod
-    def _path_is_given(cls, value: Any) -> Any:
-        if isinstance(value, str) and not value.strip():
-            raise ValueError("the socket path must not be empty")
-        return value
+    _socket_path = field_validator("socket_path", mode="before")(_path_is_given)
 
 
 class RanksConfig(_Strict):
@@ -132,7 +134,8 @@ class RanksConfig(_Strict):
     stale_after_seconds: float = Field(10.0, gt=0)
     expire_after_seconds: float = Field(300.0, gt=0)
     max_series_per_rank: int = Field(4096, ge=1)
-    max_label_value_length: int = Field(128, ge=1, le=4096)
+    # a static label holds a model path (LMCache's model_name is vLLM's, a Hugging Face snapshot path)
+    max_label_value_length: int = Field(1024, ge=1, le=4096)
     max_static_labels: int = Field(8, ge=0, le=64)
     max_series_total: int = Field(24_576, ge=1)  # rank and rollup series together, sized to a 320 Mi pod
     max_ranks: int = Field(1024, ge=1)  # rank identities remembered (expired ones are forgotten first)
@@ -158,7 +161,7 @@ class MetricsConfig(_Strict):
     catalog: Path | None = None
     # Engine profiles served beside the default one (metrics.catalog's): a packaged profile's name
     # (lmcache) or a profile YAML file. An upstream's `profile` is served without being listed here.
-    profiles: tuple[str, ...] = ()
+    profiles: tuple[Annotated[str, Field(min_length=1)], ...] = ()
     # False: only rollups (and derived gauges) of the catalog families on /metrics, no per-rank
     # series; the JSON view and the status page still list every rank.
     per_rank_series: bool = True
@@ -179,15 +182,22 @@ class RollupConfig(_Strict):
 
 # Prometheus' duration syntax: units from the largest down, each at most once (`1m30s`, `500ms`, `5s`).
 DURATION_RE = re.compile(r"^(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?$")
-DURATION_UNITS = (365 * 86400.0, 7 * 86400.0, 86400.0, 3600.0, 60.0, 1.0, 0.001)
+DURATION_UNITS_MS = (365 * 86_400_000, 7 * 86_400_000, 86_400_000, 3_600_000, 60_000, 1000, 1)
+# Prometheus holds a duration in int64 nanoseconds: nothing longer (about 292 years) is one.
+MAX_DURATION_MS = (2**63 - 1) // 1_000_000
 
 
 def parse_duration(text: str) -> float:
-    """Seconds of a Prometheus duration (`5s`, `1m30s`, `250ms`); ValueError naming the syntax otherwise."""
+    """Seconds of a Prometheus duration (`5s`, `1m30s`, `250ms`); ValueError naming the syntax or the range otherwise."""
+    shown = repr(text) if len(text) <= 40 else repr(text[:40]) + f"... ({len(text)} characters)"
     match = DURATION_RE.match(text)
     if not text or match is None:
-        raise ValueError(f"{text!r} is not a duration like 5s, 1m30s or 500ms (Prometheus' syntax)")
-    return sum(int(n) * unit for n, unit in zip(match.groups(), DURATION_UNITS) if n)
+        raise ValueError(f"{shown} is not a duration like 5s, 1m30s or 500ms (Prometheus' syntax)")
+    numbers = [(n, unit) for n, unit in zip(match.groups(), DURATION_UNITS_MS) if n]
+    # len(): int() of thousands of digits is refused by Python itself, and no such number is in range
+    if any(len(n) > 20 for n, _ in numbers) or sum(int(n) * unit for n, unit in numbers) > MAX_DURATION_MS:
+        raise ValueError(f"{shown} is longer than the longest duration Prometheus takes (292y)")
+    return sum(int(n) * unit for n, unit in numbers) / 1000
 
 
 class PersistenceConfig(_Strict):
@@ -195,6 +205,14 @@ class PersistenceConfig(_Strict):
 
     file: Path | None = None
     interval: str = "5s"
+
+    @field_validator("file", mode="before")
+    @classmethod
+    def _names_a_file(cls, value: Any) -> Any:
+        _path_is_given(value)
+        if isinstance(value, str) and Path(value).name in ("", ".", ".."):
+            raise ValueError(f"{value!r} names a directory, not the state file")
+        return value
 
     @field_validator("interval")
     @classmethod
@@ -284,7 +302,8 @@ def parse_upstream_world(spec: str) -> dict[str, Any]:
             raise bad(f"{key} is given twice")
         if not value.isascii() or not value.isdigit():
             raise bad(f"{key} must be a whole number")
-        world[field] = int(value)
+        # a number of thousands of digits is refused by int() itself; none past 65536 is a size
+        world[field] = int(value) if len(value) <= 20 else 1 << 64
     try:
         UpstreamWorld.model_validate(world, strict=True)
     except ValidationError as err:
@@ -303,6 +322,7 @@ class UpstreamConfig(_Strict):
     url: str | None = None
     multiprocess_dir: Path | None = None
     interval_seconds: float = Field(5.0, gt=0)
+    # unset: 3 s, at most interval_seconds (Prometheus clamps its default scrape_timeout so)
     timeout_seconds: float = Field(3.0, gt=0)
     format: Literal["text", "openmetrics"] = "text"  # which exposition to ask a URL upstream for
     # The engine profile whose families the upstream serves (sglang, lmcache, or a profile file); None:
@@ -317,6 +337,8 @@ class UpstreamConfig(_Strict):
     follow_redirects: bool = False  # true: same-origin redirects only (credentials never go to another origin)
     world: UpstreamWorld | None = None  # the engine's layout: its ranks are expected; None: only the ones seen
 
+    _multiprocess_dir = field_validator("multiprocess_dir", mode="before")(_path_is_given)
+
     @model_validator(mode="after")
     def _one_source(self) -> UpstreamConfig:
         if (self.url is None) == (self.multiprocess_dir is None):
@@ -325,8 +347,11 @@ class UpstreamConfig(_Strict):
             raise ValueError(f"url {self.url!r} must be an http:// or https:// URL")
         if self.multiprocess_dir is not None and (self.basic_auth or self.tls or self.headers or self.follow_redirects):
             raise ValueError("headers, basic_auth, tls and follow_redirects apply to a url upstream only")
-        if self.timeout_seconds > self.interval_seconds:
-            raise ValueError("timeout_seconds must not exceed interval_seconds")
+        if "timeout_seconds" not in self.model_fields_set:
+            object.__setattr__(self, "timeout_seconds", min(self.timeout_seconds, self.interval_seconds))
+        elif self.timeout_seconds > self.interval_seconds:
+            raise ValueError(f"timeout_seconds {self.timeout_seconds:g} must not exceed interval_seconds "
+                             f"{self.interval_seconds:g}")
         if self.prefix is not None and not NAMESPACE_RE.match(self.prefix):
             raise ValueError(f"prefix {self.prefix!r} is not a valid metric name prefix")
         return self

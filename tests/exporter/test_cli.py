@@ -300,3 +300,102 @@ def test_a_bad_upstream_world_stops_serve_in_one_line() -> None:
     assert result.stderr == ("hicache-exporter: error: --upstream-world 'tp=4,dp=3,dp-attention': with dp_attention, "
                              "tp_size 4 must be a multiple of dp_size x attn_cp_size; the form is "
                              "tp=N[,dp=N][,pp=N][,cp=N][,dp-attention]\n")
+
+
+# --- every flag and config value out of range: one line naming it, exit 2, no traceback -------------
+
+BIG, HUGE = "9" * 400, "9" * 5000
+CUT = "'" + "9" * 40 + "'..."
+UPSTREAM = ("--upstream", "http://127.0.0.1:1/metrics")
+ARGPARSE = "hicache-exporter {command}: error: argument {flag}: {why} (see --help)"
+SECONDS = "must be positive: a number of seconds above 0, at most 292 years"
+EMPTY = "the path must not be empty (an unset variable?)"
+OUT_OF_RANGE = "is longer than the longest duration Prometheus takes (292y)"
+FLAG_CASES: list[tuple[list[str], str]] = [
+    # Before: tracebacks (an empty name in pathlib, an int too large for a float, int()'s 4300-digit limit).
+    (["serve", "--persistence.file", ""], ARGPARSE.format(command="serve", flag="--persistence.file", why=EMPTY)),
+    (["serve", "--persistence.file", "/"],
+     "  persistence.file: Value error, '/' names a directory, not the state file (got \"/\", from --persistence.file)"),
+    (["serve", "--persistence.interval", BIG + "s"],
+     f"  persistence.interval: Value error, {CUT} (401 characters) {OUT_OF_RANGE} (got \"{'9' * 76}..., "
+     "from --persistence.interval)"),
+    (["serve", "--persistence.interval", "293y"],
+     f"  persistence.interval: Value error, '293y' {OUT_OF_RANGE} (got \"293y\", from --persistence.interval)"),
+    (["serve", *UPSTREAM, "--upstream-world", "tp=" + HUGE],
+     f"hicache-exporter: error: --upstream-world 'tp={'9' * 77}...': tp: Input should be less than or equal to 65536; "
+     "the form is tp=N[,dp=N][,pp=N][,cp=N][,dp-attention]"),
+    (["serve", *UPSTREAM, "--upstream-world", "tp=2,dp=" + BIG],
+     f"hicache-exporter: error: --upstream-world 'tp=2,dp={'9' * 72}...': dp: Input should be less than or equal to "
+     "65536; the form is tp=N[,dp=N][,pp=N][,cp=N][,dp-attention]"),
+    # Before: served the current directory, or an unbound socket path ".".
+    (["serve", "--upstream-multiprocess-dir", ""],
+     ARGPARSE.format(command="serve", flag="--upstream-multiprocess-dir", why=EMPTY)),
+    (["serve", "--socket", ""], ARGPARSE.format(command="serve", flag="--socket", why=EMPTY)),
+    (["serve", "--config", ""], ARGPARSE.format(command="serve", flag="--config", why=EMPTY)),
+    (["serve", "--web.config.file", ""], ARGPARSE.format(command="serve", flag="--web.config.file", why=EMPTY)),
+    (["check-config", ""], ARGPARSE.format(command="check-config", flag="file", why=EMPTY)),
+    (["serve", "--profile", ""],
+     "  metrics.profiles.0: String should have at least 1 character (got \"\", from command-line flags)"),
+    # Before: a 5,000-character line naming every digit.
+    (["serve", "--port", HUGE], ARGPARSE.format(command="serve", flag="--port",
+                                                 why=f"{CUT} (5000 characters) is out of range (more than 20 digits)")),
+    (["serve", "--port", ""], ARGPARSE.format(command="serve", flag="--port", why="'' is not a whole number")),
+    (["serve", "--port", "-1"],
+     "  http.port: Input should be greater than or equal to 0 (got -1, from --port or --web.listen-address)"),
+    (["serve", "--ranks.nodes", BIG], ARGPARSE.format(command="serve", flag="--ranks.nodes",
+                                                       why=f"{CUT} (400 characters) is out of range (more than 20 digits)")),
+    (["serve", "--ranks.node-rank", "-1"],
+     "  ranks.node_rank: Input should be greater than or equal to 0 (got -1, from command-line flags)"),
+    # Before: nan and inf were taken (demo --duration nan ran on, and outlived SIGTERM), and demo --interval 0 too.
+    (["demo", "--duration", "nan"], ARGPARSE.format(command="demo", flag="--duration", why=f"'nan' {SECONDS}")),
+    (["demo", "--interval", "0"], ARGPARSE.format(command="demo", flag="--interval", why=f"'0' {SECONDS}")),
+    (["demo", "--interval", "-1"], ARGPARSE.format(command="demo", flag="--interval", why=f"'-1' {SECONDS}")),
+    (["demo", "--l3-capacity-mb", "inf"], ARGPARSE.format(
+        command="demo", flag="--l3-capacity-mb", why="'inf' must be positive: a number of MiB above 0, at most 1 PiB")),
+    (["demo", "--tp", "0"], ARGPARSE.format(command="demo", flag="--attn-tp/--tp",
+                                            why="'0' must be a whole number from 1 to 65536")),
+    (["demo", "--dp", BIG], ARGPARSE.format(command="demo", flag="--dp",
+                                            why=f"{CUT} (400 characters) is out of range (more than 20 digits)")),
+    (["top", "--interval", "inf"], ARGPARSE.format(command="top", flag="--interval", why=f"'inf' {SECONDS}")),
+    (["top", "--timeout", "nan"], ARGPARSE.format(command="top", flag="--timeout", why=f"'nan' {SECONDS}")),
+]
+
+
+@pytest.mark.parametrize("argv, line", FLAG_CASES, ids=[" ".join(a)[:40] for a, _ in FLAG_CASES])
+def test_a_flag_out_of_range_is_one_line_naming_it(argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from exporter.cli import main
+
+    try:
+        code = main(argv)  # in process: an exception other than the exit would fail the test (no traceback)
+    except SystemExit as done:
+        code = done.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert line in err.splitlines(), err
+    assert len(err.splitlines()) == (2 if line.startswith("  ") else 1)  # a config error: its source, then the problem
+
+
+CONFIG_CASES: list[tuple[str, str]] = [
+    ('persistence: {file: ""}', "  persistence.file: Value error, the path must not be empty (an unset variable?) (got \"\""),
+    (f'persistence: {{file: /s, interval: "{BIG}s"}}', f"  persistence.interval: Value error, {CUT} (401 characters) "
+                                                        f"{OUT_OF_RANGE}"),
+    ("ranks: {expire_after_seconds: .inf}", "  ranks.expire_after_seconds: Input should be a finite number"),
+    ("rollup: {window_seconds: .nan}", "  rollup.window_seconds: Input should be a finite number"),
+    ('upstreams: [{multiprocess_dir: ""}]', "  upstreams.0.multiprocess_dir: Value error, the path must not be empty "
+                                            "(an unset variable?)"),
+    ("upstreams: [{url: 'http://e:1/metrics', interval_seconds: 1, timeout_seconds: 2}]",
+     "  upstreams.0: Value error, timeout_seconds 2 must not exceed interval_seconds 1"),
+]
+
+
+@pytest.mark.parametrize("text, start", CONFIG_CASES)
+def test_a_config_value_out_of_range_is_one_line_naming_the_field(
+        text: str, start: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from exporter.cli import main
+
+    path = tmp_path / "sidecar.yaml"
+    path.write_text(text + "\n")
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.splitlines()) == 2
+    assert err.splitlines()[1].startswith(start), err

@@ -338,7 +338,7 @@ def test_upstreams_come_from_the_file_and_the_flags_add_to_them(tmp_path: Path) 
     ({}, "exactly one of url and multiprocess_dir"),
     ({"url": "http://e/metrics", "multiprocess_dir": "/d"}, "exactly one of url and multiprocess_dir"),
     ({"url": "ftp://e/metrics"}, "http:// or https://"),
-    ({"url": "http://e/metrics", "timeout_seconds": 9}, "timeout_seconds must not exceed interval_seconds"),
+    ({"url": "http://e/metrics", "timeout_seconds": 9}, "timeout_seconds 9 must not exceed interval_seconds 5"),
     ({"multiprocess_dir": "/d", "headers": {"a": "b"}}, "url upstream only"),
     ({"multiprocess_dir": "/d", "follow_redirects": True}, "follow_redirects apply to a url upstream only"),
     ({"url": "http://e/metrics", "follow_redirects": "sometimes"}, "follow_redirects"),
@@ -348,6 +348,25 @@ def test_upstreams_come_from_the_file_and_the_flags_add_to_them(tmp_path: Path) 
 def test_a_bad_upstream_stops_start_up_naming_the_field(entry: dict, says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         config_from_data({"upstreams": [entry]}, "test")
+
+
+@pytest.mark.parametrize("interval, timeout", [(1, 1.0), (0.5, 0.5), (2.5, 2.5), (3, 3.0), (10, 3.0)])
+def test_an_unset_timeout_is_3s_or_the_interval_when_that_is_shorter(
+        tmp_path: Path, interval: float, timeout: float) -> None:
+    """Before: interval_seconds below 3 alone was refused, "timeout_seconds must not exceed interval_seconds",
+    for a timeout the operator never set."""
+    path = write(tmp_path, f"upstreams:\n  - {{url: 'http://e:30000/metrics', interval_seconds: {interval}}}\n")
+    config = load_config(path, env={}, upstreams=["http://other:30000/metrics"])
+    assert [(u.interval_seconds, u.timeout_seconds) for u in config.upstreams] == [(interval, timeout), (5.0, 3.0)]
+    again = config_from_data(config.model_dump(mode="json", exclude_none=True), "again")  # as --web.config.file redoes it
+    assert again.upstreams[0].timeout_seconds == timeout
+
+
+def test_a_timeout_the_operator_set_longer_than_the_interval_is_refused_naming_both() -> None:
+    with pytest.raises(ConfigError) as refused:
+        config_from_data({"upstreams": [{"url": "http://e/metrics", "interval_seconds": 1, "timeout_seconds": 3}]}, "f")
+    assert str(refused.value) == ("f: 1 problem(s)\n  upstreams.0: Value error, timeout_seconds 3 must not exceed "
+                                  "interval_seconds 1 (from f)")
 
 
 def test_redirects_are_not_followed_unless_an_upstream_asks() -> None:

@@ -65,9 +65,11 @@ A text upstream is read by prometheus_client's parser, and a read with the last 
 what the parser would. A histogram whose bucket counts or bounds are no numbers is refused, not
 the read; one without a +Inf bucket takes it from its `_count` (with neither it is refused, but
 for a multiprocess one, whose child is being written right now: it is read next time). Families
-outside the catalog pass through unchanged. A catalog family whose series carry no rank
+outside the catalog pass through unchanged. A catalog family none of whose series carry rank
 axes (an engine from before per-rank labels: multiprocess mode summed its ranks) and radix series
-whose context-parallel peers share labels are flagged and left out: no rollup is made of them.
+whose context-parallel peers share labels are flagged and left out: no rollup is made of them. In a
+family with ranked series, a series without rank axes (or whose linear rank label is missing or no
+rank number) is refused alone, as a bad rank axis is: the others are rolled up.
 """
 
 from __future__ import annotations
@@ -484,6 +486,10 @@ class UpstreamFeed:
         help_texts: dict[str, str] = {}
         merged = any(pid == MERGED for pid, _, _ in reading)
         duplicated: list[str] = []  # series (or a histogram's samples) listed again: the first is kept
+        # Catalog family -> its series that name no rank: the family is unranked where none of its series
+        # names one (an engine before per-rank labels), else only these are refused.
+        rankless: dict[str, list[str]] = {}
+        ranked: set[str] = set()
         number = 0  # of the family's first sample in the reading
         for pid, _, families in reading:
             by_rank: dict[RankIdentity, _RankPlan] = {}
@@ -502,17 +508,21 @@ class UpstreamFeed:
                     help_texts[spec.name] = family.documentation
                 for labels, series in _series(spec, family, first, plan.refused, duplicated):
                     if self.linear is not None:
-                        labels = self._linear_ranked(labels)
+                        linear = self._linear_ranked(labels, series.name, plan.refused)
+                        if linear is None:
+                            continue
+                        labels = linear
                     if "attn_cp_size" in labels and _int_or_zero(labels["attn_cp_size"]) > 1:
                         cp_size_above_one = True
                     if not all(key in labels for key in RANK_KEYS):
-                        plan.unranked.add(spec.name)
+                        rankless.setdefault(spec.name, []).append(series.name)
                         continue
+                    ranked.add(spec.name)
                     if spec.type is not MetricType.GAUGE:
                         lacking_cp[spec.name] = lacking_cp.get(spec.name, True) and "attn_cp_rank" not in labels
                     rank_id, static = self._rank_of(labels, spec.labels)
-                    if rank_id is None:
-                        plan.unranked.add(spec.name)
+                    if rank_id is None:  # not met: _series refused each axis that is no rank number
+                        plan.refused.append(f"{series.name} refused: its rank labels name no rank")
                         continue
                     identity = (rank_id.tp_rank, rank_id.pp_rank, rank_id.dp_rank, rank_id.attn_cp_rank or 0,
                                 static_key(static))
@@ -527,6 +537,13 @@ class UpstreamFeed:
                                                              None if pid == MERGED else pid, [], {})
                     rank.series.append(series)
             per_process.append((pid, by_rank))
+        for name, names in rankless.items():
+            if name not in ranked:
+                plan.unranked.add(name)
+                continue
+            without = f"no {self.linear} label" if self.linear is not None else f"no rank labels ({', '.join(RANK_KEYS)})"
+            plan.refused += [f"{series} refused: it has {without}, so it names no rank; its family's other series "
+                             "are rolled up" for series in names]
         if cp_size_above_one:
             plan.cp_colliding = {name for name, lacking in lacking_cp.items() if lacking}
         left_out = plan.unranked | plan.cp_colliding
@@ -754,12 +771,19 @@ class UpstreamFeed:
         plan.passed, plan.passed_values, plan.passed_timestamps = out, values, timestamps
         return out
 
-    def _linear_ranked(self, labels: dict[str, str]) -> dict[str, str]:
+    def _linear_ranked(self, labels: dict[str, str], name: str, refused: list[str]) -> dict[str, str] | None:
         """A series' labels with the rank axes its linear rank label names (labels.linear_rank_axes, by the
-        configured world's tp and cp sizes); unchanged (and so unranked) where that label is missing or no rank."""
+        configured world's tp and cp sizes); unchanged where that label is missing; None where it is no rank
+        number (why is added to `refused`, as _bad_axes does for a rank axis: only that series is out)."""
         assert self.linear is not None
-        number = rank_axis(labels.get(self.linear, ""))
+        value = labels.get(self.linear)
+        number = None if value is None else rank_axis(value)
         if number is None:
+            if value is not None:
+                refused.append(f"{name} refused: {self.linear}={_short(value)} is not a rank number: a whole number "
+                               f"from 0 to {MAX_RANK_AXIS} in ASCII digits, without a sign, spaces, underscores or "
+                               "a leading zero")
+                return None
             return labels
         axes = linear_rank_axes(number, *self.linear_sizes)
         return {**labels, **{key: str(value) for key, value in axes.items()}}
@@ -779,8 +803,8 @@ class UpstreamFeed:
         for name in sorted(result.unranked - self.health.unranked):
             if self.linear is not None:  # the profile's own rule, not SGLang's rank labels
                 self._log_once("unranked", name, logging.WARNING,
-                               "upstream %s: family %s has a series without a %s label that is a rank number, so "
-                               "it names no rank; it is not rolled up", self.health.name, name, self.linear)
+                               "upstream %s: family %s has no series with a %s label, so it names no rank; it "
+                               "is not rolled up", self.health.name, name, self.linear)
                 continue
             self._log_once("unranked", name, logging.WARNING,
                            "upstream %s: family %s carries no rank labels (tp_rank, pp_rank, dp_rank): the engine "

@@ -97,21 +97,68 @@ def test_without_a_world_every_worker_is_a_tp_rank_of_one_stage() -> None:
     assert rollups(h, "num_hit_tokens_total") == {tuple(sorted(STATIC.items())): 103}
 
 
-@pytest.mark.parametrize("bad", ["x", "-1", "01", "1.0", ""])
-def test_a_series_without_a_rank_number_in_worker_id_is_flagged_and_its_family_not_rolled_up(
-        bad: str, caplog: pytest.LogCaptureFixture) -> None:
-    h, engine = Harness(catalog()), LMCache()
-    engine.worker("0", hits=100, moved=1)
-    engine.hits.labels("m", bad, "worker", "s").inc(5)
-    up = feed(h, world=world(tp=2))
+def exposition(workers: list[dict[str, str]], hits: list[float], moved: list[float]) -> str:
+    """An LMCache /metrics text whose series carry each worker's labels as given (worker_id left out where absent)."""
+    lines = []
+    for family, values in (("num_hit_tokens", hits), ("num_remote_read_bytes", moved)):
+        lines += [f"# HELP lmcache:{family}_total {family}", f"# TYPE lmcache:{family}_total counter"]
+        for labels, value in zip(workers, values):
+            listed = ",".join(f'{k}="{v}"' for k, v in {**STATIC, **labels}.items())
+            lines.append(f"lmcache:{family}_total{{{listed}}} {value}")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("bad", [{"worker_id": "01"}, {"worker_id": "-1"}, {"worker_id": "1_0"}, {},
+                                 {"worker_id": "65536"}, {"worker_id": "x"}, {"worker_id": "1.0"}, {"worker_id": ""}])
+def test_a_series_whose_worker_id_is_missing_or_no_rank_number_is_refused_alone(
+        bad: dict[str, str], caplog: pytest.LogCaptureFixture) -> None:
+    """Before: the whole family was flagged unranked, its rollup and all four per-rank series gone (0 of 4 kept)."""
+    h = Harness(catalog())
+    text = exposition([{"worker_id": "0"}, {"worker_id": "1"}, {"worker_id": "2"}, bad],
+                      hits=[100, 101, 102, 999], moved=[1, 2, 3, 1000])
+    up = feed(h, world=world(tp=4))
     with caplog.at_level(logging.WARNING, "hicache_exporter.upstream"):
-        result = up.apply(engine.read())
-    assert result.unranked == {"num_hit_tokens_total"} and up.health.unranked == {"num_hit_tokens_total"}
-    assert rollups(h, "num_hit_tokens_total") == {}
-    assert rollups(h, "num_remote_read_bytes_total") == {tuple(sorted(STATIC.items())): 1}  # the other family is
-    assert [r.message for r in caplog.records] == [
-        "upstream http://engine:8000/metrics: family num_hit_tokens_total has a series without a worker_id label "
-        "that is a rank number, so it names no rank; it is not rolled up"]
+        results = [up.apply([(None, 0.0, parse_exposition(text, False))]) for _ in range(2)]
+    assert [(r.rejected, r.ranks, r.unranked) for r in results] == [(2, 3, set()), (2, 3, set())]
+    assert not up.health.unranked
+    assert ranks(h) == {"0": (0, 0, 0), "1": (1, 0, 0), "2": (2, 0, 0)}
+    static = tuple(sorted(STATIC.items()))
+    assert rollups(h, "num_hit_tokens_total") == {static: 102}  # replicated: the furthest good worker
+    assert rollups(h, "num_remote_read_bytes_total") == {static: 1 + 2 + 3}  # per shard: the good workers'
+    why = ("has no worker_id label, so it names no rank; its family's other series are rolled up" if not bad else
+           f"worker_id={bad['worker_id']!r} is not a rank number: a whole number from 0 to 65535 in ASCII digits, "
+           "without a sign, spaces, underscores or a leading zero")
+    shown = ",".join(f"{k}={v!r}" for k, v in sorted({**STATIC, **bad}.items()))
+    assert [r.message for r in caplog.records] == [  # each refused series logged once, not again at the next read
+        f"upstream http://engine:8000/metrics: {family}{{{shown}}} refused: {'it ' if not bad else ''}{why}"
+        for family in ("num_hit_tokens_total", "num_remote_read_bytes_total")]
+
+
+MODEL_PATH = "/root/.cache/huggingface/hub/models--Qwen--Qwen3-8B/snapshots/"  # vLLM's model path, as model_name
+
+
+@pytest.mark.parametrize("length", [129, 600, 1024])
+def test_a_model_path_up_to_the_default_limit_is_a_static_label_of_the_upstreams_ranks(length: int) -> None:
+    """Before: a model_name over 128 characters was refused at hello (invalid_hello): no rank, no rollup."""
+    h, model = Harness(catalog()), (MODEL_PATH + "0" * length)[:length]
+    text = exposition([{"worker_id": str(w), "model_name": model} for w in range(4)], hits=[7] * 4, moved=[1, 2, 3, 4])
+    up = feed(h, world=world(tp=4))
+    result = up.apply([(None, 0.0, parse_exposition(text, False))])
+    assert (result.ranks, result.rejected, up.health.errors) == (4, 0, {})
+    assert {dict(r.static)["model_name"] for r in h.state.ranks.values()} == {model}
+    assert rollups(h, "num_remote_read_bytes_total") == {tuple(sorted({**STATIC, "model_name": model}.items())): 10}
+
+
+def test_a_model_path_past_the_limit_is_refused_naming_the_label_and_the_limit(caplog: pytest.LogCaptureFixture) -> None:
+    h = Harness(catalog())
+    text = exposition([{"worker_id": "0", "model_name": "m" * 1025}], hits=[7], moved=[1])
+    up = feed(h)
+    with caplog.at_level(logging.ERROR, "hicache_exporter.upstream"):
+        up.apply([(None, 0.0, parse_exposition(text, False))])
+    assert not h.state.ranks
+    why = "static label: value of label 'model_name' is longer than 1024 characters"
+    assert up.health.errors == {"invalid_hello": 1}
+    assert [r.message for r in caplog.records] == [f"upstream http://engine:8000/metrics: rank refused: {why}"]
 
 
 def test_a_series_without_worker_id_is_unranked() -> None:
@@ -212,3 +259,16 @@ def test_the_sglang_profiles_feed_is_unchanged_by_the_lmcache_profile_beside_it(
         states.append((sorted((r.tp_rank, r.dp_rank, r.static, sorted(r.values.items())) for r in h.state.ranks.values()),
                        sorted(h.state.ledger.counters.items()), up.pass_through_text(False)))
     assert states[0] == states[1]
+
+
+def test_the_sglang_profile_refuses_a_series_without_rank_labels_alone_beside_ranked_ones() -> None:
+    """As for worker_id: before, the one series without tp_rank, pp_rank and dp_rank flagged its whole family."""
+    h = Harness()
+    text = ("# TYPE sglang:load_back_bytes_total counter\n"
+            'sglang:load_back_bytes_total{cache_type="c",tp_rank="0",pp_rank="0",dp_rank="0"} 100\n'
+            'sglang:load_back_bytes_total{cache_type="c",tp_rank="1",pp_rank="0",dp_rank="0"} 20\n'
+            'sglang:load_back_bytes_total{cache_type="c"} 5\n')
+    up = feed(h, profile="sglang")
+    result = up.apply([(None, 0.0, parse_exposition(text, False))])
+    assert (result.rejected, result.ranks, result.unranked) == (1, 2, set())
+    assert rollups(h, "load_back_bytes_total") == {(("cache_type", "c"),): 120}

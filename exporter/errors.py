@@ -97,3 +97,7 @@ class StateFileError(HicacheExporterError):
         super().__init__(message)
         self.reason = reason
         self.message = message
+
+
+class StateFileLocked(HicacheExporterError):
+    """Another process writes the durable state file (it holds `FILE.lock`): this sidecar does not start."""

@@ -231,3 +231,55 @@ def release_lock(fd: int) -> None:
     """Let the lock go (the file stays: removing it would let a third process lock a new file beside a holder
     of the old one)."""
     os.close(fd)
+
+
+# MessagePack, as far as counting needs: per first byte, the bytes a scalar takes after it, or how to read a
+# length (of a string or binary: bytes to skip; of an array or map: items that follow).
+_SCALAR = {**{b: 0 for b in range(0x00, 0x80)}, **{b: 0 for b in range(0xE0, 0x100)}, 0xC0: 0, 0xC2: 0, 0xC3: 0,
+           0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8,
+           0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17}
+_LENGTH = {0xC4: (">B", 0), 0xC5: (">H", 0), 0xC6: (">I", 0), 0xD9: (">B", 0), 0xDA: (">H", 0), 0xDB: (">I", 0),
+           0xC7: (">B", 1), 0xC8: (">H", 1), 0xC9: (">I", 1)}  # (length format, type bytes of an ext)
+_ITEMS = {0xDC: (">H", 1), 0xDD: (">I", 1), 0xDE: (">H", 2), 0xDF: (">I", 2)}  # (count format, items per entry)
+
+
+def count_items(payload: bytes, limit: int) -> int:
+    """How many MessagePack values `payload` holds (every array and map entry, nested), counted without building
+    any: StateFileError (over_limits) as soon as the arrays and maps read so far announce more than `limit`
+    (a decode builds one object per value: this bounds what it builds), (corrupt) where it is not MessagePack
+    (its checksum matched: what it holds was written so)."""
+    size, pos, pending, items = len(payload), 0, 1, 0
+    unpack = struct.unpack_from
+    try:
+        while pending:
+            pending -= 1
+            items += 1
+            first = payload[pos]
+            pos += 1
+            skip = _SCALAR.get(first)
+            if skip is not None:
+                pos += skip
+            elif 0xA0 <= first <= 0xBF:
+                pos += first & 0x1F
+            elif 0x90 <= first <= 0x9F:
+                pending += first & 0x0F
+            elif 0x80 <= first <= 0x8F:
+                pending += 2 * (first & 0x0F)
+            elif first in _LENGTH:
+                form, extra = _LENGTH[first]
+                pos += struct.calcsize(form) + extra + unpack(form, payload, pos)[0]
+            elif first in _ITEMS:
+                form, per = _ITEMS[first]
+                pending += per * unpack(form, payload, pos)[0]
+                pos += struct.calcsize(form)
+            else:
+                raise StateFileError("corrupt", f"byte {first:#x} at {pos - 1} is not MessagePack")
+            if items + pending > limit:
+                raise StateFileError("over_limits", f"it announces more than the {limit} values the configured limits "
+                                     "allow a file to hold (ranks.max_series_total, ranks.max_ranks)")
+    except (IndexError, struct.error):
+        raise StateFileError("corrupt", "its contents end inside a value") from None
+    if pos != size:
+        raise StateFileError("corrupt", f"{size - pos} bytes past its contents" if pos < size else
+                             "its contents end inside a value")
+    return items

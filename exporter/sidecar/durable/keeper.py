@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from exporter.sidecar.core import saved as core_saved
 from exporter.sidecar.core.health import PersistenceHealth
 from exporter.sidecar.core.state import Rollups, SidecarState
 from exporter.sidecar.durable.file import (
+    count_items,
     frame,
     lock_path,
     read_file,
@@ -46,14 +48,22 @@ from exporter.sidecar.worker import WorkerThread
 
 log = logging.getLogger("hicache_exporter.durable")
 # A file may hold this many bytes per unit of the series budget (ranks.max_series_total), once for the
-# ranks and rollups and once per upstream, plus a fixed part: several times what a series takes
-# (docs/reliability.md, "Durable state"), so that a whole file always loads and a foreign one is
-# refused before it is read into memory. Label values come on top, as long as the limits let them be
-# (`max_file_bytes`): a series' family labels are written with its rank value, its position, its
-# group's watermark and its rollup cell, its static labels with the last two.
-MAX_BYTES_PER_SERIES = 1024
+# ranks and rollups and once per upstream, plus a fixed part: above what a series takes (a 1,024-bucket
+# histogram's bounds, written with its rank value, position, watermark and cell: 290 B per unit), so that a
+# whole file always loads, and low enough that the worst file the limits allow loads within the pod's memory
+# limit (docs/reliability.md, "Durable state"; `python -m bench.state_load`). Label values come on top, as
+# long as the limits let them be (`max_file_bytes`): each label set is written once (SavedCore.label_sets,
+# .statics); an upstream's series carry theirs, and their rank's static labels, in each of four places.
+MAX_BYTES_PER_SERIES = 384
 LABEL_NAME_BYTES = 64  # allowed per label for its name and encoding, beside its value
 MAX_BYTES_FIXED = 1 << 20
+# What a decode builds is one object per MessagePack value: a file may hold this many per unit of the series
+# budget (a 1,024-bucket histogram: 64 in its four places; labels at their limits: 10), per rank identity
+# (its identity, static labels, a forgotten one's), and a fixed part, counted before anything is decoded
+# (file.count_items): 5.6 million tiny label tuples in a 16.8 MB file took the load to 406 MB.
+MAX_ITEMS_PER_SERIES = 80
+MAX_ITEMS_PER_RANK = 128
+MAX_ITEMS_FIXED = 1 << 16
 LOG_EVERY_SECONDS = 60.0  # a directory that cannot be written is logged at most this often
 # A write that has not finished this long after it started is a failure (`timeout`): its rollups are shown,
 # and while it stays stuck in its thread no other write starts; each save meanwhile is a failure (`hung`).
@@ -101,9 +111,18 @@ def max_file_bytes(limits: RanksConfig, family_labels: int, upstreams: int) -> i
     Before label values were counted, a sidecar whose ranks used long label values (max_label_value_length
     allows 4096) wrote files its next start refused as too_large, and set aside."""
     label = limits.max_label_value_length + LABEL_NAME_BYTES
-    per_series = MAX_BYTES_PER_SERIES + (4 * family_labels + 2 * limits.max_static_labels) * label
-    per_rank = 2 * limits.max_static_labels * label  # its identity, and once more among the forgotten ones
-    return MAX_BYTES_FIXED + (per_series * limits.max_series_total + per_rank * limits.max_ranks) * (1 + upstreams)
+    core_series = MAX_BYTES_PER_SERIES + family_labels * label
+    core_rank = 3 * limits.max_static_labels * label  # its static labels, a forgotten one's, its group's
+    upstream_series = MAX_BYTES_PER_SERIES + (4 * family_labels + 2 * limits.max_static_labels) * label
+    upstream_rank = 2 * limits.max_static_labels * label
+    return (MAX_BYTES_FIXED + core_series * limits.max_series_total + core_rank * limits.max_ranks
+            + (upstream_series * limits.max_series_total + upstream_rank * limits.max_ranks) * upstreams)
+
+
+def max_file_items(limits: RanksConfig, upstreams: int) -> int:
+    """The most MessagePack values a file of a sidecar of these limits holds: what a load decodes at most."""
+    per_source = MAX_ITEMS_PER_SERIES * limits.max_series_total + MAX_ITEMS_PER_RANK * limits.max_ranks
+    return MAX_ITEMS_FIXED + per_source * (1 + upstreams)
 
 
 class StateKeeper:
@@ -122,6 +141,7 @@ class StateKeeper:
         self.namespace = namespace
         self.max_bytes = max_file_bytes(state.config, max((len(f.labels) for f in state.catalog), default=0),
                                         len(self.feeds))
+        self.max_items = max_file_items(state.config, len(self.feeds))
         self.write_deadline = write_deadline(self.interval)
         self._saved_changes: int | None = None  # state.changes as of the last write
         self._inflight: _Write | None = None  # the write whose thread runs now
@@ -152,10 +172,13 @@ class StateKeeper:
                 log.info("state file %s does not exist yet: starting fresh; it is written every %g s",
                          self.path, self.interval)
                 return
+            payload = unframe(data)
+            count_items(payload, self.max_items)  # before anything is built: a decode's memory is bounded
             try:
-                saved = msgspec.msgpack.decode(unframe(data), type=SavedFile)
+                saved = msgspec.msgpack.decode(payload, type=SavedFile)
             except (msgspec.DecodeError, msgspec.ValidationError) as err:
                 raise StateFileError("corrupt", f"its contents do not decode: {err}") from None
+            del payload
         except StateFileError as err:
             self._set_aside(err)
             return
@@ -196,7 +219,7 @@ class StateKeeper:
         health.loaded_identities = identities
         health.file_bytes = len(data)
         health.load_duration = time.perf_counter() - started
-        age = max(0.0, self.state.wall_time() - saved.saved_at)
+        age = max(0.0, self.state.wall_time() - saved.saved_at) if math.isfinite(saved.saved_at) else math.nan
         log.info("state file %s: took back %d rank identities and %d rollup series, written %.1f s ago, in %.0f ms",
                  self.path, identities, restored.cells, age, health.load_duration * 1000)
 

@@ -232,3 +232,23 @@ def test_each_write_has_a_temporary_name_of_its_own_and_the_lock_holder_removes_
     link.symlink_to(other)
     assert state_file.remove_temporaries(path) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep", "state"] and other.read_bytes() == b"x"
+
+
+# --- finding 12: loading is bounded by the limits ---
+
+
+def test_a_file_of_millions_of_tiny_label_tuples_is_set_aside_before_it_is_decoded(tmp_path: Path) -> None:
+    """Before: a valid 16.8 MB file of 5.6 million one-letter label tuples loaded, the process peaking at 406 MB
+    (over the pod's 320 Mi) before anything was set aside. After: refused by what it announces (`over_limits`),
+    set aside, the sidecar starts empty; the loading process peaks where it does with no file, plus the file
+    read in (measured in a child process: VmHWM)."""
+    from bench.state_load import TINY_TUPLES, label_sets_file, load_in_child
+
+    path = tmp_path / "state"
+    path.write_bytes(label_sets_file(TINY_TUPLES, b"\x91\xa1a"))
+    size = path.stat().st_size
+    assert size == 16_800_057
+    idle, loaded = load_in_child(None), load_in_child(path)
+    assert loaded["load_failures"] == {"over_limits": 1} and loaded["identities"] == 0 and loaded["series"] == 0
+    assert not path.exists() and len(list(tmp_path.glob("state.corrupt-*"))) == 1
+    assert loaded["peak_bytes"] - idle["peak_bytes"] < 3 * size  # the file read, its payload: nothing decoded

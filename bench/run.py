@@ -17,6 +17,8 @@ Benchmarks, in order (each module also runs alone: `python -m bench.<name> --hel
   freshness  increment-to-/metrics latency at the 1 s push interval
   persistence  CPU per save of the durable state, its file's bytes per series, and start-to-ready on a
              file, at 64 and 256 ranks (vs pickle of the same state; vs the same start without a file)
+  state_load peak RSS of a process loading the worst state files the limits allow, and files past them
+             (vs the same process with no file; goal: within the pod's 320 Mi)
   transfer   cache_core page copies vs a plain torch copy (bench/transfer.py)
 
 Bounded: about 4.5 minutes on 2 cores (well under a minute with --quick). Progress goes to stderr.
@@ -43,7 +45,7 @@ from bench.report import markdown_table, print_table, row
 
 RESULTS = REPO_ROOT / "bench" / "results"
 ORDER = ("hotpath", "scrape", "ingest", "proxy", "status_api", "memory", "proxy_memory", "freshness", "persistence",
-         "transfer")
+         "state_load", "transfer")
 
 # Parameters per profile: the full run fits in about 4.5 minutes on 2 cores; quick is a sanity pass;
 # smoke is what the test suite runs (tiny, seconds).
@@ -58,6 +60,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "proxy_memory": {"reads": 3},
         "freshness": {"samples": 30, "interval": 1.0, "background_ranks": 7, "pipeline_samples": 10},
         "persistence": {"ranks": (64, 256), "saves": 20, "starts": 3},
+        "state_load": {"quick": False},
         "transfer": {"pages": 64, "repeats": 20},
     },
     "quick": {
@@ -70,6 +73,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "proxy_memory": {"reads": 2},
         "freshness": {"samples": 8, "interval": 1.0, "background_ranks": 0, "pipeline_samples": 3},
         "persistence": {"ranks": (256,), "saves": 5, "starts": 1},
+        "state_load": {"quick": False},
         "transfer": {"pages": 16, "repeats": 5},
     },
     "smoke": {
@@ -82,6 +86,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "proxy_memory": {"reads": 1, "cases": ("floods", "ranks"), "body_bytes": 100_000},
         "freshness": {"samples": 2, "interval": 0.2, "background_ranks": 1, "pipeline_samples": 2},
         "persistence": {"ranks": (4,), "saves": 2, "starts": 1, "goal_ranks": 4},
+        "state_load": {"quick": True},
         "transfer": {"pages": 4, "repeats": 2},
     },
 }
@@ -113,11 +118,23 @@ def transfer_run(pages: int = 64, repeats: int = 20, progress: bool = True) -> l
 
 
 def _runners() -> dict[str, Callable[..., list[dict[str, Any]]]]:
-    from bench import freshness, hotpath, ingest, memory, persistence, proxy, proxy_memory, scrape, status_api
+    from bench import (
+        freshness,
+        hotpath,
+        ingest,
+        memory,
+        persistence,
+        proxy,
+        proxy_memory,
+        scrape,
+        state_load,
+        status_api,
+    )
 
     return {"hotpath": hotpath.run, "scrape": scrape.run, "ingest": ingest.run, "proxy": proxy.run,
             "status_api": status_api.run, "memory": memory.run, "proxy_memory": proxy_memory.run,
-            "freshness": freshness.run, "persistence": persistence.run, "transfer": transfer_run}
+            "freshness": freshness.run, "persistence": persistence.run, "state_load": state_load.run,
+            "transfer": transfer_run}
 
 
 def run_benchmarks(profile: str = "full", only: tuple[str, ...] = ORDER, progress: bool = True

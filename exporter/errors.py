@@ -91,9 +91,13 @@ class UnknownFamilyError(HicacheExporterError, KeyError):
 
 class StateFileError(HicacheExporterError):
     """The durable state file cannot be used; `reason` is the counter's label (corrupt, truncated,
-    version, unreadable, too_large), the message says what was found."""
+    version, unreadable, too_large, over_limits), the message says what was found."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
+
+
+class StateFileLocked(HicacheExporterError):
+    """Another process writes the durable state file (it holds `FILE.lock`): this sidecar does not start."""

@@ -412,7 +412,8 @@ def alerting_groups(ns: str) -> list[dict[str, Any]]:
             {
                 Key("alert", """
                     The sidecar cannot write its state file (--persistence.file): a full or read-only disk,
-                    a directory it may not write. Serving goes on, but its rollups are durable only up to
+                    a directory it may not write, a volume that stalls (a write past its deadline is a
+                    timeout, each save while it stays stuck is hung). Serving goes on, but its rollups are durable only up to
                     its last successful write: a restart from here on goes back to it. A write is tried
                     every persistence.interval (5 s) while the state changes, so a lasting failure keeps
                     the counter rising; a sidecar whose ranks are idle tries nothing and stays quiet.

@@ -52,9 +52,13 @@ class PersistenceHealth:
 
     def __init__(self) -> None:
         self.enabled = False
-        self.load_failures: dict[str, int] = {}  # by reason: corrupt, truncated, version, unreadable, too_large
-        self.write_failures: dict[str, int] = {}  # by reason: no_space, read_only, permission, no_directory, too_large, io
-        self.dropped: dict[str, int] = {}  # series left out at load, by reason: unknown_family, changed_family, limit
+        # by reason: corrupt, truncated, version, unreadable, too_large (bytes), over_limits (values a decode builds)
+        self.load_failures: dict[str, int] = {}
+        # by reason: no_space, read_only, permission, no_directory, too_large, io, timeout (past the write's
+        # deadline), hung (a save while a write past its deadline is still stuck in the disk)
+        self.write_failures: dict[str, int] = {}
+        # series left out at load, by reason: unknown_family, changed_family, limit, invalid, namespace, world_changed
+        self.dropped: dict[str, int] = {}
         self.writes = 0
         self.last_write_wall: float | None = None  # wall-clock time of the last successful write
         self.last_write_duration: float | None = None  # seconds it took (encode on the loop, write in a thread)

@@ -11,6 +11,7 @@ the durable layer's (exporter/sidecar/durable).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -24,6 +25,13 @@ from exporter.sidecar.core.ranks import WINDOW_HISTORY_ENTRIES, RankIdentity, Ra
 from exporter.sidecar.core.state import SidecarState
 
 log = logging.getLogger("hicache_exporter.durable")
+
+# The file is input: a value outside these is refused at load (`invalid`), whatever its checksum says.
+# Saved values are sums of increases over every epoch and rank (one pushed value is at most 2**63, a count
+# 2**53): 2**80 (1.2e24) is far above what a counter reaches (1 TB/s for 38,000 years) and refuses 1e300.
+MAX_SAVED_VALUE = 2.0**80
+MAX_SAVED_TIME = 2.0**35  # a wall-clock time (unix seconds) after the year 3000 is not one this sidecar wrote
+MAX_RANK_AXIS = 65535  # as a rank label reads (upstream/world.py)
 
 Pairs = tuple[tuple[str, str], ...]
 Index = Annotated[int, msgspec.Meta(ge=0)]  # a place in SavedCore.statics or .label_sets
@@ -221,9 +229,14 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
     now = state.clock()
     window = registry.window
     config = registry.config
+    bad_marks = {(mark.family, mark.shared, mark.labels) for mark in saved.marks if not _valid_value(mark.value)}
     for item in saved.cells:
         key = key_of(item.family, label_sets[item.labels])
         if key is None:
+            continue
+        if not _valid_value(item.value) or not _valid_time(item.created) \
+                or (item.family, item.shared, item.labels) in bad_marks:  # with no watermark, it would count twice
+            result.drop("invalid")
             continue
         spec = catalog.get(key[0])
         rollup_key = (key[0], statics[item.shared], key[1])
@@ -250,7 +263,7 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
         result.cells += 1
     for mark in saved.marks:
         key = key_of(mark.family, label_sets[mark.labels], reason_counted=False)  # a watermark is no series of its own
-        if key is None:
+        if key is None or (mark.family, mark.shared, mark.labels) in bad_marks:  # its cell counted invalid above
             continue
         group = ledger.watermarks.setdefault((mark.dp_rank, statics[mark.shared]), {})
         if isinstance(mark.value, HistValue):
@@ -259,7 +272,7 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
         elif catalog.get(key[0]).type is MetricType.COUNTER:
             group[key] = RollupCounter(mark.value)
     for family, count in saved.layout_conflicts.items():
-        if family in usable:
+        if family in usable and count >= 0:
             ledger.layout_conflicts[family] = count
     left_out: list[tuple[RankIdentity, SavedRank]] = []
     # Expired identities last: when there are more than max_ranks, they are the ones left out, as
@@ -267,9 +280,12 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
     for saved_rank in sorted(saved.ranks, key=lambda r: r.expired):
         identity: RankIdentity = (saved_rank.tp_rank, saved_rank.pp_rank, saved_rank.dp_rank,
                                   saved_rank.attn_cp_rank or 0, statics[saved_rank.static])
-        if len(registry.ranks) >= config.max_ranks:
+        invalid = not _valid_rank(saved_rank, catalog)
+        if invalid or len(registry.ranks) >= config.max_ranks:
+            # Left out as the registry forgets a rank: its values are baselines when it comes back, never
+            # counted twice (a rank with a value missing would count that value again).
             series = {(v.family, v.labels) for v in saved_rank.values} | {(p.family, p.labels) for p in saved_rank.positions}
-            result.drop("limit", len(series))
+            result.drop("invalid" if invalid else "limit", len(series))
             left_out.append((identity, saved_rank))
             continue
         if identity in registry.ranks:
@@ -329,6 +345,10 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
     # per_shard series counted twice otherwise: once in the restored rollup, once from zero).
     for identity, saved_rank in left_out:
         registry.remember_forgotten(saved_rank.source, identity, saved_rank.epoch)
+    if result.dropped.get("invalid"):
+        log.warning("durable state: %d saved series hold values no sidecar writes (NaN, infinite, negative, beyond "
+                    "2**80, a time outside 1970-3000, or a histogram that is not cumulative): left out, their ranks "
+                    "forgotten (their values are baselines when they come back)", result.dropped["invalid"])
     for family in result.changed:
         log.warning("durable state: family %s changed its type, semantics or labels since the file was written: "
                     "its rollups and positions start over", family)
@@ -356,3 +376,58 @@ def _usable_families(catalog: Catalog, saved: dict[str, SavedFamily], result: Re
 def _whole(value: HistValue) -> bool:
     """A saved histogram that can stand: as many counts as bounds, the last bound "+Inf"."""
     return bool(value.bounds) and len(value.counts) == len(value.bounds) and value.bounds[-1] == "+Inf"
+
+
+def _valid_count(value: float) -> bool:
+    """A counter's value or position: finite, from 0 to MAX_SAVED_VALUE (NaN fails both comparisons)."""
+    return 0.0 <= value <= MAX_SAVED_VALUE
+
+
+def _valid_sum(value: float) -> bool:
+    """A histogram's sum (or its position): finite, within ±MAX_SAVED_VALUE."""
+    return -MAX_SAVED_VALUE <= value <= MAX_SAVED_VALUE
+
+
+def _valid_histogram(bounds: tuple[float | str, ...], counts: tuple[int, ...] | list[int], total: float) -> bool:
+    """Finite bounds rising to "+Inf", one count each, whole, non-negative and cumulative, within bounds; a finite sum."""
+    if not bounds or len(counts) != len(bounds) or bounds[-1] != "+Inf" or not _valid_sum(total):
+        return False
+    last: float = -math.inf
+    for bound in bounds[:-1]:
+        if isinstance(bound, str) or not last < bound < math.inf:
+            return False
+        last = bound
+    previous = 0
+    for count in counts:
+        if not previous <= count <= MAX_SAVED_VALUE:
+            return False
+        previous = count
+    return True
+
+
+def _valid_value(value: float | HistValue) -> bool:
+    """A saved counter or histogram value that a sidecar could have written."""
+    if isinstance(value, HistValue):
+        return _valid_histogram(value.bounds, value.counts, value.sum)
+    return _valid_count(value)
+
+
+def _valid_time(value: float | None) -> bool:
+    return value is None or 0.0 <= value <= MAX_SAVED_TIME
+
+
+def _valid_rank(rank: SavedRank, catalog: Catalog) -> bool:
+    """Every number of a saved rank is one a sidecar could have written (its families aside: those are checked
+    against the catalog where they are taken back)."""
+    axes = (rank.tp_rank, rank.pp_rank, rank.dp_rank, rank.attn_cp_rank or 0)
+    if not all(0 <= axis <= MAX_RANK_AXIS for axis in axes) or not _valid_time(rank.last_push_wall) \
+            or min(rank.restarts, rank.reconnects, rank.snapshots, rank.epoch_conflicts, rank.pid, rank.seq + 1) < 0:
+        return False
+    if not all(_valid_value(value.value) for value in rank.values):
+        return False
+    for position in rank.positions:
+        spec = catalog.find(position.family)
+        counter = spec is None or spec.type is not MetricType.HISTOGRAM  # a histogram's position is its sum's
+        if not (_valid_count(position.position) if counter else _valid_sum(position.position)):
+            return False
+    return all(_valid_histogram(b.bounds, b.counts, b.sum) for b in rank.buckets)

@@ -1,21 +1,27 @@
 """The state file on disk: framed (magic, format version, checksum, length), written atomically, read bounded.
 
-A write goes to a temporary file in the same directory, is flushed and fsynced, renamed over the old
-file, and the directory is fsynced: a crash at any instant leaves the old file or the new one, whole.
-A file that cannot be used is set aside as `FILE.corrupt-<unix time>` for a person to look at.
+A write goes to a temporary file of its own (a new name, created exclusively, never through a link) in
+the same directory, is flushed and fsynced, renamed over the old file, and the directory is fsynced: a
+crash at any instant leaves the old file or the new one, whole. A file that cannot be used is set aside
+as `FILE.corrupt-<unix time>` for a person to look at. One process writes a file: it holds an exclusive
+lock on `FILE.lock` (which names it) for as long as it runs.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import itertools
 import os
+import secrets
+import socket
 import stat
 import struct
 import time
 import zlib
 from pathlib import Path
 
-from exporter.errors import StateFileError
+from exporter.errors import StateFileError, StateFileLocked
 
 MAGIC = b"HCXSTATE"
 FORMAT_VERSION = 1
@@ -97,11 +103,45 @@ def set_aside(path: Path, now: float | None = None) -> Path:
     return aside
 
 
+_attempts = itertools.count()
+# Created only where no file is (O_EXCL: a planted link or FIFO is refused, never followed or opened).
+TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def temp_prefix(path: Path) -> str:
+    """What every temporary file of `path` is named from: `.FILE.tmp-`."""
+    return f".{path.name}.tmp-"
+
+
+def temp_path(path: Path) -> Path:
+    """A temporary name no write used before: pid, a counter and a random part (a crash's leftover under a
+    reused pid, or a name planted ahead of time, is never this attempt's)."""
+    return path.with_name(f"{temp_prefix(path)}{os.getpid()}-{next(_attempts)}-{secrets.token_hex(4)}")
+
+
+def remove_temporaries(path: Path) -> int:
+    """Remove the temporary files earlier writers of `path` left (a crash mid-write), whatever they are (a
+    link is removed, never followed); run with the lock held, so that none of them is being written. How
+    many were removed."""
+    prefix, removed = temp_prefix(path), 0
+    try:
+        names = [name for name in os.listdir(path.parent) if name.startswith(prefix)]
+    except OSError:
+        return 0
+    for name in names:
+        try:
+            os.unlink(path.parent / name)  # unlink removes a link itself; a directory is refused
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write `data` as `path`, atomically and durably (OSError where the directory or disk refuses)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_path(path)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, TEMP_FLAGS, 0o600)
         try:
             view = memoryview(data)
             while view:
@@ -110,6 +150,8 @@ def write_atomic(path: Path, data: bytes) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, path)
+    except FileExistsError:
+        raise  # not ours: left where it is
     except BaseException:
         try:
             os.unlink(tmp)
@@ -134,3 +176,110 @@ def write_failure_reason(err: OSError) -> str:
     if err.errno in (errno.ENOENT, errno.ENOTDIR):
         return "no_directory"
     return "io"
+
+
+def lock_path(path: Path) -> Path:
+    """The lock file beside the state file: `FILE.lock` (the state file itself is replaced at each write)."""
+    return path.with_name(f"{path.name}.lock")
+
+
+def take_lock(path: Path) -> int | None:
+    """Lock `path` for this process: the descriptor of `FILE.lock`, held until `release_lock`; StateFileLocked
+    naming the holder where another process holds it; None where no lock file can be opened (a read-only or
+    missing directory: nothing can be written there either) and OSError reasons are logged by the caller."""
+    lock = lock_path(path)
+    fd = None
+    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):  # read-only: a lock file left in a read-only directory
+        try:
+            fd = os.open(lock, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+            break
+        except OSError:
+            continue
+    if fd is None:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{lock} is not a regular file")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StateFileLocked(
+                f"state file {path} is in use by another sidecar ({_holder(fd)}, holding {lock}): two sidecars on "
+                "one file would overwrite each other's rollups; give each sidecar its own file") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        except OSError:
+            pass  # a read-only lock file: the lock holds, the message will only name no one
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, as its holder wrote it (at most a line of it)."""
+    try:
+        text = os.pread(fd, 256, 0).decode("utf-8", "replace").splitlines()
+    except OSError:
+        text = []
+    holder = "".join(ch for ch in (text[0] if text else "") if ch.isprintable())
+    return holder or "a process that did not say which"
+
+
+def release_lock(fd: int) -> None:
+    """Let the lock go (the file stays: removing it would let a third process lock a new file beside a holder
+    of the old one)."""
+    os.close(fd)
+
+
+# MessagePack, as far as counting needs: per first byte, the bytes a scalar takes after it, or how to read a
+# length (of a string or binary: bytes to skip; of an array or map: items that follow).
+_SCALAR = {**{b: 0 for b in range(0x00, 0x80)}, **{b: 0 for b in range(0xE0, 0x100)}, 0xC0: 0, 0xC2: 0, 0xC3: 0,
+           0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8,
+           0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17}
+_LENGTH = {0xC4: (">B", 0), 0xC5: (">H", 0), 0xC6: (">I", 0), 0xD9: (">B", 0), 0xDA: (">H", 0), 0xDB: (">I", 0),
+           0xC7: (">B", 1), 0xC8: (">H", 1), 0xC9: (">I", 1)}  # (length format, type bytes of an ext)
+_ITEMS = {0xDC: (">H", 1), 0xDD: (">I", 1), 0xDE: (">H", 2), 0xDF: (">I", 2)}  # (count format, items per entry)
+
+
+def count_items(payload: bytes, limit: int) -> int:
+    """How many MessagePack values `payload` holds (every array and map entry, nested), counted without building
+    any: StateFileError (over_limits) as soon as the arrays and maps read so far announce more than `limit`
+    (a decode builds one object per value: this bounds what it builds), (corrupt) where it is not MessagePack
+    (its checksum matched: what it holds was written so)."""
+    size, pos, pending, items = len(payload), 0, 1, 0
+    unpack = struct.unpack_from
+    try:
+        while pending:
+            pending -= 1
+            items += 1
+            first = payload[pos]
+            pos += 1
+            skip = _SCALAR.get(first)
+            if skip is not None:
+                pos += skip
+            elif 0xA0 <= first <= 0xBF:
+                pos += first & 0x1F
+            elif 0x90 <= first <= 0x9F:
+                pending += first & 0x0F
+            elif 0x80 <= first <= 0x8F:
+                pending += 2 * (first & 0x0F)
+            elif first in _LENGTH:
+                form, extra = _LENGTH[first]
+                pos += struct.calcsize(form) + extra + unpack(form, payload, pos)[0]
+            elif first in _ITEMS:
+                form, per = _ITEMS[first]
+                pending += per * unpack(form, payload, pos)[0]
+                pos += struct.calcsize(form)
+            else:
+                raise StateFileError("corrupt", f"byte {first:#x} at {pos - 1} is not MessagePack")
+            if items + pending > limit:
+                raise StateFileError("over_limits", f"it announces more than the {limit} values the configured limits "
+                                     "allow a file to hold (ranks.max_series_total, ranks.max_ranks)")
+    except (IndexError, struct.error):
+        raise StateFileError("corrupt", "its contents end inside a value") from None
+    if pos != size:
+        raise StateFileError("corrupt", f"{size - pos} bytes past its contents" if pos < size else
+                             "its contents end inside a value")
+    return items

@@ -3,7 +3,12 @@
 The state is dumped and encoded on the event loop (a consistent instant: nothing runs between two
 statements there) and written in a thread of its own, so a slow disk never holds the loop. A file
 that cannot be used, and a directory that cannot be written, never stop the sidecar: each is logged,
-counted (hicache_exporter_persistence_*), and serving goes on.
+counted (hicache_exporter_persistence_*), and serving goes on. Another sidecar on the same file does:
+one process writes a file (file.take_lock).
+
+One rule for what /metrics shows: each save's rollups, once that save is over: written, failed, or past
+its deadline (`write_deadline`). Rollups never freeze whatever the disk does; what is not durable is
+counted (write_failures_total{reason}) and alerted on (HiCacheExporterStateNotSaved).
 """
 
 from __future__ import annotations
@@ -11,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -22,23 +29,68 @@ from exporter.errors import StateFileError
 from exporter.sidecar.core import saved as core_saved
 from exporter.sidecar.core.health import PersistenceHealth
 from exporter.sidecar.core.state import Rollups, SidecarState
-from exporter.sidecar.durable.file import frame, read_file, set_aside, unframe, write_atomic, write_failure_reason
+from exporter.sidecar.durable.file import (
+    count_items,
+    frame,
+    lock_path,
+    read_file,
+    release_lock,
+    remove_temporaries,
+    set_aside,
+    take_lock,
+    unframe,
+    write_atomic,
+    write_failure_reason,
+)
 from exporter.sidecar.upstream import saved as feed_saved
 from exporter.sidecar.upstream.feed import UpstreamFeed
 from exporter.sidecar.worker import WorkerThread
 
 log = logging.getLogger("hicache_exporter.durable")
 # A file may hold this many bytes per unit of the series budget (ranks.max_series_total), once for the
-# ranks and rollups and once per upstream, plus a fixed part: several times what a series takes
-# (docs/reliability.md, "Durable state"), so that a whole file always loads and a foreign one is
-# refused before it is read into memory. Label values come on top, as long as the limits let them be
-# (`max_file_bytes`): a series' family labels are written with its rank value, its position, its
-# group's watermark and its rollup cell, its static labels with the last two.
-MAX_BYTES_PER_SERIES = 1024
+# ranks and rollups and once per upstream, plus a fixed part: above what a series takes (a 1,024-bucket
+# histogram's bounds, written with its rank value, position, watermark and cell: 290 B per unit), so that a
+# whole file always loads, and low enough that the worst file the limits allow loads within the pod's memory
+# limit (docs/reliability.md, "Durable state"; `python -m bench.state_load`). Label values come on top, as
+# long as the limits let them be (`max_file_bytes`): each label set is written once (SavedCore.label_sets,
+# .statics); an upstream's series carry theirs, and their rank's static labels, in each of four places.
+MAX_BYTES_PER_SERIES = 384
 LABEL_NAME_BYTES = 64  # allowed per label for its name and encoding, beside its value
 MAX_BYTES_FIXED = 1 << 20
+# What a decode builds is one object per MessagePack value: a file may hold this many per unit of the series
+# budget (a 1,024-bucket histogram: 64 in its four places; labels at their limits: 10), per rank identity
+# (its identity, static labels, a forgotten one's), and a fixed part, counted before anything is decoded
+# (file.count_items): 5.6 million tiny label tuples in a 16.8 MB file took the load to 406 MB.
+MAX_ITEMS_PER_SERIES = 80
+MAX_ITEMS_PER_RANK = 128
+MAX_ITEMS_FIXED = 1 << 16
 LOG_EVERY_SECONDS = 60.0  # a directory that cannot be written is logged at most this often
-STOP_WRITE_SECONDS = 10.0  # the save at stop waits at most this long for the disk
+# A write that has not finished this long after it started is a failure (`timeout`): its rollups are shown,
+# and while it stays stuck in its thread no other write starts; each save meanwhile is a failure (`hung`).
+WRITE_DEADLINE_MIN_SECONDS = 10.0
+WRITE_DEADLINE_MAX_SECONDS = 60.0
+# The stop waits at most this long for the disk in all: for a write in flight, then for the save at stop.
+STOP_WRITE_SECONDS = 5.0
+
+
+def write_deadline(interval: float) -> float:
+    """How long a write may take: the interval (a write per interval keeps up), within 10 s and 60 s."""
+    return min(max(interval, WRITE_DEADLINE_MIN_SECONDS), WRITE_DEADLINE_MAX_SECONDS)
+
+
+@dataclass
+class _Write:
+    """One write in its thread: what it holds, and when it is overdue."""
+
+    future: asyncio.Future[float]
+    changes: int  # state.changes it holds
+    encoded: float  # seconds its encoding took
+    size: int
+    shown: Rollups  # its rollups, shown once it is over
+    order: int  # the save it was: rollups of an older save are never shown over a newer one's
+    deadline: float  # time.monotonic() past which it is overdue
+    deadline_seconds: float  # how long it was given
+    over: bool = False  # counted as a failure (timeout) and its rollups shown while it still runs
 
 
 class SavedFile(msgspec.Struct, array_like=True, frozen=True):
@@ -59,9 +111,18 @@ def max_file_bytes(limits: RanksConfig, family_labels: int, upstreams: int) -> i
     Before label values were counted, a sidecar whose ranks used long label values (max_label_value_length
     allows 4096) wrote files its next start refused as too_large, and set aside."""
     label = limits.max_label_value_length + LABEL_NAME_BYTES
-    per_series = MAX_BYTES_PER_SERIES + (4 * family_labels + 2 * limits.max_static_labels) * label
-    per_rank = 2 * limits.max_static_labels * label  # its identity, and once more among the forgotten ones
-    return MAX_BYTES_FIXED + (per_series * limits.max_series_total + per_rank * limits.max_ranks) * (1 + upstreams)
+    core_series = MAX_BYTES_PER_SERIES + family_labels * label
+    core_rank = 3 * limits.max_static_labels * label  # its static labels, a forgotten one's, its group's
+    upstream_series = MAX_BYTES_PER_SERIES + (4 * family_labels + 2 * limits.max_static_labels) * label
+    upstream_rank = 2 * limits.max_static_labels * label
+    return (MAX_BYTES_FIXED + core_series * limits.max_series_total + core_rank * limits.max_ranks
+            + (upstream_series * limits.max_series_total + upstream_rank * limits.max_ranks) * upstreams)
+
+
+def max_file_items(limits: RanksConfig, upstreams: int) -> int:
+    """The most MessagePack values a file of a sidecar of these limits holds: what a load decodes at most."""
+    per_source = MAX_ITEMS_PER_SERIES * limits.max_series_total + MAX_ITEMS_PER_RANK * limits.max_ranks
+    return MAX_ITEMS_FIXED + per_source * (1 + upstreams)
 
 
 class StateKeeper:
@@ -80,8 +141,13 @@ class StateKeeper:
         self.namespace = namespace
         self.max_bytes = max_file_bytes(state.config, max((len(f.labels) for f in state.catalog), default=0),
                                         len(self.feeds))
+        self.max_items = max_file_items(state.config, len(self.feeds))
+        self.write_deadline = write_deadline(self.interval)
         self._saved_changes: int | None = None  # state.changes as of the last write
-        self._inflight: asyncio.Future[float] | None = None  # the write whose thread runs now
+        self._inflight: _Write | None = None  # the write whose thread runs now
+        self._saves = 0  # saves that showed rollups, in order
+        self._shown_order = 0  # the save whose rollups are shown
+        self._lock: int | None = None  # the lock file's descriptor while this keeper runs
         self._failure_logged = -LOG_EVERY_SECONDS
         # Writes run here, one at a time: a disk stuck in fsync holds up neither the loop nor an exit.
         self._thread = WorkerThread("hicache-state-write")
@@ -106,10 +172,13 @@ class StateKeeper:
                 log.info("state file %s does not exist yet: starting fresh; it is written every %g s",
                          self.path, self.interval)
                 return
+            payload = unframe(data)
+            count_items(payload, self.max_items)  # before anything is built: a decode's memory is bounded
             try:
-                saved = msgspec.msgpack.decode(unframe(data), type=SavedFile)
+                saved = msgspec.msgpack.decode(payload, type=SavedFile)
             except (msgspec.DecodeError, msgspec.ValidationError) as err:
                 raise StateFileError("corrupt", f"its contents do not decode: {err}") from None
+            del payload
         except StateFileError as err:
             self._set_aside(err)
             return
@@ -150,7 +219,7 @@ class StateKeeper:
         health.loaded_identities = identities
         health.file_bytes = len(data)
         health.load_duration = time.perf_counter() - started
-        age = max(0.0, self.state.wall_time() - saved.saved_at)
+        age = max(0.0, self.state.wall_time() - saved.saved_at) if math.isfinite(saved.saved_at) else math.nan
         log.info("state file %s: took back %d rank identities and %d rollup series, written %.1f s ago, in %.0f ms",
                  self.path, identities, restored.cells, age, health.load_duration * 1000)
 
@@ -179,58 +248,94 @@ class StateKeeper:
         ))
         return frame(payload)
 
-    async def save(self, force: bool = False) -> bool:
-        """Write the state if it changed since the last write (or `force`); whether a write succeeded.
-        A write still running (a slow disk) makes this one skip: the next tick writes what is newer.
+    async def save(self, force: bool = False, deadline: float | None = None) -> bool:
+        """Write the state if it changed since the last write (or `force`); whether a write succeeded within
+        `deadline` seconds (`write_deadline` by default). A write still running within its deadline makes
+        this one skip (the next tick writes what is newer); one past it makes this one a failure (`hung`).
 
         The write is accounted for when its thread ends, not when this call returns: a cancel (the stop
-        cancels the interval's save) leaves the thread writing, and no other write starts beside it
-        (both would write the same temporary file) until it ended."""
+        cancels the interval's save) or a deadline leaves the thread writing, and no other write starts
+        beside it until it ended: at most one thread is ever stuck in the disk."""
         changes = self.state.changes
-        if self._inflight is not None or (not force and changes == self._saved_changes):
+        if not force and changes == self._saved_changes:
+            return False
+        inflight = self._inflight
+        if inflight is not None:
+            if time.monotonic() < inflight.deadline:
+                return False
+            self._overdue(inflight)
+            self._write_failed(OSError(errno.ETIMEDOUT, "the write before is still stuck in the disk past its deadline, "
+                                                        "so no write starts beside it"), "hung")
+            self._show(self._next_order(), self.state.rollup_snapshot())  # not durable, but never frozen
             return False
         started = time.perf_counter()
         data = self.encode()
-        shown = self.state.rollup_snapshot()  # the same instant as the bytes: shown once they are on disk
+        shown = self.state.rollup_snapshot()  # the same instant as the bytes: shown once the write is over
         encoded = time.perf_counter() - started
+        order = self._next_order()
         if len(data) > self.max_bytes:  # the next start would refuse it and set it aside: keep the last one
             self._write_failed(OSError(errno.EFBIG, f"{len(data)} bytes, more than the {self.max_bytes} a load "
                                                     "reads (ranks.max_series_total and the label limits)"), "too_large")
-            self.state.show_rollups(shown)  # not durable now, but never frozen: serving goes on
+            self._show(order, shown)  # not durable now, but never frozen: serving goes on
             return False
-        future = self._inflight = asyncio.wrap_future(self._thread.submit(lambda: _timed_write(self.path, data)))
-        future.add_done_callback(lambda done: self._written(done, changes, encoded, len(data), shown))
-        try:
-            await asyncio.shield(future)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # counted and logged by _written
+        limit = self.write_deadline if deadline is None else deadline
+        future = asyncio.wrap_future(self._thread.submit(lambda: _timed_write(self.path, data)))
+        write = self._inflight = _Write(future, changes, encoded, len(data), shown, order, time.monotonic() + limit, limit)
+        future.add_done_callback(lambda _: self._written(write))
+        await asyncio.wait({future}, timeout=limit)  # a cancel of this call leaves the write running
+        if not future.done():
+            self._overdue(write)
             return False
-        return True
+        return not future.cancelled() and future.exception() is None
+
+    def _next_order(self) -> int:
+        self._saves += 1
+        return self._saves
+
+    def _show(self, order: int, rollups: Rollups) -> None:
+        """Show a save's rollups, unless a later save's are shown already (a late write's never go back)."""
+        if order > self._shown_order:
+            self._shown_order = order
+            self.state.show_rollups(rollups)
+
+    def _overdue(self, write: _Write) -> None:
+        """A write past its deadline: a failure (`timeout`), and its rollups shown; its thread runs on."""
+        if write.over:
+            return
+        write.over = True
+        self._write_failed(OSError(errno.ETIMEDOUT, f"the write did not finish within {write.deadline_seconds:g} s "
+                                                    "(a stalled volume?); no other write starts until it does"),
+                           "timeout")
+        self._show(write.order, write.shown)
 
     @property
     def _writing(self) -> bool:
         """Whether a write's thread runs now."""
         return self._inflight is not None
 
-    def _written(self, done: asyncio.Future[float], changes: int, encoded: float, size: int, shown: Rollups) -> None:
-        """A write's thread ended: count it, as a write or a failure, and show the rollups it saved (after a
-        failure too: the rollups are then not durable, counted and logged, but never frozen)."""
-        self._inflight = None
-        self.state.show_rollups(shown)
+    def _written(self, write: _Write) -> None:
+        """A write's thread ended: count it, as a write or a failure (unless its deadline counted it already),
+        and show the rollups it saved (after a failure too: the rollups are then not durable, counted and
+        logged, but never frozen)."""
+        if self._inflight is write:
+            self._inflight = None
+        self._show(write.order, write.shown)
+        done = write.future
         err = None if done.cancelled() else done.exception()
-        if isinstance(err, OSError):
-            self._write_failed(err)
-            return
         if err is not None or done.cancelled():
-            log.error("state file %s: saving failed (%s)", self.path, err or "cancelled")
+            if write.over:  # counted as a timeout already
+                return
+            if isinstance(err, OSError):
+                self._write_failed(err)
+            else:
+                log.error("state file %s: saving failed (%s)", self.path, err or "cancelled")
             return
         health = self.health
         health.writes += 1
         health.last_write_wall = self.state.wall_time()
-        health.last_write_duration = encoded + done.result()
-        health.file_bytes = size
-        self._saved_changes = changes
+        health.last_write_duration = write.encoded + done.result()
+        health.file_bytes = write.size
+        self._saved_changes = write.changes
 
     def _write_failed(self, err: OSError, reason: str | None = None) -> None:
         reason = reason or write_failure_reason(err)
@@ -255,29 +360,64 @@ class StateKeeper:
         return self._running()
 
     async def _running(self) -> AsyncIterator[None]:
-        self.load()
-        task = asyncio.create_task(self._every_interval(), name="hicache-state-saver")
+        self._take_lock()
         try:
-            yield
-        finally:
-            task.cancel()
+            self.load()
+            task = asyncio.create_task(self._every_interval(), name="hicache-state-saver")
             try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            inflight = self._inflight
-            if inflight is not None:  # a write the cancel caught mid-flight finishes in its thread
-                await asyncio.wait({inflight}, timeout=STOP_WRITE_SECONDS)
-            if self._inflight is not None:  # a disk stuck in it: stopping waits no longer
-                log.error("state file %s: a write is still running after %g s; the save at stop is skipped",
-                          self.path, STOP_WRITE_SECONDS)
-            else:
+                yield
+            finally:
+                task.cancel()
                 try:
-                    await asyncio.wait_for(self.save(), STOP_WRITE_SECONDS)
-                except (asyncio.TimeoutError, Exception) as err:
-                    log.error("state file %s: the save at stop did not finish (%s)", self.path,
-                              err or type(err).__name__)
-            self._thread.shutdown()
+                    await task
+                except asyncio.CancelledError:
+                    pass
+                await self._save_at_stop()
+                self._thread.shutdown()
+        finally:
+            if self._lock is not None and self._inflight is None:  # a write still stuck keeps it until the exit
+                release_lock(self._lock)
+                self._lock = None
+
+    def _take_lock(self) -> None:
+        """Lock the file for this process before it is read (StateFileLocked: another one holds it), and
+        remove the temporary files a crashed writer left."""
+        try:
+            self._lock = take_lock(self.path)
+        except OSError as err:
+            log.error("state file %s: cannot lock %s (%s); going on without the lock: make sure no other sidecar "
+                      "uses this file", self.path, lock_path(self.path), err.strerror or err)
+            return
+        if self._lock is None:
+            log.error("state file %s: cannot create or open its lock file %s; going on without the lock: make sure "
+                      "no other sidecar uses this file", self.path, lock_path(self.path))
+            return
+        removed = remove_temporaries(self.path)
+        if removed:
+            log.info("state file %s: removed %d temporary files an earlier writer left", self.path, removed)
+
+    async def _save_at_stop(self) -> None:
+        """Wait for a write in flight within its deadline, then save what is newer; STOP_WRITE_SECONDS in all."""
+        stop_by = time.monotonic() + STOP_WRITE_SECONDS
+        inflight = self._inflight
+        if inflight is not None:  # a write the cancel caught mid-flight finishes in its thread
+            wait = min(inflight.deadline, stop_by) - time.monotonic()
+            if wait > 0:
+                await asyncio.wait({inflight.future}, timeout=wait)
+            if self._inflight is not None:  # a disk stuck in it: stopping waits no longer
+                self._overdue(inflight)
+                self.health.count(self.health.write_failures, "hung")
+                log.error("state file %s: a write is still stuck in the disk; the save at stop is skipped (the file "
+                          "keeps the last write that finished)", self.path)
+                return
+        left = stop_by - time.monotonic()
+        try:
+            await self.save(deadline=max(0.0, min(self.write_deadline, left)))
+        except Exception as err:
+            log.error("state file %s: the save at stop did not finish (%s)", self.path, err or type(err).__name__)
+        if self._inflight is not None:
+            log.error("state file %s: the save at stop did not finish within %.3g s; the file keeps the last write "
+                      "that finished", self.path, max(0.0, left))
 
 
 def _timed_write(path: Path, data: bytes) -> float:

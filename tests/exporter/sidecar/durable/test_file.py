@@ -12,6 +12,7 @@ import threading
 import zlib
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from exporter.errors import StateFileError
@@ -20,6 +21,7 @@ from exporter.sidecar.durable.file import (
     FORMAT_VERSION,
     HEADER,
     MAGIC,
+    count_items,
     frame,
     read_file,
     set_aside,
@@ -281,3 +283,33 @@ def test_a_file_shorter_than_the_magic_reads_whole_for_unframe_to_call_it_trunca
     data = read_file(path, 1 << 20)
     assert data == MAGIC[:5]
     assert reason_of(data).reason == "truncated"
+
+
+@pytest.mark.parametrize("value", [
+    0, -1, 2**40, -(2**40), 2**64 - 1, 1.5, None, True, "", "x" * 31, "é" * 200, "y" * 70_000, b"\x00" * 300,
+    [], [1, [2, [3]]], {"a": 1, "b": [1.0, None]}, {str(i): i for i in range(20)}, list(range(70_000)),
+    (0.0, "sglang_", [{"f": ("a", "b")}], {}, {}),
+])
+def test_count_items_counts_every_value_as_a_decode_builds_it(value: object) -> None:
+    def walk(item: object) -> int:
+        if isinstance(item, dict):
+            return 1 + sum(walk(k) + walk(v) for k, v in item.items())
+        if isinstance(item, list | tuple):
+            return 1 + sum(map(walk, item))
+        return 1
+
+    assert count_items(msgspec.msgpack.encode(value), 10**9) == walk(value)
+
+
+def test_count_items_refuses_what_an_array_announces_past_the_limit_before_reading_it() -> None:
+    announced = b"\xdd" + (5_000_000).to_bytes(4, "big")  # 5 million entries announced, none there
+    with pytest.raises(StateFileError) as refused:
+        count_items(announced, 1_000)
+    assert refused.value.reason == "over_limits" and "1000 values" in refused.value.message
+
+
+@pytest.mark.parametrize("payload", [b"\xc1", b"\x92\x01", b"\x01\x02", b"\xda\x00\x05ab"])
+def test_count_items_calls_what_is_not_whole_messagepack_corrupt(payload: bytes) -> None:
+    with pytest.raises(StateFileError) as refused:
+        count_items(payload, 1_000)
+    assert refused.value.reason == "corrupt"

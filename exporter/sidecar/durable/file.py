@@ -34,8 +34,10 @@ def frame(payload: bytes) -> bytes:
     return HEADER.pack(MAGIC, FORMAT_VERSION, zlib.crc32(payload), len(payload)) + payload
 
 
-def unframe(data: bytes) -> bytes:
-    """The payload of a file's bytes; StateFileError (reason: truncated, corrupt or version) where they are not one."""
+def unframe(data: bytes | memoryview) -> memoryview:
+    """The payload of a file's bytes, as a view of them (a copy would hold the file twice while a load decodes);
+    StateFileError (reason: truncated, corrupt or version) where they are not one."""
+    data = memoryview(data)
     if len(data) < HEADER.size:
         raise StateFileError("truncated", f"{len(data)} bytes, shorter than the {HEADER.size}-byte header")
     magic, version, checksum, length = HEADER.unpack_from(data)
@@ -53,8 +55,9 @@ def unframe(data: bytes) -> bytes:
     return payload
 
 
-def read_file(path: Path, max_bytes: int) -> bytes | None:
-    """The file's bytes (None when there is none); StateFileError (unreadable, too_large) where it cannot be read."""
+def read_file(path: Path, max_bytes: int) -> memoryview | None:
+    """The file's bytes, read into one buffer (None when there is none); StateFileError (unreadable, too_large)
+    where it cannot be read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -73,21 +76,28 @@ def read_file(path: Path, max_bytes: int) -> bytes | None:
         head = os.read(fd, len(MAGIC))
         if len(head) == len(MAGIC) and head != MAGIC:
             raise StateFileError("corrupt", "not a hicache-exporter state file (its first bytes are not the magic)")
-        chunks, left = [head], max_bytes + 1 - len(head)
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
+        # One buffer of the size the file says it has, and one byte more to see one that grew past the bound:
+        # chunks joined at the end held the file twice for a moment.
+        data = memoryview(bytearray(min(info.st_size, max_bytes) + 1))
+        data[:len(head)] = head
+        filled = len(head)
+        while filled < len(data):
+            read = os.readv(fd, [data[filled:]])
+            if not read:
                 break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
+            filled += read
+        if filled == len(data) <= max_bytes:  # it grew since fstat (not ours to write so): the rest, bounded
+            grown = bytearray(data)
+            while len(grown) <= max_bytes and (more := os.read(fd, min(max_bytes + 1 - len(grown), 1 << 20))):
+                grown += more
+            data, filled = memoryview(grown), len(grown)
     except OSError as err:
         raise StateFileError("unreadable", f"cannot read it: {err.strerror or err}") from None
     finally:
         os.close(fd)
-    if len(data) > max_bytes:
+    if filled > max_bytes:
         raise StateFileError("too_large", f"more than the {max_bytes} bytes the series budget allows")
-    return data
+    return data[:filled]
 
 
 def set_aside(path: Path, now: float | None = None) -> Path:
@@ -243,7 +253,7 @@ _LENGTH = {0xC4: (">B", 0), 0xC5: (">H", 0), 0xC6: (">I", 0), 0xD9: (">B", 0), 0
 _ITEMS = {0xDC: (">H", 1), 0xDD: (">I", 1), 0xDE: (">H", 2), 0xDF: (">I", 2)}  # (count format, items per entry)
 
 
-def count_items(payload: bytes, limit: int) -> int:
+def count_items(payload: bytes | memoryview, limit: int) -> int:
     """How many MessagePack values `payload` holds (every array and map entry, nested), counted without building
     any: StateFileError (over_limits) as soon as the arrays and maps read so far announce more than `limit`
     (a decode builds one object per value: this bounds what it builds), (corrupt) where it is not MessagePack

@@ -313,3 +313,21 @@ def test_count_items_calls_what_is_not_whole_messagepack_corrupt(payload: bytes)
     with pytest.raises(StateFileError) as refused:
         count_items(payload, 1_000)
     assert refused.value.reason == "corrupt"
+
+
+def test_a_file_read_whole_is_one_buffer_and_a_file_that_grew_is_read_to_its_end(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "state"
+    path.write_bytes(frame(PAYLOAD))
+    data = read_file(path, 1 << 20)
+    assert isinstance(data, memoryview) and unframe(data) == PAYLOAD and unframe(data).obj is data.obj  # no copy
+    real_fstat = os.fstat
+
+    def smaller(fd: int) -> os.stat_result:  # the file grew by 10 bytes after its size was read
+        info = list(real_fstat(fd))
+        info[6] -= 10  # st_size
+        return os.stat_result(info)
+
+    monkeypatch.setattr(os, "fstat", smaller)
+    data = read_file(path, 1 << 20)
+    assert data is not None and bytes(data) == frame(PAYLOAD)

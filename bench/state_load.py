@@ -8,8 +8,9 @@ imports, builds the state of the default limits and runs `StateKeeper.load` on i
 RSS (`VmHWM` in /proc/self/status) and what the load did. Anchor: the same process with no file. Files:
 
 * worst: what the limits allow at their worst for a load: the series budget (`ranks.max_series_total`)
-  full, every label value at `max_label_value_length` and non-ASCII (4 bytes a character in memory), each
-  rank a replica group of its own with `max_static_labels` such labels, a watermark per series;
+  full, every label value at its limit and non-ASCII (4 bytes a character in memory: a family's own at
+  `max_family_label_value_length`, the static ones sharing `max_static_label_chars`), each rank a replica
+  group of its own with `max_static_labels` such labels, a watermark per series;
 * tiny-tuples: a valid file of 5.6 million one-letter label tuples (16.8 MB): past the limits, set aside;
 * items-bound: a valid file of as many values as the limits let a decode build (`max_file_items`), each
   of the costliest kind (a one-element tuple of a string of its own), in the bytes the limits allow.
@@ -50,15 +51,17 @@ TINY_TUPLES = 5_600_000
 def fill(state: SidecarState, series_per_rank: int = 200) -> int:
     """Fill the series budget with the longest non-ASCII labels the limits allow, each rank a group of its own."""
     limits = state.config
-    length = limits.max_label_value_length
+    # The static label values share max_static_label_chars; a family's own are each at their own limit.
+    length = min(limits.max_label_value_length, limits.max_static_label_chars // max(1, limits.max_static_labels))
+    own = limits.max_family_label_value_length
     ranks = 0
     while True:
         static = {f"l{i}": "\U0001f600" + chr(97 + i) * (length - 9) + f"{ranks:08d}"
                   for i in range(limits.max_static_labels)}
         rank = state.hello(object(), Hello(protocol=1, epoch=f"e{ranks}", pid=1, labels=static,
                                            rank=RankId(tp_rank=0, pp_rank=0, dp_rank=0))).rank
-        samples = [ScalarSample(FAMILY, 1.0, {"reason": "\U0001f600" + "r" * (length - 9) + f"{j:08d}",
-                                              "pool": "\U0001f600" + "p" * (length - 1)})
+        samples = [ScalarSample(FAMILY, 1.0, {"reason": "\U0001f600" + "r" * (own - 9) + f"{j:08d}",
+                                              "pool": "\U0001f600" + "p" * (own - 1)})
                    for j in range(series_per_rank)]
         result = state.snapshot(rank, Snapshot(seq=1, time=0.0, samples=samples))
         ranks += 1
@@ -127,7 +130,7 @@ def _load(arg: str) -> None:
     if arg != "-":
         path = Path(arg)
         StateKeeper(PersistenceConfig(file=path), state, {}, health, NAMESPACE).load()
-    budget = state.registry.budget
+    budget = state.series_budget()
     print(json.dumps({"peak_bytes": _vm_hwm(), "load_failures": health.load_failures, "dropped": health.dropped,
                       "identities": health.loaded_identities, "series": budget.per_rank + budget.rollup}))
 

@@ -136,6 +136,12 @@ class RanksConfig(_Strict):
     max_series_per_rank: int = Field(4096, ge=1)
     # a static label holds a model path (LMCache's model_name is vLLM's, a Hugging Face snapshot path)
     max_label_value_length: int = Field(1024, ge=1, le=4096)
+    # A family's own label values (pool, reason, mode) are an engine's short words, one per series: a bound far
+    # below the static labels' keeps what the series budget may hold (docs/reliability.md, "Memory budget").
+    max_family_label_value_length: int = Field(128, ge=1, le=4096)
+    # Every per-rank line on /metrics carries the rank's static labels: their values together are held to two
+    # model paths (LMCache labels model_name and served_model_name, vLLM's path twice) and a few short words.
+    max_static_label_chars: int = Field(2304, ge=1, le=32768)
     max_static_labels: int = Field(8, ge=0, le=64)
     max_series_total: int = Field(24_576, ge=1)  # rank and rollup series together, sized to a 320 Mi pod
     max_ranks: int = Field(1024, ge=1)  # rank identities remembered (expired ones are forgotten first)

@@ -479,6 +479,14 @@ class RankRegistry:
                                            max_value_length=limits.max_label_value_length)
             if problem:
                 raise ProtocolError(ErrorCode.INVALID_HELLO, f"static label: {problem}")
+        total = sum(map(len, labels.values()))
+        if total > limits.max_static_label_chars:
+            raise ProtocolError(
+                ErrorCode.INVALID_HELLO,
+                f"static labels: their values have {total} characters together; at most "
+                f"{limits.max_static_label_chars} are allowed (ranks.max_static_label_chars): every per-rank line "
+                "on /metrics carries them",
+            )
 
     def disconnect(self, connection: object, rank: RankState) -> None:
         """The connection holding `rank` closed (bye, EOF or error)."""

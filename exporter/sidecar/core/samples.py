@@ -285,9 +285,10 @@ class SampleReader:
             values = tuple(map(labels.__getitem__, names))
         except KeyError:  # the same test as labels.own_labels_problem, on the fast path; its message
             raise SampleRejected(ErrorCode.WRONG_LABELS, own_labels_problem(plan.name, names, labels) or "") from None
-        limit = self.config.max_label_value_length
+        limit = self.config.max_family_label_value_length
         if values and max(map(len, values)) > limit:
-            raise SampleRejected(ErrorCode.WRONG_LABELS, f"{plan.name!r}: a label value is longer than {limit} characters")
+            raise SampleRejected(ErrorCode.WRONG_LABELS, f"{plan.name!r}: a label value is longer than {limit} characters "
+                                 "(ranks.max_family_label_value_length)")
         return values
 
 

@@ -110,11 +110,15 @@ def max_file_bytes(limits: RanksConfig, family_labels: int, upstreams: int) -> i
 
     Before label values were counted, a sidecar whose ranks used long label values (max_label_value_length
     allows 4096) wrote files its next start refused as too_large, and set aside."""
-    label = limits.max_label_value_length + LABEL_NAME_BYTES
-    core_series = MAX_BYTES_PER_SERIES + family_labels * label
-    core_rank = 3 * limits.max_static_labels * label  # its static labels, a forgotten one's, its group's
-    upstream_series = MAX_BYTES_PER_SERIES + (4 * family_labels + 2 * limits.max_static_labels) * label
-    upstream_rank = 2 * limits.max_static_labels * label
+    static = limits.max_label_value_length + LABEL_NAME_BYTES
+    own = limits.max_family_label_value_length + LABEL_NAME_BYTES
+    core_series = MAX_BYTES_PER_SERIES + family_labels * own
+    statics = min(limits.max_static_labels * static,
+                  limits.max_static_label_chars + limits.max_static_labels * LABEL_NAME_BYTES)  # one rank's
+    core_rank = 3 * statics  # its static labels, a forgotten one's, its group's
+    # A series' own labels, as names and values; its name for log lines only while it flaps (cut: SAVED_NAME_CHARS).
+    upstream_series = MAX_BYTES_PER_SERIES + 2 * family_labels * own + feed_saved.SAVED_NAME_CHARS
+    upstream_rank = 2 * statics  # its static labels, and a forgotten one's
     return (MAX_BYTES_FIXED + core_series * limits.max_series_total + core_rank * limits.max_ranks
             + (upstream_series * limits.max_series_total + upstream_rank * limits.max_ranks) * upstreams)
 

@@ -33,6 +33,7 @@ from exporter.sidecar.core.saved import SavedCore
 from exporter.sidecar.upstream.feed import FLAP_RESETS, REPLACED_PIDS_KEPT, UpstreamFeed, _Continuity, _UpstreamRank
 
 log = logging.getLogger("hicache_exporter.durable")
+SAVED_NAME_CHARS = 256  # a flapping series' name is kept for the line that says it calmed: its start is enough
 
 Pairs = tuple[tuple[str, str], ...]
 
@@ -104,7 +105,7 @@ def dump(feed: UpstreamFeed) -> tuple[Any, ...]:
         series = [
             (key[0], key[1], key[2], kept.bounds, list(kept.last), list(kept.offset), list(kept.high),
              None if kept.base is None else list(kept.base), [now - t for t in kept.resets], kept.flapping,
-             now - kept.seen, feed._flapping.get(kept, ""))
+             now - kept.seen, feed._flapping.get(kept, "")[:SAVED_NAME_CHARS])
             for key, kept in entry.series.items()
         ]
         ranks.append((*identity, entry.epoch, entry.pid, entry.generation, entry.seq, list(entry.replaced_pids), series))

@@ -1,6 +1,7 @@
-"""The push door's label value limit over a real Unix socket: a model path (LMCache's model_name is the path
-vLLM was given, often a Hugging Face snapshot path) fits the default ranks.max_label_value_length (1024);
-past it the hello or the sample is refused, naming the label and the limit.
+"""The push door's label value limits over a real Unix socket: a model path (LMCache's model_name is the path
+vLLM was given, often a Hugging Face snapshot path) fits the default ranks.max_label_value_length (1024) of a
+static label; past it the hello is refused, naming the label and the limit. A family's own label values (pool,
+reason) are short words, held to ranks.max_family_label_value_length (128).
 
 The proxy door's side is in tests/exporter/sidecar/upstream/test_profiles.py (test_a_model_path_*)."""
 
@@ -30,11 +31,13 @@ def test_a_hello_and_a_sample_with_a_long_model_path_are_taken(sidecar: SidecarT
     try:
         client.send(hello(tp=0, epoch="long", model_name=model_path(length)))
         assert isinstance(client.recv(), Welcome)
-        client.send(snapshot(1, counter("load_back_tokens_total", 64.0, pool=model_path(length))))
+        client.send(snapshot(1, counter("load_back_tokens_total", 64.0, pool="p" * 128),
+                             counter("load_back_tokens_total", 5.0, pool="p" * 129)))
         wait_until(lambda: sidecar.scrape().find("sglang_load_back_tokens_total", tp_rank="0") != [])
         scrape = sidecar.scrape()
-        assert scrape.value("sglang_load_back_tokens_total", model_name=model_path(length), pool=model_path(length)) == 64
-        assert scrape.total("hicache_exporter_rejections_total") == 0
+        assert scrape.value("sglang_load_back_tokens_total", model_name=model_path(length), pool="p" * 128) == 64
+        assert scrape.find("sglang_load_back_tokens_total", pool="p" * 129) == []  # refused alone: a family label
+        assert scrape.total("hicache_exporter_rejections_total") == 1
     finally:
         client.close()
 

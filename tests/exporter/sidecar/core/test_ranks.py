@@ -167,7 +167,7 @@ def test_static_labels_are_order_independent(h: Harness) -> None:
         {"pool": "kv"},
         {"reason": "x"},
         {f"l{i}": "v" for i in range(9)},
-        {"cache_type": "x" * 129},
+        {"cache_type": "x" * 1025},
         {"cache_type": "UnifiedRadixCache", "a": ""},
         {"attn_cp_rank": "1"},
     ],
@@ -185,7 +185,7 @@ def test_invalid_static_labels_refused(h: Harness, labels: dict[str, str]) -> No
 
 def test_static_label_limits_are_inclusive(h: Harness) -> None:
     h.hello(labels={f"l{i}": "v" for i in range(8)})
-    h.hello(labels={"cache_type": "x" * 128})
+    h.hello(labels={"cache_type": "x" * 1024})
     assert len(h.state.ranks) == 2
 
 
@@ -514,3 +514,16 @@ def test_a_takeover_by_another_source_leaves_the_old_owners_return_counted_once(
     assert h.counter(BYTES) == 1001.0  # not 2,011: the 1,000 the upstream pushed before count once
     h.push(back, bytes_(1020.0))
     assert h.counter(BYTES) == 1011.0
+
+
+def test_a_ranks_static_label_values_together_are_held_to_max_static_label_chars(h: Harness) -> None:
+    # LMCache under vLLM: model_name and served_model_name are both the model path given to vLLM.
+    path = "/models/" + "p" * 1016
+    h.hello(labels={"model_name": path, "served_model_name": path, "role": "worker", "worker_id": "0"})
+    assert len(h.state.ranks) == 1
+    with pytest.raises(ProtocolError) as refused:
+        h.hello(labels={"model_name": path, "served_model_name": path, "other": "o" * 1024})
+    assert refused.value.code is ErrorCode.INVALID_HELLO
+    assert refused.value.message == (
+        "static labels: their values have 3072 characters together; at most 2304 are allowed "
+        "(ranks.max_static_label_chars): every per-rank line on /metrics carries them")

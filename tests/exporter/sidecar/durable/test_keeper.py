@@ -594,7 +594,8 @@ def test_a_file_of_long_label_values_loads_back(tmp_path: Path) -> None:
     """Label values at 4,096 characters: the file loads back, and holds each label set once. (Once, the
     file wrote labels in every place they appear, 2.8 MB for these 90 series, and the bound counted
     1,024 bytes a series whatever its labels: the next start refused it as too_large.)"""
-    limits = RanksConfig(max_label_value_length=4096, max_series_total=256)
+    limits = RanksConfig(max_label_value_length=4096, max_family_label_value_length=4096, max_static_label_chars=32768,
+                         max_series_total=256)
     path = tmp_path / "state"
     h = Harness(ranks_config=limits)
     long_labelled_state(h)

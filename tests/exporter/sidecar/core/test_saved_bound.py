@@ -19,13 +19,14 @@ SERIES_PER_RANK = 200
 def _fill(state: SidecarState) -> int:
     """Fill the series budget with the longest labels the limits allow, each rank a replica group of its own; the ranks."""
     limits = state.config
-    length = limits.max_label_value_length
+    length = min(limits.max_label_value_length, limits.max_static_label_chars // limits.max_static_labels)
+    own = limits.max_family_label_value_length
     ranks = 0
     while True:
         static = {f"l{i}": chr(97 + i) * (length - 8) + f"{ranks:08d}" for i in range(limits.max_static_labels)}
         rank = state.hello(object(), Hello(protocol=1, epoch=f"e{ranks}", pid=1, labels=static,
                                            rank=RankId(tp_rank=0, pp_rank=0, dp_rank=0))).rank
-        samples = [ScalarSample(FAMILY, 1.0, {"reason": "r" * (length - 8) + f"{j:08d}", "pool": "p" * length})
+        samples = [ScalarSample(FAMILY, 1.0, {"reason": "r" * (own - 8) + f"{j:08d}", "pool": "p" * own})
                    for j in range(SERIES_PER_RANK)]
         result = state.snapshot(rank, Snapshot(seq=1, time=0.0, samples=samples))
         ranks += 1

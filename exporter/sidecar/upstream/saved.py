@@ -20,6 +20,7 @@ the first source to report one continues it. No I/O here: the file is the durabl
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ import msgspec
 
 from exporter.labels import linear_rank_axes, rank_axis
 from exporter.sidecar.core.ranks import PUSH_SOURCE, RELEASED_SOURCE, RankIdentity
-from exporter.sidecar.core.saved import SavedCore
+from exporter.sidecar.core.saved import MAX_SAVED_VALUE, SavedCore
 from exporter.sidecar.upstream.feed import FLAP_RESETS, REPLACED_PIDS_KEPT, UpstreamFeed, _Continuity, _UpstreamRank
 
 log = logging.getLogger("hicache_exporter.durable")
@@ -131,8 +132,8 @@ def restore(feed: UpstreamFeed, saved: SavedFeed) -> int:
         for series in item.series[:limits.max_series_per_rank]:
             parts = len(series.last)
             if not parts or len(series.offset) != parts or len(series.high) != parts \
-                    or (series.base is not None and len(series.base) != parts):
-                continue
+                    or (series.base is not None and len(series.base) != parts) or not _valid(series):
+                continue  # what no read could have made: the series starts over from its next read
             drops: deque[float] = deque(maxlen=FLAP_RESETS + 1)
             drops.extend(now - ago for ago in series.drops_ago[-(FLAP_RESETS + 1):])
             kept = _Continuity(series.bounds, list(series.last), list(series.offset), list(series.high),
@@ -152,6 +153,16 @@ def restore(feed: UpstreamFeed, saved: SavedFeed) -> int:
     if saved.held is not None and feed.merges_processes:
         feed.held.restore((saved.held.last, saved.held.retired), max_processes=limits.max_ranks)
     return taken
+
+
+def _valid(series: SavedSeries) -> bool:
+    """Whether a saved series holds what reads make: finite values of at most MAX_SAVED_VALUE, none below zero
+    but a histogram's sum (its last part: a negative observation lowers it), finite ages."""
+    counts = len(series.last) - 1 if series.bounds or len(series.last) > 1 else len(series.last)
+    for values in (series.last, series.offset, series.high, series.base or ()):
+        if not all(abs(v) <= MAX_SAVED_VALUE for v in values) or not all(v >= 0.0 for v in values[:counts]):
+            return False
+    return all(math.isfinite(t) for t in (*series.drops_ago, series.seen_ago))
 
 
 def forget(feed: UpstreamFeed) -> None:

@@ -147,3 +147,24 @@ def test_a_directory_rank_whose_pid_changed_while_the_sidecar_was_down_counts_fr
     before = rollups(again)
     new_up.apply([process_read("101", rank_families(ranks[0]))])
     assert rollups(again) == before
+
+
+def test_a_saved_series_no_read_could_make_is_not_taken_back() -> None:
+    # A file with a correct checksum is still input: a feed's series with NaN, an infinity or a negative count
+    # starts over from its next read instead of continuing from a value no engine wrote.
+    h, up, _ = engine_restarted_before_the_save()
+    feed = msgspec.msgpack.decode(msgspec.msgpack.encode(feed_saved.dump(up)), type=feed_saved.SavedFeed)
+    rank = feed.ranks[0]
+    bad = [msgspec.structs.replace(rank.series[0], last=[float("nan")]),
+           msgspec.structs.replace(rank.series[1], high=[-5.0] + rank.series[1].high[1:]),
+           msgspec.structs.replace(rank.series[2], offset=[float("inf")] * len(rank.series[2].offset))]
+    tampered = msgspec.structs.replace(feed, ranks=[msgspec.structs.replace(rank, series=bad + rank.series[3:]),
+                                                    *feed.ranks[1:]])
+    core = msgspec.msgpack.decode(msgspec.msgpack.encode(core_saved.dump(h.state)), type=core_saved.SavedCore)
+    again = Harness()
+    core_saved.restore(again.state, core)
+    new_up = url_feed(again)
+    assert feed_saved.restore(new_up, tampered) == len(up.ranks)
+    identity = (rank.tp_rank, rank.pp_rank, rank.dp_rank, rank.attn_cp_rank, rank.static)
+    assert len(new_up.ranks[identity].series) == len(rank.series) - 3
+    assert all(len(entry.series) == len(up.ranks[i].series) for i, entry in new_up.ranks.items() if i != identity)

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import msgspec
 
 from exporter.catalog import Catalog, MetricType
+from exporter.labels import MAX_RANK_AXIS
 from exporter.protocol.messages import World
 from exporter.sidecar.core.history import WindowHistory
 from exporter.sidecar.core.keys import HistAccumulator, HistValue, RollupCounter, SeriesKey, histogram_cost
@@ -31,7 +32,6 @@ log = logging.getLogger("hicache_exporter.durable")
 # 2**53): 2**80 (1.2e24) is far above what a counter reaches (1 TB/s for 38,000 years) and refuses 1e300.
 MAX_SAVED_VALUE = 2.0**80
 MAX_SAVED_TIME = 2.0**35  # a wall-clock time (unix seconds) after the year 3000 is not one this sidecar wrote
-MAX_RANK_AXIS = 65535  # as a rank label reads (upstream/world.py)
 
 Pairs = tuple[tuple[str, str], ...]
 Index = Annotated[int, msgspec.Meta(ge=0)]  # a place in SavedCore.statics or .label_sets
@@ -378,19 +378,19 @@ def _whole(value: HistValue) -> bool:
     return bool(value.bounds) and len(value.counts) == len(value.bounds) and value.bounds[-1] == "+Inf"
 
 
-def _valid_count(value: float) -> bool:
+def valid_count(value: float) -> bool:
     """A counter's value or position: finite, from 0 to MAX_SAVED_VALUE (NaN fails both comparisons)."""
     return 0.0 <= value <= MAX_SAVED_VALUE
 
 
-def _valid_sum(value: float) -> bool:
+def valid_sum(value: float) -> bool:
     """A histogram's sum (or its position): finite, within ±MAX_SAVED_VALUE."""
     return -MAX_SAVED_VALUE <= value <= MAX_SAVED_VALUE
 
 
 def _valid_histogram(bounds: tuple[float | str, ...], counts: tuple[int, ...] | list[int], total: float) -> bool:
     """Finite bounds rising to "+Inf", one count each, whole, non-negative and cumulative, within bounds; a finite sum."""
-    if not bounds or len(counts) != len(bounds) or bounds[-1] != "+Inf" or not _valid_sum(total):
+    if not bounds or len(counts) != len(bounds) or bounds[-1] != "+Inf" or not valid_sum(total):
         return False
     last: float = -math.inf
     for bound in bounds[:-1]:
@@ -409,7 +409,7 @@ def _valid_value(value: float | HistValue) -> bool:
     """A saved counter or histogram value that a sidecar could have written."""
     if isinstance(value, HistValue):
         return _valid_histogram(value.bounds, value.counts, value.sum)
-    return _valid_count(value)
+    return valid_count(value)
 
 
 def _valid_time(value: float | None) -> bool:
@@ -428,6 +428,6 @@ def _valid_rank(rank: SavedRank, catalog: Catalog) -> bool:
     for position in rank.positions:
         spec = catalog.find(position.family)
         counter = spec is None or spec.type is not MetricType.HISTOGRAM  # a histogram's position is its sum's
-        if not (_valid_count(position.position) if counter else _valid_sum(position.position)):
+        if not (valid_count(position.position) if counter else valid_sum(position.position)):
             return False
     return all(_valid_histogram(b.bounds, b.counts, b.sum) for b in rank.buckets)

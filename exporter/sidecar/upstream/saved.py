@@ -30,7 +30,7 @@ import msgspec
 
 from exporter.labels import linear_rank_axes, rank_axis
 from exporter.sidecar.core.ranks import PUSH_SOURCE, RELEASED_SOURCE, RankIdentity
-from exporter.sidecar.core.saved import MAX_SAVED_VALUE, SavedCore
+from exporter.sidecar.core.saved import SavedCore, valid_count, valid_sum
 from exporter.sidecar.upstream.feed import FLAP_RESETS, REPLACED_PIDS_KEPT, UpstreamFeed, _Continuity, _UpstreamRank
 
 log = logging.getLogger("hicache_exporter.durable")
@@ -156,11 +156,11 @@ def restore(feed: UpstreamFeed, saved: SavedFeed) -> int:
 
 
 def _valid(series: SavedSeries) -> bool:
-    """Whether a saved series holds what reads make: finite values of at most MAX_SAVED_VALUE, none below zero
-    but a histogram's sum (its last part: a negative observation lowers it), finite ages."""
+    """Whether a saved series holds what reads make: counts as the core's saved values are (core.saved.valid_count),
+    and a histogram's sum (its last part: a negative observation lowers it) as its sums are; finite ages."""
     counts = len(series.last) - 1 if series.bounds or len(series.last) > 1 else len(series.last)
     for values in (series.last, series.offset, series.high, series.base or ()):
-        if not all(abs(v) <= MAX_SAVED_VALUE for v in values) or not all(v >= 0.0 for v in values[:counts]):
+        if not all(map(valid_count, values[:counts])) or not all(map(valid_sum, values[counts:])):
             return False
     return all(math.isfinite(t) for t in (*series.drops_ago, series.seen_ago))
 

@@ -785,8 +785,12 @@ class UpstreamFeed:
                                "a leading zero")
                 return None
             return labels
-        axes = linear_rank_axes(number, *self.linear_sizes)
-        return {**labels, **{key: str(value) for key, value in axes.items()}}
+        return {**labels, **{key: str(value) for key, value in self.place(number).items()}}
+
+    def place(self, worker: int) -> dict[str, int]:
+        """The rank axes of linear rank number `worker` under the configured world (labels.linear_rank_axes): what
+        a read gives a series, and where the durable state puts a saved worker (upstream/saved.py relocate)."""
+        return linear_rank_axes(worker, *self.linear_sizes)
 
     def _rank_of(self, labels: dict[str, str], own: tuple[str, ...]) -> tuple[RankId | None, dict[str, str]]:
         """The rank axes (None where one is missing or no rank number), and the static labels: the

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from exporter.labels import linear_rank_axes, rank_axis
+from exporter.labels import rank_axis
 from exporter.sidecar.core.ranks import PUSH_SOURCE, RELEASED_SOURCE, RankIdentity
 from exporter.sidecar.core.saved import SavedCore, valid_count, valid_sum
 from exporter.sidecar.upstream.feed import FLAP_RESETS, REPLACED_PIDS_KEPT, UpstreamFeed, _Continuity, _UpstreamRank
@@ -232,18 +232,17 @@ def relocate(
         owner[source] = feed.source if feed is not None else RELEASED_SOURCE
         if feed is not None and feed.source != source:
             done.renamed[source] = feed.source
-    feeds_now = {feed.source: feed for feed in feeds}
 
     def placed(source: str, tp: int, pp: int, cp: int | None, static: tuple[tuple[str, str], ...]) \
             -> tuple[int, int, int | None]:
         """(tp, pp, cp) of a saved identity of `source` (as owned now) under the world configured now."""
-        feed = feeds_now.get(source)
+        feed = by_source.get(source)
         if feed is None or feed.linear is None:
             return tp, pp, cp
         worker = rank_axis(dict(static).get(feed.linear, ""))
         if worker is None:
             return tp, pp, cp
-        axes = linear_rank_axes(worker, *feed.linear_sizes)
+        axes = feed.place(worker)
         return axes["tp_rank"], axes["pp_rank"], axes.get("attn_cp_rank")
 
     statics = core.statics
@@ -274,7 +273,7 @@ def relocate(
     moved_upstreams: dict[str, SavedFeed] = {}
     for name, saved_feed in upstreams.items():
         source = owner[f"upstream:{name}"]
-        feed = feeds_now.get(source)
+        feed = by_source.get(source)
         if feed is None or feed.health.name in moved_upstreams:
             continue
         feed_ranks = []

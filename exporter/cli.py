@@ -25,7 +25,7 @@ from exporter.config import (
     setting_origin,
 )
 from exporter.defaults import DEFAULT_PORT, DEFAULT_SOCKET_PATH, ENV_CONFIG, ENV_PORT, ENV_SOCKET, LOG_LEVELS
-from exporter.errors import ConfigError, HicacheExporterError, StartupError
+from exporter.errors import ConfigError, HicacheExporterError, StartupError, quoted
 
 EXIT_USAGE = 2
 
@@ -44,11 +44,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _cut(text: str) -> str:
-    """A flag's value for a message: thousands of characters are cut."""
-    return repr(text) if len(text) <= 40 else repr(text[:40]) + f"... ({len(text)} characters)"
-
-
 def _path(text: str) -> Path:
     """A path flag: an empty one (an unset $VAR in a manifest) is refused, not taken as the current directory."""
     if not text.strip():
@@ -59,9 +54,9 @@ def _path(text: str) -> Path:
 def _int(text: str) -> int:
     """A whole number flag (its range is the config's, or the command's)."""
     if not text.strip().lstrip("+-").isdigit():
-        raise argparse.ArgumentTypeError(f"{_cut(text)} is not a whole number")
+        raise argparse.ArgumentTypeError(f"{quoted(text)} is not a whole number")
     if len(text) > 20:  # no flag takes one so large, and int() refuses thousands of digits by raising
-        raise argparse.ArgumentTypeError(f"{_cut(text)} is out of range (more than 20 digits)")
+        raise argparse.ArgumentTypeError(f"{quoted(text)} is out of range (more than 20 digits)")
     return int(text)
 
 
@@ -69,7 +64,7 @@ def _size(text: str) -> int:
     """A parallel size: 1 to MAX_SIZE."""
     value = _int(text)
     if not 1 <= value <= MAX_SIZE:
-        raise argparse.ArgumentTypeError(f"{_cut(text)} must be a whole number from 1 to {MAX_SIZE}")
+        raise argparse.ArgumentTypeError(f"{quoted(text)} must be a whole number from 1 to {MAX_SIZE}")
     return value
 
 
@@ -79,7 +74,7 @@ def _positive(text: str, high: float, unit: str, shown_high: str) -> float:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and 0 < value <= high):  # nan, inf, zero and below
-        raise argparse.ArgumentTypeError(f"{_cut(text)} must be positive: a number of {unit} above 0, at most {shown_high}")
+        raise argparse.ArgumentTypeError(f"{quoted(text)} must be positive: a number of {unit} above 0, at most {shown_high}")
     return value
 
 

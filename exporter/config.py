@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from exporter.catalog import load_yaml
 from exporter.defaults import DEFAULT_LOG_LEVEL, DEFAULT_PORT, DEFAULT_SOCKET_PATH, ENV_CONFIG, ENV_PORT, ENV_SOCKET, LogLevel
-from exporter.errors import ConfigError
+from exporter.errors import ConfigError, quoted
 
 NAMESPACE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)?$")
 
@@ -195,7 +195,7 @@ MAX_DURATION_MS = (2**63 - 1) // 1_000_000
 
 def parse_duration(text: str) -> float:
     """Seconds of a Prometheus duration (`5s`, `1m30s`, `250ms`); ValueError naming the syntax or the range otherwise."""
-    shown = repr(text) if len(text) <= 40 else repr(text[:40]) + f"... ({len(text)} characters)"
+    shown = quoted(text)
     match = DURATION_RE.match(text)
     if not text or match is None:
         raise ValueError(f"{shown} is not a duration like 5s, 1m30s or 500ms (Prometheus' syntax)")

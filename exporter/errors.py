@@ -5,6 +5,12 @@ from __future__ import annotations
 from enum import Enum
 
 
+def quoted(text: str) -> str:
+    """A value someone sent, for a one-line message: quoted as repr() quotes it, and cut past 40 characters (a
+    value thousands of characters long would be the whole line)."""
+    return repr(text) if len(text) <= 40 else repr(text[:40]) + f"... ({len(text)} characters)"
+
+
 class ErrorCode(str, Enum):
     """Codes sent to ranks in `error` frames and used as the `reason` of rejection counters."""
 

@@ -78,6 +78,7 @@ PROFILE = "lmcache"
 ENGINE_PREFIX = "lmcache:"
 OBSERVABILITY = "lmcache.observability"
 STATIC_LABELS = ("model_name", "role", "served_model_name", "worker_id")
+INACTIVE = "inactive"  # the _warn_once key of the line that says why this process pushes nothing
 # vllm/v1/engine/core.py:1374-1382: f"{engine_id}_dp{dp_rank}"; the number in one spelling, as labels.rank_axis.
 DP_SUFFIX = re.compile(r"_dp(0|[1-9][0-9]{0,5})\Z", re.ASCII)
 
@@ -133,15 +134,9 @@ def unsupported_shape(logger_cls: object) -> str | None:
     return None
 
 
-_said_inactive = False  # this process has said why it pushes nothing: once is enough
-
-
 def _say_inactive(message: str) -> None:
-    """One warning line per process: the engine then runs as if this package were absent."""
-    global _said_inactive
-    if not _said_inactive:
-        _said_inactive = True
-        log.warning("hicache-exporter: %s", " ".join(message.split()))  # one line, whatever the error's text
+    """One warning line per process (whatever the error's text): the engine then runs as if this package were absent."""
+    _warn_once(INACTIVE, "hicache-exporter: " + " ".join(message.split()))
 
 
 def register() -> None:

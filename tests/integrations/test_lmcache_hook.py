@@ -309,7 +309,7 @@ def test_install_leaves_a_logger_of_another_shape_alone_with_one_warning(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     older = type("PrometheusLogger", (), {"_instance": None, "_counter_cls": None})
     monkeypatch.setitem(sys.modules, hook.OBSERVABILITY, SimpleNamespace(PrometheusLogger=older))
-    monkeypatch.setattr(hook, "_said_inactive", False, raising=False)
+    monkeypatch.setattr(hook, "_warned", set())
     with caplog.at_level("WARNING", logger=hook.log.name):
         hook.install()
         hook.install()

@@ -53,7 +53,8 @@ log = logging.getLogger("hicache_exporter.durable")
 # whole file always loads, and low enough that the worst file the limits allow loads within the pod's memory
 # limit (docs/reliability.md, "Durable state"; `python -m bench.state_load`). Label values come on top, as
 # long as the limits let them be (`max_file_bytes`): each label set is written once (SavedCore.label_sets,
-# .statics); an upstream's series carry theirs, and their rank's static labels, in each of four places.
+# .statics); an upstream's series carry their own labels (and a flapping one its cut name), its ranks their
+# static labels once each.
 MAX_BYTES_PER_SERIES = 384
 LABEL_NAME_BYTES = 64  # allowed per label for its name and encoding, beside its value
 MAX_BYTES_FIXED = 1 << 20

@@ -99,7 +99,7 @@ from prometheus_client.samples import Timestamp
 
 from exporter.catalog import Catalog, FamilySpec, MetricType
 from exporter.config import UpstreamConfig
-from exporter.errors import ConfigError, ErrorCode, LabelError, ProtocolError
+from exporter.errors import ConfigError, ErrorCode, LabelError, ProtocolError, quoted
 from exporter.labels import MAX_RANK_AXIS, RANK_AXES, RANK_KEYS, linear_rank_axes, rank_axis, split_rank_labels
 from exporter.protocol.messages import RankId, Sample, World
 from exporter.sidecar.core.health import UpstreamHealth
@@ -780,7 +780,7 @@ class UpstreamFeed:
         number = None if value is None else rank_axis(value)
         if number is None:
             if value is not None:
-                refused.append(f"{name} refused: {self.linear}={_short(value)} is not a rank number: a whole number "
+                refused.append(f"{name} refused: {self.linear}={quoted(value)} is not a rank number: a whole number "
                                f"from 0 to {MAX_RANK_AXIS} in ASCII digits, without a sign, spaces, underscores or "
                                "a leading zero")
                 return None
@@ -1161,7 +1161,7 @@ def _series(
                 entry = grouped.setdefault(tuple(sorted(labels.items())), {"buckets": [], "les": set()})
                 le = s.labels.get("le", "+Inf")
                 if le in entry["les"]:
-                    duplicated.append(_series_name(spec, labels) + f" bucket le={_short(le)}")
+                    duplicated.append(_series_name(spec, labels) + f" bucket le={quoted(le)}")
                     continue
                 entry["les"].add(le)
                 entry["buckets"].append((le, number))
@@ -1215,19 +1215,14 @@ def _series(
 
 def _series_name(spec: FamilySpec, labels: dict[str, str]) -> str:
     """A series as a log line names it: its family and labels, as the exposition writes them."""
-    return spec.name + "{" + ",".join(f"{k}={_short(v)}" for k, v in sorted(labels.items())) + "}"
-
-
-def _short(value: str) -> str:
-    """A label value for a log line: a value thousands of characters long is cut (quoted, as repr() quotes)."""
-    return repr(value) if len(value) <= 40 else repr(value[:40]) + f"... ({len(value)} characters)"
+    return spec.name + "{" + ",".join(f"{k}={quoted(v)}" for k, v in sorted(labels.items())) + "}"
 
 
 def _bad_axes(labels: dict[str, str], name: str, refused: list[str]) -> bool:
     """Whether a rank axis of the series is no rank number (then why is added to `refused`)."""
     bad = [key for key in RANK_AXES if key in labels and rank_axis(labels[key]) is None]
     if bad:
-        refused.append(f"{name} refused: rank label {bad[0]}={_short(labels[bad[0]])} is not a rank number: a whole "
+        refused.append(f"{name} refused: rank label {bad[0]}={quoted(labels[bad[0]])} is not a rank number: a whole "
                        f"number from 0 to {MAX_RANK_AXIS} in ASCII digits, without a sign, spaces, underscores "
                        "or a leading zero")
     return bool(bad)
@@ -1275,7 +1270,7 @@ class _PassThroughPlan:
         for i, s in enumerate(family.samples):
             key = (s.name, tuple(sorted(s.labels.items())))
             if key in written:  # the same sample twice: Prometheus refuses the exposition; the first is kept
-                self.duplicated.append(s.name + "{" + ",".join(f"{k}={_short(v)}" for k, v in key[1]) + "}")
+                self.duplicated.append(s.name + "{" + ",".join(f"{k}={quoted(v)}" for k, v in key[1]) + "}")
                 numbers = numbers or list(range(first, first + i))
                 continue
             written.add(key)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from exporter.catalog import Catalog, Collector, FamilySpec, default_catalog
+from exporter.catalog import Catalog, Collector, default_catalog
 from exporter.client import CounterChild, GaugeChild, HistogramChild, RankClient
 
 UNFULFILLED = "storage_prefetch_unfulfilled_tokens_total"
@@ -274,7 +274,7 @@ class CacheMetrics:
 
 def _check_client(collector: str, client: RankClient) -> None:
     """A collector's client may hold only that collector's families (else its presets leak others')."""
-    foreign: list[FamilySpec] = [f for f in client.metrics.catalog if f.collector != collector]
+    foreign = [f for f in client.metrics.catalog if f.collector != collector]
     if foreign:
         names = ", ".join(f"{f.name} ({getattr(f.collector, 'value', f.collector) or 'no collector'})"
                           for f in foreign[:3])

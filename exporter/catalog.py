@@ -1,9 +1,14 @@
-"""The metric catalog: family types, labels, semantics and buckets, loaded from YAML and validated."""
+"""The metric catalog: family types, labels, semantics and buckets, loaded from YAML and validated.
+
+The sidecar's side: a rank reads the packaged profiles pre-built (exporter.rank_catalog), which
+`python -m exporter.catalog` writes from what this module validates."""
 
 from __future__ import annotations
 
-import math
+import json
+import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import fields
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
@@ -14,14 +19,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from exporter.defaults import default_path
 from exporter.errors import ConfigError, UnknownFamilyError
 from exporter.labels import LABEL_NAME_RE, label_name_problem
-
-
-class MetricType(str, Enum):
-    """Prometheus metric types a family can have."""
-
-    COUNTER = "counter"
-    GAUGE = "gauge"
-    HISTOGRAM = "histogram"
+from exporter.rank_catalog import (
+    DEFAULT_PROFILE,
+    RANK_CATALOGS,
+    BuiltFamily,
+    MetricType,
+    bucket_layout_problem,
+    engine_family_name,
+    preset_label_sets,
+    unknown_family,
+)
 
 
 class Semantics(str, Enum):
@@ -43,19 +50,6 @@ class Collector(str, Enum):
     RADIX = "radix"
     STORAGE = "storage"
     SCHEDULER = "scheduler"
-
-
-DEFAULT_PROFILE = "sglang"
-
-
-def bucket_layout_problem(bounds: Sequence[float]) -> str | None:
-    """Why `bounds` cannot be a histogram's finite upper bounds (+Inf implied), or None: they must be
-    finite and strictly ascending. The one check of a layout, wherever one enters."""
-    if not all(math.isfinite(b) for b in bounds):
-        return "buckets must be finite (+Inf is implied)"
-    if any(a >= b for a, b in zip(bounds, bounds[1:])):
-        return "buckets must be strictly ascending"
-    return None
 
 
 class FamilySpec(BaseModel):
@@ -153,12 +147,7 @@ class FamilySpec(BaseModel):
 
     def preset_label_sets(self) -> list[dict[str, str]]:
         """Label sets to create at 0 on every rank: the cross product of `preset`, if it covers all labels."""
-        if not self.labels or set(self.preset) != set(self.labels):
-            return [] if self.labels else [{}]
-        combos: list[dict[str, str]] = [{}]
-        for label in self.labels:
-            combos = [{**c, label: v} for c in combos for v in self.preset[label]]
-        return combos
+        return preset_label_sets(self.labels, self.preset)
 
 
 class StreamSpec(BaseModel):
@@ -293,9 +282,7 @@ class Catalog(BaseModel):
         try:
             return self._index[name]
         except KeyError:
-            raise UnknownFamilyError(
-                f"family {name!r} is not in the metric catalog (known: {', '.join(sorted(self._index))})"
-            ) from None
+            raise unknown_family(name, self._index) from None
 
     def find(self, name: str) -> FamilySpec | None:
         """The family called `name`, or None."""
@@ -304,12 +291,8 @@ class Catalog(BaseModel):
     def engine_family(self, name: str, prefix: str, kind: MetricType) -> FamilySpec | None:
         """The family an engine's metric `name` (`prefix` + family, as the engine builds it; a counter's
         with or without `_total`, which prometheus_client adds) is, whatever its type; None outside both."""
-        if not name.startswith(prefix):
-            return None
-        family = name[len(prefix):]
-        if kind is MetricType.COUNTER and not family.endswith("_total"):
-            family += "_total"
-        return self.find(family)
+        family = engine_family_name(name, prefix, kind)
+        return None if family is None else self.find(family)
 
     @property
     def _index(self) -> dict[str, FamilySpec]:
@@ -471,3 +454,26 @@ def default_catalog() -> Catalog:
     if _default_catalog is None:
         _default_catalog = load_catalog()
     return _default_catalog
+
+
+def rank_catalogs_text() -> str:
+    """exporter/defaults/rank_catalogs.json as the packaged YAML gives it: each packaged profile's families,
+    one a line, with the fields a rank reads (exporter.rank_catalog.BuiltFamily's)."""
+    wanted = {f.name for f in fields(BuiltFamily)}
+    profiles = [f"  {json.dumps(name)}: [\n"
+                + ",\n".join(f"   {json.dumps(spec.model_dump(mode='json', include=wanted))}" for spec in load_profile(name))
+                + "\n  ]"
+                for name in PACKAGED_PROFILES]
+    note = "written by `python -m exporter.catalog` from the packaged profiles' YAML: do not edit"
+    return '{"generated": ' + json.dumps(note) + ',\n "profiles": {\n' + ",\n".join(profiles) + "\n }\n}\n"
+
+
+def main() -> None:
+    """`python -m exporter.catalog`: write the packaged profiles' pre-built catalogs (run it after editing their YAML)."""
+    path = default_path(RANK_CATALOGS)
+    path.write_text(rank_catalogs_text(), encoding="utf-8")
+    print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

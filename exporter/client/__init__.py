@@ -11,12 +11,12 @@ from typing import Any
 
 import msgspec
 
-from exporter.catalog import Catalog, MetricType, default_catalog
 from exporter.client.metrics import CounterChild, GaugeChild, HistogramChild, LabelError, MetricSet
 from exporter.client.pusher import Pusher, PushStats
 from exporter.defaults import DEFAULT_PUSH_INTERVAL, DEFAULT_SOCKET_PATH, ENV_SOCKET
 from exporter.labels import OPTIONAL_RANK_KEYS, RANK_AXES, RANK_KEYS, split_rank_labels, static_label_problem
 from exporter.protocol.messages import MAX_HELP_LENGTH, PROTOCOL_VERSION, Hello, RankId, Snapshot, World
+from exporter.rank_catalog import MetricType, RankCatalog, built_catalog
 
 __all__ = ["RankClient", "CounterChild", "GaugeChild", "HistogramChild", "LabelError", "PushStats"]
 
@@ -32,12 +32,13 @@ class RankClient:
         interval: float = DEFAULT_PUSH_INTERVAL,
         *,
         world: Mapping[str, int] | None = None,
-        catalog: Catalog | None = None,
+        catalog: RankCatalog | None = None,
         max_backoff: float = 5.0,
         preset: bool = True,
     ) -> None:
         """`preset=False` starts with no series at all: only what is bound is pushed, as an engine's
-        own collectors do (exporter.integrations.sglang), instead of every catalog preset at 0."""
+        own collectors do (exporter.integrations.sglang), instead of every catalog preset at 0. Without
+        `catalog`, the packaged sglang profile's, pre-built (exporter.rank_catalog)."""
         rank = dict(rank or {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0})
         if not set(RANK_KEYS) <= set(rank) <= set(RANK_AXES):  # a rank is its axes: no static label goes here
             raise LabelError(
@@ -45,7 +46,7 @@ class RankClient:
             )
         self.rank, _ = split_rank_labels(rank)
         self._rank_id = RankId(**self.rank)
-        self.metrics = MetricSet(catalog or default_catalog())
+        self.metrics = MetricSet(catalog or built_catalog())
         self.labels = {str(k): str(v) for k, v in (labels or {}).items()}
         family_labels = self.metrics.catalog.static_label_conflicts(set(self.labels))
         for name, value in self.labels.items():

@@ -16,10 +16,10 @@ from typing import Any
 
 import msgspec
 
-from exporter.catalog import Catalog, FamilySpec, MetricType, bucket_layout_problem
 from exporter.errors import LabelError
 from exporter.labels import own_labels_problem
 from exporter.protocol.messages import BucketBound, HistogramSample, Sample, ScalarSample
+from exporter.rank_catalog import MetricType, RankCatalog, RankFamily, bucket_layout_problem
 
 _INF = math.inf  # a module global is one lookup cheaper than math.inf on the hot path
 LabelValues = tuple[str, ...]
@@ -131,7 +131,7 @@ Child = CounterChild | GaugeChild | HistogramChild
 class MetricSet:
     """The rank's metric children, keyed by catalog family and label values."""
 
-    def __init__(self, catalog: Catalog) -> None:
+    def __init__(self, catalog: RankCatalog) -> None:
         self.catalog = catalog
         self._children: dict[SeriesKey, Child] = {}
         self._lock = threading.Lock()  # taken when binding and snapshotting, never on increments
@@ -164,7 +164,7 @@ class MetricSet:
         return child
 
     @staticmethod
-    def _layout(spec: FamilySpec, bounds: Sequence[float]) -> tuple[float, ...]:
+    def _layout(spec: RankFamily, bounds: Sequence[float]) -> tuple[float, ...]:
         if spec.type is not MetricType.HISTOGRAM:
             raise LabelError(f"{spec.name!r} is a {spec.type.value}: only a histogram has buckets")
         layout = tuple(float(b) for b in bounds)
@@ -173,14 +173,14 @@ class MetricSet:
         return layout
 
     @staticmethod
-    def _label_values(spec: FamilySpec, labels: dict[str, Any]) -> LabelValues:
+    def _label_values(spec: RankFamily, labels: dict[str, Any]) -> LabelValues:
         problem = own_labels_problem(spec.name, spec.labels, labels)
         if problem:
             raise LabelError(problem)
         return tuple(str(labels[name]) for name in spec.labels)
 
     @staticmethod
-    def _new_child(spec: FamilySpec, bounds: tuple[float, ...] | None = None) -> Child:
+    def _new_child(spec: RankFamily, bounds: tuple[float, ...] | None = None) -> Child:
         if spec.type is MetricType.COUNTER:
             return CounterChild()
         if spec.type is MetricType.GAUGE:

@@ -1,5 +1,6 @@
-"""Packaged defaults: the sidecar config and the metric catalog (also linked from config/), and the
-names and default values that the sidecar, its ranks and `top` must agree on, each written once.
+"""Packaged defaults: the sidecar config and the metric catalog (also linked from config/), the packaged
+profiles' catalogs pre-built for ranks (rank_catalogs.json, written by `python -m exporter.catalog`), and
+the names and default values that the sidecar, its ranks and `top` must agree on, each written once.
 
 Imported by the rank client, so it imports nothing heavy (no pydantic, yaml or aiohttp)."""
 

@@ -67,10 +67,10 @@ from typing import Any, ClassVar
 
 import prometheus_client
 
-from exporter.catalog import Catalog, FamilySpec, MetricType, bucket_layout_problem, load_profile
 from exporter.client import CounterChild, GaugeChild, HistogramChild, RankClient
 from exporter.integrations.push_clients import ProcessPushClients, push_interval, set_push_environment
 from exporter.labels import linear_rank_axes, rank_axis
+from exporter.rank_catalog import BuiltFamily, MetricType, bucket_layout_problem, built_catalog
 
 __all__ = ["install", "register", "close", "PushingCounter", "PushingGauge", "PushingHistogram"]
 
@@ -163,7 +163,7 @@ def register() -> None:
 
 
 def _make_client(rank: dict[str, int], static: dict[str, str]) -> RankClient:
-    return RankClient(rank=rank, labels=static, interval=push_interval(), preset=False, catalog=profile_catalog())
+    return RankClient(rank=rank, labels=static, interval=push_interval(), preset=False, catalog=built_catalog(PROFILE))
 
 
 _clients = ProcessPushClients(_make_client)
@@ -244,21 +244,12 @@ def rank_identity(labels: dict[str, str]) -> tuple[dict[str, int], dict[str, str
 
 # --- routing a family ---
 
-_catalog: Catalog | None = None
 _warned: set[str] = set()
 
 
-def profile_catalog() -> Catalog:
-    """The lmcache profile's catalog (parsed once per process), which every client here pushes."""
-    global _catalog
-    if _catalog is None:
-        _catalog = load_profile(PROFILE)
-    return _catalog
-
-
-def profile_family(name: str, kind: MetricType) -> FamilySpec | None:
+def profile_family(name: str, kind: MetricType) -> BuiltFamily | None:
     """The profile's family that LMCache's metric `name` of type `kind` is, or None."""
-    spec = profile_catalog().engine_family(name, ENGINE_PREFIX, kind)
+    spec = built_catalog(PROFILE).engine_family(name, ENGINE_PREFIX, kind)
     if spec is None or spec.type is not kind:
         return None
     return spec
@@ -316,7 +307,7 @@ class _Pushing:
                                                    f"its push side refused a write ({type(err).__name__}: {err})")
         self._push, self._push_client, self._push_generation = None, None, -1
 
-    def _bind(self, client: RankClient, spec: FamilySpec) -> Child:
+    def _bind(self, client: RankClient, spec: BuiltFamily) -> Child:
         raise NotImplementedError
 
     def _forward(self, write: str, *args: Any) -> None:
@@ -366,7 +357,7 @@ class PushingCounter(_Pushing, prometheus_client.Counter):
     def clear(self) -> None:
         self._clear_epochs(super().clear)
 
-    def _bind(self, client: RankClient, spec: FamilySpec) -> Child:
+    def _bind(self, client: RankClient, spec: BuiltFamily) -> Child:
         return client.counter(spec.name)
 
 
@@ -394,7 +385,7 @@ class PushingGauge(_Pushing, prometheus_client.Gauge):
     def clear(self) -> None:
         self._clear_epochs(super().clear)
 
-    def _bind(self, client: RankClient, spec: FamilySpec) -> Child:
+    def _bind(self, client: RankClient, spec: BuiltFamily) -> Child:
         return client.gauge(spec.name)
 
 
@@ -411,7 +402,7 @@ class PushingHistogram(_Pushing, prometheus_client.Histogram):
     def clear(self) -> None:
         self._clear_epochs(super().clear)
 
-    def _bind(self, client: RankClient, spec: FamilySpec) -> Child:
+    def _bind(self, client: RankClient, spec: BuiltFamily) -> Child:
         bounds = _finite(self._upper_bounds)
         problem = bucket_layout_problem(bounds)
         if problem:  # e.g. a repeated bound from extra_config histogram_bucket_<name>

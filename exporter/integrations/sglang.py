@@ -57,10 +57,10 @@ from sglang.srt.observability.metrics_collector import (
     StorageMetricsCollector,
 )
 
-from exporter.catalog import Catalog, FamilySpec, MetricType, bucket_layout_problem, default_catalog
 from exporter.client import CounterChild, GaugeChild, HistogramChild, LabelError, RankClient
 from exporter.integrations.push_clients import ProcessPushClients, push_interval, set_push_environment
 from exporter.labels import split_rank_labels
+from exporter.rank_catalog import BuiltFamily, MetricType, bucket_layout_problem, built_catalog
 
 __all__ = [
     "stat_loggers", "close", "SidecarCounter", "SidecarGauge", "SidecarHistogram",
@@ -165,16 +165,12 @@ def _replica_dp_rank() -> int | None:
 
 # --- routing a family ---
 
-_catalog: Catalog | None = None
 _warned: set[str] = set()
 
 
-def catalog_family(name: str, kind: MetricType) -> FamilySpec | None:
+def catalog_family(name: str, kind: MetricType) -> BuiltFamily | None:
     """The catalog family that the engine's metric `name` of type `kind` is, or None."""
-    global _catalog
-    if _catalog is None:
-        _catalog = default_catalog()
-    spec = _catalog.engine_family(name, ENGINE_PREFIX, kind)
+    spec = built_catalog().engine_family(name, ENGINE_PREFIX, kind)
     if spec is None:
         return None
     if spec.type is not kind:
@@ -212,7 +208,7 @@ class _SidecarMetric:
         return metric
 
     def __init__(self, name: str, documentation: str = "", labelnames: Iterable[str] = (), **kwargs: Any) -> None:
-        self._spec: FamilySpec
+        self._spec: BuiltFamily
         self._name = name
         self._documentation = documentation
         self._labelnames = tuple(labelnames)
@@ -223,7 +219,7 @@ class _SidecarMetric:
         self._fallback: prometheus_client.metrics.MetricWrapperBase | None = None
 
     @classmethod
-    def _routable(cls, name: str, spec: FamilySpec, labelnames: tuple[str, ...], kwargs: Mapping[str, Any]) -> bool:
+    def _routable(cls, name: str, spec: BuiltFamily, labelnames: tuple[str, ...], kwargs: Mapping[str, Any]) -> bool:
         missing = {"tp_rank", "pp_rank", *spec.labels} - set(labelnames)
         if missing:
             _warn_once(name, f"{name} has no {sorted(missing)} labels; the engine's /metrics serves it")
@@ -311,7 +307,7 @@ class SidecarHistogram(_SidecarMetric):
     _push_options = frozenset({"buckets"})
 
     @classmethod
-    def _routable(cls, name: str, spec: FamilySpec, labelnames: tuple[str, ...], kwargs: Mapping[str, Any]) -> bool:
+    def _routable(cls, name: str, spec: BuiltFamily, labelnames: tuple[str, ...], kwargs: Mapping[str, Any]) -> bool:
         if not super()._routable(name, spec, labelnames, kwargs):
             return False
         if "buckets" not in kwargs:

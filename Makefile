@@ -91,12 +91,14 @@ bench: $(STAMP)
 	$(PY) -m bench.run $(BENCH_ARGS)
 
 # The rules, PrometheusRule, dashboard and Kubernetes examples for the default namespace, and README's
-# proxy pod, from config/generator/ (`config/generate.py --check` is what the tests run), and the
-# status API's schema from its model (exporter/api/v1.py; tests/exporter/api checks it).
+# proxy pod, from config/generator/ (`config/generate.py --check` is what the tests run), the
+# status API's schema from its model (exporter/api/v1.py; tests/exporter/api checks it), and the
+# packaged profiles pre-built for the rank client from their YAML (tests/exporter/test_catalog_prebuilt.py).
 .PHONY: generate
 generate: $(STAMP)
 	$(PY) config/generate.py
 	$(PY) -m exporter.api.v1 --write-schema docs/api/v1.schema.json
+	$(PY) -m exporter.catalog
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache

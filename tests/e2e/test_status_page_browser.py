@@ -34,7 +34,7 @@ import pytest
 from playwright.sync_api import Browser, Page, Route, sync_playwright
 from playwright.sync_api import Error as PlaywrightError
 
-from exporter.api import v1
+from exporter.api import v1, view
 from exporter.client import RankClient
 from exporter.config import RanksConfig, SidecarConfig
 from exporter.protocol.messages import World
@@ -68,12 +68,12 @@ def rank_process(socket_path: str, tp: int, pp: int, dp: int, model: str) -> Non
 
 def rank_id(tp: int, pp: int, dp: int, model: str) -> str:
     """A stream's identity as the page writes it (the document's own ids are short and renumber as ranks come)."""
-    return api.identity_text(tp, pp, dp, None, (("cache_type", "UnifiedRadixCache"), ("model", model)))
+    return view.identity_text(tp, pp, dp, None, (("cache_type", "UnifiedRadixCache"), ("model", model)))
 
 
 def server_name(model: str) -> str:
     """A server as the page names it: its quoted static labels (the radix stream's cache_type is not one)."""
-    return " ".join(api.quoted_labels((("model", model),)))
+    return " ".join(view.quoted_labels((("model", model),)))
 
 
 def css(value: str) -> str:
@@ -376,7 +376,7 @@ def test_the_demo_server_is_8_rank_cells_each_listing_its_streams(demo: tuple[Si
         assert watched.page.locator("table.grid caption").all_inner_texts() == [
             "dp 0: 4 of 4 ranks live", "dp 1: 4 of 4 ranks live"]
         # A stream's full identity is its line's tooltip: the scheduler of dp 1 labels global tp 2.
-        scheduler = api.identity_text(2, 1, 1, None, tuple(sorted(SCHEDULER.items())))
+        scheduler = view.identity_text(2, 1, 1, None, tuple(sorted(SCHEDULER.items())))
         cell = watched.page.locator(f'td.rank[data-rank$="/{demo_cell(1, 1, 0)}"]')
         assert cell.locator(".stream").nth(2).get_attribute("title").startswith(f"{scheduler}\nstate live, last push ")
         assert watched.page.locator("#streams-body tbody tr").count() == 20

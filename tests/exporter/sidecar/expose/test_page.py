@@ -16,12 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exporter.api import v1
+from exporter.api.view import identity_text
 from exporter.config import RanksConfig, SidecarConfig
 from exporter.protocol.messages import RankId, World
 from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.ranks import Join
 from exporter.sidecar.expose import page
-from exporter.sidecar.expose.status import StatusView, identity_text
+from exporter.sidecar.expose.status import StatusView
 from tests.exporter.sidecar.harness import Harness, tokens
 
 RADIX = {"cache_type": "UnifiedRadixCache"}

@@ -23,7 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exporter.api import v1
-from exporter.catalog import MetricType, default_catalog, load_profile
+from exporter.api.view import escaped, identity_text
+from exporter.catalog import SGLANG_TRANSFERS, SPREAD_THRESHOLD, MetricType, default_catalog, load_profile
 from exporter.client import RankClient
 from exporter.config import RanksConfig, SidecarConfig, config_from_data
 from exporter.protocol.messages import Hello, RankId, World
@@ -32,7 +33,7 @@ from exporter.sidecar.expose import page
 from exporter.sidecar.expose import status as api
 from exporter.sidecar.expose.collector import window_increases
 from exporter.sidecar.expose.page import render_page, sparkline_path
-from exporter.sidecar.expose.status import SPREAD_THRESHOLD, TRANSFERS, BandwidthHistory, StatusView, _escaped
+from exporter.sidecar.expose.status import BandwidthHistory, StatusView
 from exporter.sidecar.http import app as app_module
 from tests.exporter.sidecar.harness import STATIC, Harness, bytes_, dropped, hist, one_hot, tokens
 from tests.exporter.sidecar.upstream.test_feed import Engine, EngineHTTP
@@ -76,9 +77,9 @@ def rank_labels(doc: dict[str, Any], stream: dict[str, Any]) -> dict[str, str]:
 
 
 def identity_of(doc: dict[str, Any], stream: dict[str, Any]) -> str:
-    """A stream's identity as /metrics quotes it (status.identity_text)."""
+    """A stream's identity as /metrics quotes it (view.identity_text)."""
     static = tuple(sorted(rank_labels(doc, stream).items()))
-    return api.identity_text(stream["tp_rank"], stream["pp_rank"], stream["dp_rank"], stream["attn_cp_rank"], static)
+    return identity_text(stream["tp_rank"], stream["pp_rank"], stream["dp_rank"], stream["attn_cp_rank"], static)
 
 
 def assert_valid(definition: str, document: Any) -> None:
@@ -189,9 +190,9 @@ def test_every_number_equals_the_metrics_rollups(proxied: tuple[SidecarThread, E
     transfers = {t["name"]: t for t in doc["transfers"]}
     assert transfers["load_back"]["tokens"] == 2000 + 10 and transfers["load_back"]["bytes"] == 3000 + 300
     assert transfers["prefetch"]["tokens"] == 2000 and transfers["prefetch"]["bytes"] == 3000
-    for transfer in TRANSFERS:
-        assert transfers[transfer.name]["tokens"] == by_family[transfer.tokens_family]["total"]
-        assert transfers[transfer.name]["bytes"] == by_family[transfer.bytes_family]["total"]
+    for transfer in SGLANG_TRANSFERS:
+        assert transfers[transfer.name]["tokens"] == by_family[transfer.tokens]["total"]
+        assert transfers[transfer.name]["bytes"] == by_family[transfer.bytes]["total"]
     for bw in doc["bandwidth"]["families"]:
         on_metrics = {tuple(sorted(s.labels.items())): s.value for s in scrape.find(bw["exported"])}
         assert {tuple(sorted(s["labels"].items())): s["bytes_per_second"] for s in bw["series"]} == on_metrics
@@ -354,7 +355,7 @@ def test_any_label_value_round_trips_through_json_and_is_text_on_the_page(value:
     (row,) = doc["streams"]
     assert rank_labels(doc, row) == {**STATIC, "model": value} and row["own_labels"] == {}
     identity = identity_of(doc, row)
-    assert identity.endswith(f'model="{_escaped(value)}"') and row["id"] == "g0/tp=0,pp=0"
+    assert identity.endswith(f'model="{escaped(value)}"') and row["id"] == "g0/tp=0,pp=0"
     (server,) = doc["servers"]
     assert label_set(doc, server["label_set"]) == {"model": value}  # the radix stream's cache_type is its own
     parsed = _Page()
@@ -756,7 +757,7 @@ def test_an_id_reads_back_as_its_identity(identity: tuple[Any, ...]) -> None:
     identities never share one (`a="1 b=2"` against `a="1" b="2"`), and no more do two groups."""
     tp, pp, dp, cp, labels = identity
     static = tuple(sorted(labels.items()))
-    assert parse_id(api.identity_text(tp, pp, dp, cp, static)) == (tp, pp, dp, cp, static)
+    assert parse_id(identity_text(tp, pp, dp, cp, static)) == (tp, pp, dp, cp, static)
 
 
 def test_the_state_file_line_says_where_how_often_what_was_taken_back_and_what_failed() -> None:

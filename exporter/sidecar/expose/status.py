@@ -13,7 +13,7 @@ import math
 import platform
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -582,23 +582,35 @@ class StatusView:
         return v1.Spread(threshold=default.spread_threshold, groups=groups)
 
 
+@dataclass(slots=True)
+class _Served:
+    """One encoded body and when it was built: the JSON, or the page."""
+
+    built_at: float = float("-inf")
+    token: tuple[int, ...] = ()
+    plain: bytes = b""
+    gzipped: bytes | None = None
+
+
 class EncodedStatus:
-    """The status document as served: encoded once per `max_age` (one housekeeping tick) and shared by
-    every request until then, with its gzipped form made on first demand; one copy of each is held.
+    """The status document as served, as JSON and (with `render`) as the page: each encoded once per `max_age`
+    (one housekeeping tick) and shared by every request until then, with its gzipped form made on first
+    demand; one copy of each is held.
 
     Without it each request built its own copy, and viewers of a sidecar whose series were all
     escape-heavy labels held one document each at once (measured: docs/reliability.md, section
-    Memory budget). A frame, a connection or an upstream read since the build makes it stale at once, so a
-    reader polling for a change sees it on its next request.
+    Memory budget); the page's script fetches the page every few seconds, so its viewers share one too.
+    A frame, a connection or an upstream read since the build makes it stale at once, so a reader
+    polling for a change sees it on its next request.
     """
 
-    def __init__(self, view: StatusView, max_age: float = ENCODED_MAX_AGE_SECONDS) -> None:
+    def __init__(self, view: StatusView, max_age: float = ENCODED_MAX_AGE_SECONDS,
+                 render: Callable[[v1.StatusDocument], str] | None = None) -> None:
         self.view = view
         self.max_age = max_age
-        self._built_at = float("-inf")
-        self._token: tuple[int, ...] = ()
-        self._plain = b""
-        self._gzipped: bytes | None = None
+        self.render = render
+        self._json = _Served()
+        self._page = _Served()
 
     def _change_token(self) -> tuple[int, ...]:
         stats = self.view.stats
@@ -607,16 +619,26 @@ class EncodedStatus:
                 saving.writes, sum(saving.write_failures.values()),
                 *(health.scrapes for health in stats.upstreams.values()))
 
-    def body(self, gzipped: bool) -> bytes:
-        """The current document's JSON, gzipped (level 1) if asked."""
+    def _served(self, served: _Served, build: Callable[[], bytes], gzipped: bool) -> bytes:
         now = self.view.state.clock()
         token = self._change_token()
-        if now - self._built_at >= self.max_age or token != self._token:
-            self._plain, self._gzipped = b"", None  # let the old copy go before the new one is built
-            self._plain = self.view.encode()
-            self._built_at, self._token = now, token
+        if now - served.built_at >= self.max_age or token != served.token:
+            served.plain, served.gzipped = b"", None  # let the old copy go before the new one is built
+            served.plain = build()
+            served.built_at, served.token = now, token
         if not gzipped:
-            return self._plain
-        if self._gzipped is None:
-            self._gzipped = gzip.compress(self._plain, compresslevel=1)
-        return self._gzipped
+            return served.plain
+        if served.gzipped is None:
+            served.gzipped = gzip.compress(served.plain, compresslevel=1)
+        return served.gzipped
+
+    def body(self, gzipped: bool) -> bytes:
+        """The current document's JSON, gzipped (level 1) if asked."""
+        return self._served(self._json, self.view.encode, gzipped)
+
+    def page(self, gzipped: bool) -> bytes:
+        """The current document as the status page (`render`), gzipped (level 1) if asked."""
+        render = self.render
+        if render is None:
+            raise RuntimeError("EncodedStatus.page needs a render function")
+        return self._served(self._page, lambda: render(self.view.document()).encode(), gzipped)

@@ -88,7 +88,7 @@ def build_app(
     app[HEALTH] = health
     app[RENDERER] = renderer
     app[VIEW] = StatusView(config, state, health)
-    app[ENCODED] = EncodedStatus(app[VIEW])
+    app[ENCODED] = EncodedStatus(app[VIEW], render=render_page)
     app[STATIC] = _static_files()
     app[BODIES] = bodies
     app.cleanup_ctx.extend(sources)
@@ -199,8 +199,12 @@ async def _status(request: web.Request) -> web.Response:
 
 
 async def _status_page(request: web.Request) -> web.Response:
-    page = render_page(request.app[VIEW].document()).encode()
-    return _negotiated(request, page, {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"})
+    # The page's script fetches it every few seconds: viewers within one tick share one copy, as for the JSON.
+    gzipped = _gzipped(request)
+    headers = {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store", "Vary": "Accept-Encoding"}
+    if gzipped:
+        headers["Content-Encoding"] = "gzip"
+    return web.Response(body=request.app[ENCODED].page(gzipped), headers=headers)
 
 
 def _static_files() -> dict[str, tuple[bytes, str]]:

@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from exporter.api import v1
 
 REPO = Path(__file__).resolve().parents[3]

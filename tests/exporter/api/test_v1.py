@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from exporter.api import v1
 
 REPO = Path(__file__).resolve().parents[3]
@@ -73,3 +75,9 @@ def test_the_script_check_catches_a_document_field() -> None:
     """The extraction the test above relies on finds a document field the script would read."""
     read = SCRIPT.read_text(encoding="utf-8") + "\nconst since = r.seconds_since_push;\n"
     assert "seconds_since_push" in script_fields(read) & schema_properties(v1.json_schema())
+
+
+def test_top_reads_past_fields_it_does_not_know_and_the_schema_refuses_them() -> None:
+    decoded = msgspec.json.decode(b'{"pp_rank": 1, "attn_cp_rank": 0, "later": true}', type=v1.GridRow)
+    assert decoded == v1.GridRow(pp_rank=1, attn_cp_rank=0)
+    assert v1.json_schema()["$defs"]["grid_row"]["additionalProperties"] is False

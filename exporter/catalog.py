@@ -209,6 +209,17 @@ class TransferSpec(BaseModel):
     tokens: str | None = None
     bytes: str | None = None
     seconds: str | None = None  # a histogram of the transfers' durations, in seconds
+    label: str | None = Field(None, min_length=1)  # how people name it, where that is not its name's words
+
+    @property
+    def title(self) -> str:
+        """Its name for people: `label`, else its name's words (`remote_read`: remote read)."""
+        return self.label or self.name.replace("_", " ")
+
+    @property
+    def tiers(self) -> str:
+        """`L2→L1`: where the data leaves and arrives."""
+        return f"{self.source}→{self.target}"
 
     def families(self) -> tuple[str, ...]:
         """The families it names, tokens, bytes, then seconds."""
@@ -276,13 +287,13 @@ class ProfileSpec(BaseModel):
 # SGLang 0.5.23 HiCache's four movements between its tiers (L1 device, L2 host, L3 storage).
 SGLANG_TRANSFERS = (
     TransferSpec(name="load_back", source="L2", target="L1", tokens="load_back_tokens_total",
-                 bytes="load_back_bytes_total", seconds="load_back_duration_seconds"),
+                 bytes="load_back_bytes_total", seconds="load_back_duration_seconds", label="load-back"),
     TransferSpec(name="backup", source="L1", target="L2", tokens="hicache_backup_tokens_total",
                  bytes="hicache_backup_bytes_total", seconds="hicache_backup_duration_seconds"),
     TransferSpec(name="prefetch", source="L3", target="L2", tokens="prefetched_tokens_total",
                  bytes="storage_prefetch_bytes_total", seconds="storage_prefetch_duration_seconds"),
     TransferSpec(name="storage_backup", source="L2", target="L3", tokens="backuped_tokens_total",
-                 bytes="storage_backup_bytes_total", seconds="storage_backup_duration_seconds"),
+                 bytes="storage_backup_bytes_total", seconds="storage_backup_duration_seconds", label="backup"),
 )
 SGLANG_PROFILE = ProfileSpec(name=DEFAULT_PROFILE, namespace="sglang_", upstream_prefix="sglang:",
                              derived_labels=("moe_ep_rank",), transfers=SGLANG_TRANSFERS)

@@ -37,7 +37,7 @@ ENCODED: web.AppKey[EncodedStatus] = web.AppKey("encoded", EncodedStatus)
 BODIES: web.AppKey[BodyBudget] = web.AppKey("bodies", BodyBudget)
 STATIC: web.AppKey[dict[str, tuple[bytes, str]]] = web.AppKey("static", dict)
 STATIC_FILES = {"status.js": "text/javascript", "status.css": "text/css"}
-# The page loads only its own script and style sheet and fetches only the API (docs/api.md).
+# The page loads only its own script and style sheet, and its script fetches only the page itself (docs/api.md).
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"

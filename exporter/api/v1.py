@@ -234,7 +234,7 @@ class GridRow(Model):
 
 
 class Grid(Model):
-    """What a dp group's grid draws (the page, its script and top): pp x cp rows by tp columns, at most 1,024 cells
+    """What a dp group's grid draws (the page and top): pp x cp rows by tp columns, at most 1,024 cells
     per dp group and 4,096 over the document; the counts are exact."""
 
     rows: Annotated[list[GridRow], Meta(description="ascending by pp, then cp")]

@@ -348,7 +348,7 @@ def test_grid_shows_every_rank_live_and_refreshes(fed: tuple[SidecarThread, Rank
         reasons = watched.page.locator("#reasons-body").inner_text()
         assert "storage_prefetch_unfulfilled_tokens_total" in reasons and "host_capacity" in reasons
         health = watched.page.locator("#health-body").inner_text()
-        assert "no rejections" in health and "not kept (--persistence.file)" in health  # status.js: stateFile
+        assert "no rejections" in health and "not kept (--persistence.file)" in health  # after a refresh
         watched.screenshot("grid-live")
         assert watched.errors == [] and watched.dialogs == []  # nothing the CSP blocked, no script error
     finally:
@@ -433,7 +433,7 @@ SECTION_HTML_JS = """() => Object.fromEntries(
 
 
 def drawn_both_ways(browser: Browser, url: str, body: bytes) -> tuple[dict[str, str], dict[str, str]]:
-    """A status document as page.py renders it (JavaScript off) and as status.js builds it from the JSON (the
+    """A status document as page.py renders it (JavaScript off) and as status.js swaps it in on a refresh (the
     page and every refresh get this one document; the script and style sheet come from the sidecar at `url`):
     each section's and the header's markup, as the browser serializes it."""
     served = page.render_page(msgspec.json.decode(body, type=v1.StatusDocument))
@@ -660,7 +660,7 @@ def test_page_refreshes_behind_basic_auth(fast_refresh: None, browser: Browser) 
 
 
 def test_the_state_file_line_is_the_same_from_the_script_and_the_server(fast_refresh: None, browser: Browser) -> None:
-    """status.js' stateFile against page.py's state_file, on a sidecar that keeps a state file and wrote it."""
+    """The refreshed page's state file line against page.py's state_file, on a sidecar that keeps a state file and wrote it."""
     with tempfile.TemporaryDirectory(prefix="hc-", dir="/tmp") as directory:
         state = Path(directory) / "state"
         sidecar = _sidecar(Path(directory), persistence={"file": str(state), "interval": "100ms"})

@@ -29,7 +29,7 @@ from exporter.api.view import (
     transfer_rows,
 )
 
-REFRESH_MS = 2000  # how often the script fetches /api/v1/status
+REFRESH_MS = 2000  # how often the script fetches the page again
 NOSCRIPT_REFRESH_SECONDS = 15  # without JavaScript, the browser reloads the page this often
 UNEXPECTED = "outside world"  # a rank or dp group that its server's expected world does not hold
 SPARK_WIDTH, SPARK_HEIGHT = 120, 24
@@ -47,7 +47,7 @@ _EXACT = Context(prec=400)  # room for any float's every digit: a float converts
 
 def fixed(value: float, digits: int) -> str:
     """`value` with `digits` decimals, a tie rounded away from zero as JavaScript's toFixed rounds it
-    (Python's format rounds a tie to even: 12.25 MiB would read 12.2 here and 12.3 in the script)."""
+    (Python's format rounds a tie to even: 12.25 MiB would read 12.2; the page has always read 12.3)."""
     return f"{Decimal(value).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP, context=_EXACT):f}"
 
 
@@ -358,7 +358,7 @@ def spread(doc: v1.StatusDocument) -> str:
 
 
 def state_file(p: v1.Persistence | None) -> str:
-    """The state file's line: where, how often, what the start took back and what failed (status.js: stateFile)."""
+    """The state file's line: where, how often, what the start took back and what failed."""
     if p is None:
         return "not kept (--persistence.file)"
     failed = sum(p.write_failures.values())

@@ -1,7 +1,7 @@
 """The status page's HTML (exporter.sidecar.expose.page) on the server/rank/stream model: one cell per rank
 (position) listing its streams, a block per server, a grid per dp group; on the harness's fake clocks.
 
-The script (static/status.js) builds the same DOM from the same document: tests/e2e/test_status_page_browser.py
+The script (static/status.js) swaps in the same sections on a refresh: tests/e2e/test_status_page_browser.py
 compares the two in Chromium.
 """
 

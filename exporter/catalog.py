@@ -141,6 +141,11 @@ class FamilySpec(BaseModel):
         return self.semantics is Semantics.REPLICATED
 
     @property
+    def replicated_counter(self) -> bool:
+        """A replicated counter: what the replica spread compares and the one-replica-per-group rates read."""
+        return self.type is MetricType.COUNTER and self.replicated
+
+    @property
     def per_shard(self) -> bool:
         """The ranks add up: each counts its own shard (bytes, time), or only the engine's own process counts."""
         return self.semantics is not Semantics.REPLICATED
@@ -178,6 +183,41 @@ DEFAULT_STREAMS: dict[str, StreamSpec] = {
 }
 
 
+Tier = Literal["L1", "L2", "L3"]
+
+
+class TransferSpec(BaseModel):
+    """One movement of KV data between two cache tiers (L1 device, L2 host, L3 storage or remote), and the
+    families that count it: its logical tokens, its physical bytes and the seconds it took (each optional)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=LABEL_NAME_RE.pattern)
+    source: Tier  # the tier the data leaves
+    target: Tier  # the tier it arrives in
+    tokens: str | None = None
+    bytes: str | None = None
+    seconds: str | None = None  # a histogram of the transfers' durations, in seconds
+    label: str | None = Field(None, min_length=1)  # how people name it, where that is not its name's words
+
+    @property
+    def title(self) -> str:
+        """Its name for people: `label`, else its name's words (`remote_read`: remote read)."""
+        return self.label or self.name.replace("_", " ")
+
+    @property
+    def tiers(self) -> str:
+        """`L2→L1`: where the data leaves and arrives."""
+        return f"{self.source}→{self.target}"
+
+    def families(self) -> tuple[str, ...]:
+        """The families it names, tokens, bytes, then seconds."""
+        return tuple(name for name in (self.tokens, self.bytes, self.seconds) if name is not None)
+
+
+SPREAD_THRESHOLD = 0.2  # the default: a replica group whose spread ratio is above it is diverging
+
+
 class ProfileSpec(BaseModel):
     """An engine profile's own facts (DESIGN section 14): its name, exported namespace, the prefix of
     its names on the engine's /metrics, how a series' labels name its rank, and its static labels."""
@@ -198,6 +238,21 @@ class ProfileSpec(BaseModel):
     derived_labels: tuple[str, ...] = ()
     # The labels the engine puts on every series besides the rank's (documentation, and a start-up check).
     static_labels: tuple[str, ...] = ()
+    # Its tier transfers, in the order views list them (a transfer whose families a trimmed profile file
+    # leaves out is not shown).
+    transfers: tuple[TransferSpec, ...] = ()
+    # Above this spread ratio the replicas of a group disagree (the status document's `diverging`, the
+    # HiCacheReplicaSpreadHigh alert, the dashboard's note).
+    spread_threshold: float = Field(SPREAD_THRESHOLD, gt=0, le=1)
+    # How a world of dp_size > 1 says DP attention (the dp groups sharing one tp group): "sizes", when the
+    # engine's tp size spans every dp group's attention ranks (SGLang: tp = dp x cp x attention tp);
+    # "never", for an engine whose data-parallel replicas each have their own tp group (vLLM).
+    dp_attention: Literal["sizes", "never"] = "sizes"
+
+    def runs_dp_attention(self, tp_size: int, dp_size: int, attn_cp_size: int, attn_tp_size: int) -> bool:
+        """Whether a world of these sizes runs DP attention under this profile's rule."""
+        return (self.dp_attention == "sizes" and dp_size > 1
+                and tp_size == dp_size * attn_cp_size * attn_tp_size)
 
     def world_problem(self, dp_size: int) -> str | None:
         """Why an upstream of this profile cannot be given a world of `dp_size` replicas, or None: a profile
@@ -212,11 +267,25 @@ class ProfileSpec(BaseModel):
         if self.linear_rank_label is not None and self.linear_rank_label not in self.derived_labels:
             raise ValueError(f"linear_rank_label {self.linear_rank_label!r} must be one of derived_labels "
                              "(it differs between the replicas of a group)")
+        names = [transfer.name for transfer in self.transfers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"transfers repeat a name: {names}")
         return self
 
 
+# SGLang 0.5.23 HiCache's four movements between its tiers (L1 device, L2 host, L3 storage).
+SGLANG_TRANSFERS = (
+    TransferSpec(name="load_back", source="L2", target="L1", tokens="load_back_tokens_total",
+                 bytes="load_back_bytes_total", seconds="load_back_duration_seconds", label="load-back"),
+    TransferSpec(name="backup", source="L1", target="L2", tokens="hicache_backup_tokens_total",
+                 bytes="hicache_backup_bytes_total", seconds="hicache_backup_duration_seconds"),
+    TransferSpec(name="prefetch", source="L3", target="L2", tokens="prefetched_tokens_total",
+                 bytes="storage_prefetch_bytes_total", seconds="storage_prefetch_duration_seconds"),
+    TransferSpec(name="storage_backup", source="L2", target="L3", tokens="backuped_tokens_total",
+                 bytes="storage_backup_bytes_total", seconds="storage_backup_duration_seconds", label="backup"),
+)
 SGLANG_PROFILE = ProfileSpec(name=DEFAULT_PROFILE, namespace="sglang_", upstream_prefix="sglang:",
-                             derived_labels=("moe_ep_rank",))
+                             derived_labels=("moe_ep_rank",), transfers=SGLANG_TRANSFERS)
 
 
 class Catalog(BaseModel):
@@ -250,6 +319,13 @@ class Catalog(BaseModel):
             if fam.collector is not None and fam.collector not in self.streams:
                 raise ValueError(f"{fam.name!r}: collector {fam.collector!r} is not in `streams:` {list(self.streams)}")
         by_name = {f.name: f for f in self.families}
+        for profile in self.profiles.values():
+            for transfer in profile.transfers:
+                for name, kind in ((transfer.tokens, MetricType.COUNTER), (transfer.bytes, MetricType.COUNTER),
+                                   (transfer.seconds, MetricType.HISTOGRAM)):
+                    named = by_name.get(name) if name is not None else None
+                    if named is not None and named.type is not kind:  # absent: a trimmed profile file
+                        raise ValueError(f"transfer {transfer.name!r}: {name!r} is a {named.type.value}, not a {kind.value}")
         for fam in self.families:
             if fam.duration_histogram is None:
                 continue
@@ -362,6 +438,11 @@ class Catalog(BaseModel):
             return cls(families=tuple(families), streams=streams, profiles=profiles)
         except ValidationError as err:
             raise ConfigError(format_validation_error(err, "profiles in use")) from None
+
+    def transfers(self) -> list[tuple[ProfileSpec, TransferSpec]]:
+        """Every profile's tier transfers that have a family in the catalog, by profile, each with its profile."""
+        return [(profile, transfer) for profile in self.profiles.values() for transfer in profile.transfers
+                if transfer.tokens in self or transfer.bytes in self]
 
     def bandwidth_pairs(self) -> list[tuple[FamilySpec, FamilySpec]]:
         """(bytes counter, duration histogram) pairs that get active-bandwidth gauges."""

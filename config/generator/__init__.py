@@ -66,8 +66,8 @@ def recording_rules(namespace: str, catalog: Catalog) -> dict[str, Any]:
     return {"groups": rules.recording_groups(namespace, catalog)}
 
 
-def alerting_rules(namespace: str) -> dict[str, Any]:
-    return {"groups": rules.alerting_groups(namespace)}
+def alerting_rules(namespace: str, catalog: Catalog) -> dict[str, Any]:
+    return {"groups": rules.alerting_groups(namespace, catalog)}
 
 
 def prometheus_rule(namespace: str, catalog: Catalog) -> dict[str, Any]:
@@ -77,7 +77,7 @@ def prometheus_rule(namespace: str, catalog: Catalog) -> dict[str, Any]:
         "kind": "PrometheusRule",
         "metadata": {"name": _suffixed("hicache-exporter", namespace),
                      "labels": {"app.kubernetes.io/name": "hicache-exporter", "app.kubernetes.io/component": "rules"}},
-        "spec": {"groups": rules.recording_groups(namespace, catalog) + rules.alerting_groups(namespace)},
+        "spec": {"groups": rules.recording_groups(namespace, catalog) + rules.alerting_groups(namespace, catalog)},
     }
 
 
@@ -94,7 +94,7 @@ def outputs(namespace: str = DEFAULT_NAMESPACE, catalog: Catalog | None = None) 
         "prometheus/recording_rules.yml": lambda: dump_mapping(
             recording_rules(namespace, catalog), _header(namespace, rules.recording_header(namespace, others))),
         "prometheus/alerting_rules.yml": lambda: dump_mapping(
-            alerting_rules(namespace), _header(namespace, rules.ALERTING_HEADER)),
+            alerting_rules(namespace, catalog), _header(namespace, rules.ALERTING_HEADER)),
         "k8s/prometheusrule.yaml": lambda: _manifest(namespace, """
             The recording and alerting rules as a Prometheus Operator PrometheusRule. Your Prometheus must
             select it: add the label its ruleSelector wants (often `release: <helm release>`) and deploy it in

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from exporter.catalog import Catalog
+from exporter.catalog import Catalog, TransferSpec
 
 from . import rules
 
@@ -52,13 +52,22 @@ RESTART_NOTE = ("A restart of a sidecar without its state file (or whose file co
 RESTART_GUARD = (f"and on (job, instance) (changes({SIDECAR_START}{{{POD}}}[{RATE}]) == 0 "
                  f"or on (job, instance) {STATE_LOADED})")
 
-# The four transfer tiers: (bytes family, tokens family, label).
-TIERS = (
-    ("load_back_bytes_total", "load_back_tokens_total", "L2→L1 load-back"),
-    ("hicache_backup_bytes_total", "hicache_backup_tokens_total", "L1→L2 backup"),
-    ("storage_prefetch_bytes_total", "prefetched_tokens_total", "L3→L2 prefetch"),
-    ("storage_backup_bytes_total", "backuped_tokens_total", "L2→L3 backup"),
-)
+
+
+def transfers(catalog: Catalog) -> list[TransferSpec]:
+    """The tier transfers its profiles declare (exporter.catalog), in order."""
+    return [transfer for _, transfer in catalog.transfers()]
+
+
+def tier_label(transfer: TransferSpec) -> str:
+    """`L2→L1 load-back`: a transfer as the dashboard names it."""
+    return f"{transfer.tiers} {transfer.title}"
+
+
+def tiers(catalog: Catalog) -> list[tuple[str, str, str]]:
+    """(bytes family, tokens family, label) of each transfer that counts both."""
+    return [(t.bytes, t.tokens, tier_label(t)) for t in transfers(catalog)
+            if t.bytes is not None and t.tokens is not None and t.bytes in catalog and t.tokens in catalog]
 
 FLEET_ROW_PREFIX = "Fleet"
 POD_ROW_PREFIX = "Pod"
@@ -121,13 +130,13 @@ def fleet_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
         "cluster:<x>_tokens:rate5m: per dp group the furthest replica's rate, wherever its ranks run, then "
         "the groups summed; one line per tier, summed over servers. Never a sum of the sidecars' rollups, "
         "which counts a TP group spanning pods once per pod.",
-        [(f"sum({rules.cluster_rate(ns, spec(tokens))})", f"fleet {label}") for _, tokens, label in TIERS]))
+        [(f"sum({rules.cluster_rate(ns, spec(tokens))})", f"fleet {label}") for _, tokens, label in tiers(catalog)]))
     panels.append(_timeseries(
         "Physical bytes/s by tier (every rank summed)",
         "cluster:<x>_bytes:rate5m: every rank's byte rate summed (each rank moves its own shard).",
-        [(f"sum({rules.bytes_rate(ns, spec(b))})", f"fleet {label}") for b, _, label in TIERS], unit="Bps"))
+        [(f"sum({rules.bytes_rate(ns, spec(b))})", f"fleet {label}") for b, _, label in tiers(catalog)], unit="Bps"))
     pairs = {b.name: (b, h) for b, h in catalog.bandwidth_pairs()}
-    for bytes_name, _, label in TIERS:
+    for bytes_name, _, label in tiers(catalog):
         bytes_fam, hist = pairs[bytes_name]
         panels.append(_timeseries(
             f"{label} active bandwidth",
@@ -172,7 +181,7 @@ def pod_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
     """Rows for the one pod `$instance`: its sidecar's rollups beside its ranks, and its health."""
     panels: list[dict[str, Any]] = [_row(
         f"{POD_ROW_PREFIX} $instance: its sidecar's rollups and its ranks (the rule for one pod)")]
-    for _, tokens, label in TIERS:
+    for _, tokens, label in tiers(catalog):
         panels.append(_timeseries(
             f"{label} tokens/s in this pod",
             f"Rollup: {ns}rollup_{tokens} of this pod's sidecar (the furthest replica of each dp group, groups "
@@ -180,7 +189,7 @@ def pod_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
             "of each other. If this pod holds only part of a TP group, use the fleet rows. " + RESTART_NOTE,
             [(f"sum without (pool) (rate({ns}{tokens}{{{RANKS}}}[{RATE}]))", "tp{{tp_rank}} pp{{pp_rank}} dp{{dp_rank}}"),
              (f"sum without (pool) ({pod_rollup_rate(ns, tokens)})", "rollup {{cache_type}}")], width=6))
-    for bytes_name, _, label in TIERS:
+    for bytes_name, _, label in tiers(catalog):
         panels.append(_timeseries(
             f"{label} bytes/s in this pod",
             f"Rollup: {ns}rollup_{bytes_name}, every rank of this pod summed. Per rank: each rank's own shard. "
@@ -188,18 +197,19 @@ def pod_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
             [(f"rate({ns}{bytes_name}{{{RANKS}}}[{RATE}])", "tp{{tp_rank}} pp{{pp_rank}} dp{{dp_rank}}"),
              (pod_rollup_rate(ns, bytes_name), "rollup {{cache_type}}")], unit="Bps", width=6))
     for bytes_fam, _ in catalog.bandwidth_pairs():
-        label = next(tier_label for b, _, tier_label in TIERS if b == bytes_fam.name)
+        label = next(label for b, _, label in tiers(catalog) if b == bytes_fam.name)
         panels.append(_timeseries(
             f"{label} active bandwidth in this pod",
             "The sidecar's window (rollup.window_seconds, default 60 s): byte increase over transfer-time "
             "increase, per rank and rolled up; no line while nothing moved.",
             [(f"{ns}{bytes_fam.bandwidth_name}{{{RANKS}}}", "tp{{tp_rank}} pp{{pp_rank}} dp{{dp_rank}}"),
              (f"{ns}rollup_{bytes_fam.bandwidth_name}{{{POD}}}", "rollup {{cache_type}}")], unit="Bps", width=6))
-    spread = [f for f in catalog if f.replicated and f.type.value == "counter"]
+    spread = [f for f in catalog if f.replicated_counter]
     panels.append(_timeseries(
         "Replica spread ratio by dp group",
         "(max - min) / max of the live replicas' increases over the sidecar's window: 0 when the replicas "
-        "of a dp group agree; HiCacheReplicaSpreadHigh fires above 0.2 for 10 minutes.",
+        f"of a dp group agree; HiCacheReplicaSpreadHigh fires above {catalog.default_profile.spread_threshold:g} "
+        "for 10 minutes.",
         [(f"max by (dp_rank) ({ns}{f.base_name}_replica_spread_ratio{{{RANKS}}})", f"dp{{{{dp_rank}}}} {f.base_name}")
          for f in spread], unit="percentunit", width=24))
     panels.append(_timeseries(
@@ -304,11 +314,17 @@ def lmcache_fleet_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
                 ("num_stored_tokens_total", "stored"), ("num_lookup_tokens_total", "lookup"),
                 ("num_prompt_tokens_total", "prompt"), ("num_vllm_hit_tokens_total", "vLLM prefix hit"))], width=8),
         _timeseries(
-            "LMCache remote read and write bytes/s (every worker summed)",
-            "Bytes each worker moved to and from the remote backend, summed over every worker of every engine "
-            "(each moves its own KV slice).",
-            [(f"sum({rules.bytes_rate(ns, spec('num_remote_read_bytes_total'))})", "fleet read"),
-             (f"sum({rules.bytes_rate(ns, spec('num_remote_write_bytes_total'))})", "fleet write")], unit="Bps", width=8),
+            "LMCache tokens/s by transfer between tiers (once per engine)",
+            "The profile's transfers (exporter/defaults/lmcache.yaml) that count tokens: per engine its furthest "
+            "worker, engines summed.",
+            [(f"sum({rules.cluster_rate(ns, spec(t.tokens))})", f"fleet {tier_label(t)}")
+             for t in transfers(catalog) if t.tokens is not None], width=8),
+        _timeseries(
+            "LMCache bytes/s by transfer between tiers (every worker summed)",
+            "The profile's transfers that count bytes: each worker moves its own KV slice, so every worker of every "
+            "engine is summed.",
+            [(f"sum({rules.bytes_rate(ns, spec(t.bytes))})", f"fleet {tier_label(t)}")
+             for t in transfers(catalog) if t.bytes is not None], unit="Bps", width=8),
         _timeseries(
             "LMCache requests/s (once per engine)",
             "Retrieve, store and lookup requests, per engine its furthest worker, engines summed; lookups by role "
@@ -329,9 +345,10 @@ def lmcache_fleet_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
 def lmcache_pod_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
     """LMCache in the one pod `$instance`: its sidecar's rollups beside its workers."""
     for name in ("num_hit_tokens_total", "num_requested_tokens_total", "num_stored_tokens_total",
-                 "num_remote_read_bytes_total", "num_remote_write_bytes_total", "local_cache_usage", "retrieve_hit_rate"):
+                 "local_cache_usage", "retrieve_hit_rate"):
         catalog.get(name)  # a profile file without them fails here, not in Grafana
     worker = "worker {{worker_id}} dp{{dp_rank}}"
+    moved = [(t.bytes, tier_label(t)) for t in transfers(catalog) if t.bytes is not None]
     return [
         _row(f"{POD_ROW_PREFIX} $instance, LMCache (vLLM): its sidecar's rollups and its workers"),
         _timeseries(
@@ -356,12 +373,12 @@ def lmcache_pod_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
             [(pod_rollup_rate(ns, "num_stored_tokens_total"), "rollup stored"),
              (f"rate({ns}num_stored_tokens_total{{{RANKS}}}[{RATE}])", worker)], width=8),
         _timeseries(
-            "LMCache remote read and write bytes/s in this pod",
-            "Per worker its own shard's bytes; the rollups sum the workers. " + RESTART_NOTE,
-            [(pod_rollup_rate(ns, "num_remote_read_bytes_total"), "rollup read"),
-             (pod_rollup_rate(ns, "num_remote_write_bytes_total"), "rollup write"),
-             (f"rate({ns}num_remote_read_bytes_total{{{RANKS}}}[{RATE}])", f"{worker} read"),
-             (f"rate({ns}num_remote_write_bytes_total{{{RANKS}}}[{RATE}])", f"{worker} write")], unit="Bps", width=12),
+            "LMCache bytes/s by transfer between tiers in this pod",
+            "The profile's transfers that count bytes. Per worker its own shard's bytes; the rollups sum the workers. "
+            + RESTART_NOTE,
+            [(pod_rollup_rate(ns, family), f"rollup {label}") for family, label in moved]
+            + [(f"rate({ns}{family}{{{RANKS}}}[{RATE}])", f"{worker} {label}") for family, label in moved],
+            unit="Bps", width=12),
         _timeseries(
             "LMCache local CPU cache usage in this pod",
             "Bytes in each worker's LocalCPUBackend allocator, and the rollup: their sum.",

@@ -114,8 +114,7 @@ def hit_ratios(profile: str, catalog: Catalog) -> list[tuple[str, FamilySpec, Fa
     found = []
     for gauge, hits_name, asked_name in HIT_RATIOS.get(profile, ()):
         hits, asked = catalog.find(hits_name), catalog.find(asked_name)
-        if hits is not None and asked is not None and all(
-                f.type is MetricType.COUNTER and f.replicated for f in (hits, asked)):
+        if hits is not None and asked is not None and hits.replicated_counter and asked.replicated_counter:
             found.append((gauge, hits, asked))
     return found
 
@@ -278,9 +277,11 @@ def _header_text(ns: str) -> str:
         """
 
 
-def alerting_groups(ns: str) -> list[dict[str, Any]]:
-    """The alerting-rule group for namespace `ns` (only the spread alert names catalog series)."""
+def alerting_groups(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
+    """The alerting-rule group for namespace `ns` (only the spread alert names catalog series, above its default
+    profile's spread threshold)."""
     spread = re.escape(ns)
+    threshold = catalog.default_profile.spread_threshold
     return [{
         "name": GROUP_ALERTS,
         "rules": [
@@ -351,7 +352,7 @@ def alerting_groups(ns: str) -> list[dict[str, Any]]:
                     "label_replace(\n"
                     f'  {{__name__=~"{spread}.*_replica_spread_ratio"}},\n'
                     f'  "family", "${{1}}_total", "__name__", "{spread}(.+)_replica_spread_ratio"\n'
-                    ") > 0.2\n"
+                    f") > {threshold:g}\n"
                 ),
                 "for": "10m",
                 "labels": {"severity": "warning"},
@@ -362,7 +363,7 @@ def alerting_groups(ns: str) -> list[dict[str, Any]]:
                         "On {{ $labels.namespace }}/{{ $labels.pod }}, the live replicas (tp/pp ranks) of "
                         "dp_rank={{ $labels.dp_rank }} have increased {{ $labels.family }} by amounts that "
                         "differ by {{ $value | humanizePercentage }} of the largest, for 10 minutes "
-                        "(threshold 20%). Replicas of a group should count the same logical tokens; check "
+                        f"(threshold {threshold:.0%}). Replicas of a group should count the same logical tokens; check "
                         "for a diverged rank, or two servers sharing one rank identity. Token rollups take "
                         "the largest replica, so they may be overstated while this fires."),
                 },

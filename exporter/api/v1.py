@@ -166,7 +166,7 @@ StreamKind = Annotated[str, Meta(description=(
 RankCellId = Annotated[str, Meta(pattern="^v[0-9]+/dp=[0-9]+,pp=[0-9]+,cp=[0-9]+,tp=[0-9]+$", description=(
     "id of a rank cell in `ranks`: <server id>/dp=..,pp=..,cp=..,tp=.. (attention tp rank)"))]
 ServerId = Annotated[str, Meta(pattern="^v[0-9]+$", description="id of a server in `servers`")]
-CellState = Literal["live", "stale", "departed", "expired", "missing"]
+CellState = Literal[RankStateName, "missing"]  # a stream's states, then a rank no unexpired stream holds
 
 
 class Stream(Model):
@@ -234,7 +234,7 @@ class GridRow(Model):
 
 
 class Grid(Model):
-    """What a dp group's grid draws (the page, its script and top): pp x cp rows by tp columns, at most 1,024 cells
+    """What a dp group's grid draws (the page and top): pp x cp rows by tp columns, at most 1,024 cells
     per dp group and 4,096 over the document; the counts are exact."""
 
     rows: Annotated[list[GridRow], Meta(description="ascending by pp, then cp")]
@@ -322,7 +322,8 @@ class Rollup(Model):
 
 
 class Transfer(Model):
-    """Totals per tier: one data movement between two cache tiers, its logical tokens and physical bytes."""
+    """Totals per tier: one data movement between two cache tiers, its logical tokens and physical bytes, as
+    its profile's catalog declares it (DESIGN section 17)."""
 
     name: str
     source: Tier = msgspec.field(name="from")
@@ -335,6 +336,12 @@ class Transfer(Model):
         "rolled-up bytes (sum of shards); null: the family is not in the catalog"))]
     bytes_per_second: Annotated[float | None, Meta(description=(
         "active bandwidth over the window; null: no transfer in the window, or not a finite number"))]
+    seconds_family: Annotated[str | None, Meta(description=(
+        "the histogram of its durations; null: the profile names none, or it is not in the catalog"))] = None
+    seconds: Annotated[float | None, Meta(description=(
+        "rolled-up seconds spent moving (sum of shards: the histogram's sum); null: no seconds family"))] = None
+    profile: Annotated[str | None, Meta(description=(
+        "the engine profile that declares it; absent from a sidecar before profiles declared their transfers"))] = None
 
 
 BandwidthPoint = Annotated[tuple[UnixTime, float | None], Meta(

@@ -14,7 +14,6 @@ and the others are still shown.
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -25,10 +24,10 @@ from rich.styled import Styled
 from rich.table import Table
 from rich.text import Text
 
-from exporter.api import v1
+from exporter.api import v1, view
+from exporter.api.view import GRID_CELLS, GRID_CELLS_PER_GROUP, KIND_ORDER, MISSING, STREAM_STATES
 from exporter.top.view import View
 
-STATES = ("live", "stale", "departed", "expired")
 STATE_STYLE = {"live": "black on green", "stale": "black on yellow", "departed": "white on blue",
                "expired": "white on red"}
 ABSENT_STYLE = "dim"  # a grid position no stream reports for and no world expects
@@ -37,10 +36,8 @@ ABSENT_STYLE = "dim"  # a grid position no stream reports for and no world expec
 MISSING_STYLE = "bold white on magenta"
 MISSING_MARK = "?"
 MISSING_SHOWN = 8  # missing ranks named per line under the grids; the rest are counted
-# The sidecar's caps on what a grid draws (status.GRID_CELLS_PER_GROUP, status.GRID_CELLS): top draws no more
-# than they allow whatever a document lists, and bounds a sidecar's from before the grid was bounded alike.
-GRID_CELLS_PER_GROUP = 1024
-GRID_CELLS = 4096
+# top draws no more than the view model's caps on a grid (view.GRID_CELLS_PER_GROUP, view.GRID_CELLS) allow,
+# whatever a document lists.
 SECTION = "bold underline"
 BLOCKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 30
@@ -158,7 +155,7 @@ def ranks_section(doc: v1.StatusDocument) -> list[RenderableType]:
         ranks.append(f" {count(totals.missing)} missing ", style=MISSING_STYLE)
     streams = Text(" streams ")
     by_state = doc.sidecar.streams_by_state
-    for state in STATES:
+    for state in STREAM_STATES:
         streams.append(f" {count(getattr(by_state, state))} {state} ", style=STATE_STYLE[state])
         streams.append("  ")
     limits = doc.sidecar.limits
@@ -182,7 +179,7 @@ def ranks_section(doc: v1.StatusDocument) -> list[RenderableType]:
 
 
 # A cell: its attention tp rank (`N?` when missing), then one letter per stream on the stream's state colour.
-KIND_LETTERS = {"radix": "R", "storage": "S", "scheduler": "E", "client": "C"}
+KIND_LETTERS = dict(zip(KIND_ORDER, "RSEC", strict=True))
 LETTERS_SHOWN = 6  # per cell; a seventh stream and more are one `+`
 LEGEND = (" a cell is a rank: its attention tp rank, then one letter per stream on the stream's state colour "
           "(R radix, S storage, E scheduler, C client); N? missing")
@@ -200,9 +197,7 @@ def kind_letter(kind: str) -> str:
 
 def letters(cell: v1.RankCell, names: Names) -> list[tuple[str, str]]:
     """(letter, state) of each stream of a cell, radix, storage, scheduler then client; at most LETTERS_SHOWN."""
-    order = {kind: i for i, kind in enumerate(KIND_LETTERS)}
-    streams = sorted((names.streams[sid] for sid in cell.streams), key=lambda s: (order.get(s.kind, len(order)), s.kind))
-    shown: list[tuple[str, str]] = [(kind_letter(s.kind), s.state) for s in streams]
+    shown: list[tuple[str, str]] = [(kind_letter(s.kind), s.state) for s in names.cell_streams(cell)]
     if len(shown) > LETTERS_SHOWN:
         shown = [*shown[:LETTERS_SHOWN - 1], ("+", "")]
     return shown
@@ -308,7 +303,7 @@ def group_block(server: v1.Server, group: v1.ServerGroup, cells: Sequence[v1.Ran
     rows, tps, row_count, column_count = grid_of(group.grid, room)
     drawn = [at[(pp, cp, tp)] for pp, cp in rows for tp in tps if (pp, cp, tp) in at]
     with_letters = lettered(drawn, names)
-    marked = any(c.state == "missing" for c in drawn)
+    marked = any(c.state == MISSING for c in drawn)
     digits = max((len(str(tp)) for tp in tps), default=1)
     if with_letters:
         room_for = max((len(letters(c, names)) for c in drawn), default=0)
@@ -337,7 +332,7 @@ def cell_text(cell: v1.RankCell | None, tp: int, digits: int, room_for: int, wid
     """A grid cell `width` wide: the tp rank (and `?` when missing) on the rank's colour, then its streams' letters."""
     if cell is None:  # a position of the grid no stream reports for and the world does not expect
         return Text(f"{tp:>{digits}}".ljust(width), style=ABSENT_STYLE)
-    missing = cell.state == "missing"
+    missing = cell.state == MISSING
     style = MISSING_STYLE if missing else STATE_STYLE.get(cell.state, "reverse")
     if not with_letters:
         return Text(f"{f'{tp}{MISSING_MARK}' if missing else str(tp):>{width}}", style=style)
@@ -378,11 +373,10 @@ def stream_lines(doc: v1.StatusDocument, names: Names) -> list[Text]:
         line.append_text(literal(stream.kind))
         line.append("  ")
         line.append_text(literal(names.stream(stream)))
-        position = CELL_ID.fullmatch(stream.rank)
-        if position is not None and (int(position["tp"]), int(position["cp"])) != (
-                integer(stream.tp_rank), stream.attn_cp_rank or 0):
-            line.append(f"  (rank tp={position['tp']}" + (f" cp={position['cp']}" if position["cp"] != "0" else "")
-                        + ")")
+        cell = names.rank_elsewhere(stream)
+        if cell is not None:
+            cp = integer(cell.attn_cp_rank)
+            line.append(f"  (rank tp={integer(cell.tp_rank)}" + (f" cp={cp}" if cp else "") + ")")
         line.append("  ")
         line.append_text(literal(stream.source))
         line.append(f"  seq {integer(stream.seq)}  restarts {count(stream.restarts)}", style="dim")
@@ -392,9 +386,6 @@ def stream_lines(doc: v1.StatusDocument, names: Names) -> list[Text]:
     if len(not_live) > NOT_LIVE_SHOWN:
         out.append(Text(f"   and {len(not_live) - NOT_LIVE_SHOWN} more streams not live", style="bold"))
     return out
-
-
-CELL_ID = re.compile(r"v[0-9]+/dp=(?P<dp>[0-9]+),pp=(?P<pp>[0-9]+),cp=(?P<cp>[0-9]+),tp=(?P<tp>[0-9]+)")
 
 
 def missing_lines(doc: v1.StatusDocument, cells_of: Mapping[tuple[str, int], list[v1.RankCell]],
@@ -419,7 +410,7 @@ def missing_lines(doc: v1.StatusDocument, cells_of: Mapping[tuple[str, int], lis
                             f"{integer(expected.attn_tp_size)}), no stream has reported")
                 lines.append(line)
                 continue
-            drawn = [c for c in cells_of.get((server.id, integer(group.dp_rank)), []) if c.state == "missing"]
+            drawn = [c for c in cells_of.get((server.id, integer(group.dp_rank)), []) if c.state == MISSING]
             cp_named = expected is not None and expected.attn_cp_size > 1
             named = [f"pp{integer(c.pp_rank)}" + (f" cp{integer(c.attn_cp_rank)}" if cp_named else "")
                      + f" tp{integer(c.tp_rank)}" for c in drawn[:MISSING_SHOWN]]
@@ -455,9 +446,9 @@ class CellRow:
 
 
 def transfers_section(doc: v1.StatusDocument) -> list[RenderableType]:
-    """Per transfer between tiers: rolled-up tokens and bytes, active bandwidth now and its history."""
+    """Per transfer between tiers (view.transfer_rows): rolled-up tokens and bytes, active bandwidth now and its
+    history; then the bytes families outside every profile's transfers."""
     bandwidth = doc.bandwidth
-    by_transfer = {family.transfer: family for family in bandwidth.families if family.transfer is not None}
     head = Text("Transfers", style=SECTION)
     head.append(f"   totals since the sidecar started; active bandwidth over {duration(bandwidth.window_seconds)}, "
                 f"history every {duration(bandwidth.history_interval_seconds)}", style="dim")
@@ -465,14 +456,13 @@ def transfers_section(doc: v1.StatusDocument) -> list[RenderableType]:
     for name, justify in (("transfer", "left"), ("tiers", "left"), ("tokens", "right"), ("bytes", "right"),
                           ("active bandwidth", "right"), ("history", "left")):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    for transfer in doc.transfers:
-        family = by_transfer.get(transfer.name)
+    for transfer in view.transfer_rows(doc):
         rate = transfer.bytes_per_second
         table.add_row(literal(transfer.name), literal(f"{transfer.source}→{transfer.target}"),
                       Text(count(transfer.tokens) if transfer.tokens is not None else "–"),
                       Text(size(transfer.bytes) if transfer.bytes is not None else "–"),
                       Text(speed(rate), style="bold cyan" if rate is not None else "dim"),
-                      sparkline([point[1] for point in family.history] if family is not None else []))
+                      sparkline(transfer.history))
     for family in bandwidth.families:
         if family.transfer is None:  # a bytes counter outside the known tiers (an operator's own family)
             rate = family.bytes_per_second
@@ -580,13 +570,11 @@ def spread_section(doc: v1.StatusDocument) -> list[RenderableType]:
 NO_LABELS = "(no labels of its own)"
 
 
-class Names:
-    """What the document writes once and references by id (label sets, groups, servers, streams), read back as text."""
+class Names(view.Names):
+    """The view model's references read back as rich Text, every value through `literal`."""
 
     def __init__(self, doc: v1.StatusDocument) -> None:
-        self.labels: dict[str, Mapping[str, str]] = {s.id: s.labels for s in doc.label_sets}
-        self.groups: dict[str, v1.Group] = {g.id: g for g in doc.groups}
-        self.streams: dict[str, v1.Stream] = {s.id: s for s in doc.streams}
+        super().__init__(doc)
         self.ranks_allowed = doc.sidecar.limits.ranks_allowed
 
     def group(self, group: v1.Group) -> Text:
@@ -600,22 +588,14 @@ class Names:
 
     def server(self, server: v1.Server) -> Text:
         """`model=m, pod=a`: a server as its labels (what its streams share, less what their collectors add)."""
-        labels = self.labels[server.label_set]
+        labels = self.server_labels(server)
         return labels_text(labels) if labels else Text(NO_LABELS)
 
     def stream(self, stream: v1.Stream) -> str:
-        """`tp=1 pp=0 dp=0 [cp=0] name="value" ...`: a stream's axes as labelled and every static label in name
-        order, quoted as /metrics writes them (the sidecar's `status.identity_text`); shown through `literal`."""
-        labels = {**self.labels[self.groups[stream.group].label_set], **stream.own_labels}
-        cp = stream.attn_cp_rank
-        axes = [f"tp={integer(stream.tp_rank)}", f"pp={integer(stream.pp_rank)}", f"dp={integer(stream.dp_rank)}",
-                *(() if cp is None else (f"cp={integer(cp)}",))]
-        return " ".join((*axes, *(f'{k}="{quote(str(v))}"' for k, v in sorted(labels.items()))))
-
-
-def quote(value: str) -> str:
-    """A label value as /metrics writes it: backslash, quote and newline escaped."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        """A stream's identity (view.identity_text), its axes checked as integers first; shown through `literal`."""
+        for axis in (stream.tp_rank, stream.pp_rank, stream.dp_rank, stream.attn_cp_rank or 0):
+            integer(axis)
+        return self.identity(stream)
 
 
 def upstreams_section(doc: v1.StatusDocument) -> list[RenderableType]:
@@ -678,8 +658,7 @@ def sidecar_section(doc: v1.StatusDocument) -> list[RenderableType]:
         limit_line.append_text(literal(f"{profile.name} {profile.namespace!r}"))
     rejected = Text(f"rejections {count(sidecar.rejections_total)}",
                     style="bold red" if sidecar.rejections_total else "green")
-    nonzero = sorted(((reason, n) for reason, n in sidecar.rejections.items() if number(n)), key=lambda item: -item[1])
-    for reason, n in nonzero:
+    for reason, n in view.rejections(sidecar):
         rejected.append("  ")
         rejected.append_text(literal(reason))
         rejected.append(f" {count(n)}", style="bold red")

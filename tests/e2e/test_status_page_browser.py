@@ -34,7 +34,7 @@ import pytest
 from playwright.sync_api import Browser, Page, Route, sync_playwright
 from playwright.sync_api import Error as PlaywrightError
 
-from exporter.api import v1
+from exporter.api import v1, view
 from exporter.client import RankClient
 from exporter.config import RanksConfig, SidecarConfig
 from exporter.protocol.messages import World
@@ -68,12 +68,12 @@ def rank_process(socket_path: str, tp: int, pp: int, dp: int, model: str) -> Non
 
 def rank_id(tp: int, pp: int, dp: int, model: str) -> str:
     """A stream's identity as the page writes it (the document's own ids are short and renumber as ranks come)."""
-    return api.identity_text(tp, pp, dp, None, (("cache_type", "UnifiedRadixCache"), ("model", model)))
+    return view.identity_text(tp, pp, dp, None, (("cache_type", "UnifiedRadixCache"), ("model", model)))
 
 
 def server_name(model: str) -> str:
     """A server as the page names it: its quoted static labels (the radix stream's cache_type is not one)."""
-    return " ".join(api.quoted_labels((("model", model),)))
+    return " ".join(view.quoted_labels((("model", model),)))
 
 
 def css(value: str) -> str:
@@ -348,7 +348,7 @@ def test_grid_shows_every_rank_live_and_refreshes(fed: tuple[SidecarThread, Rank
         reasons = watched.page.locator("#reasons-body").inner_text()
         assert "storage_prefetch_unfulfilled_tokens_total" in reasons and "host_capacity" in reasons
         health = watched.page.locator("#health-body").inner_text()
-        assert "no rejections" in health and "not kept (--persistence.file)" in health  # status.js: stateFile
+        assert "no rejections" in health and "not kept (--persistence.file)" in health  # after a refresh
         watched.screenshot("grid-live")
         assert watched.errors == [] and watched.dialogs == []  # nothing the CSP blocked, no script error
     finally:
@@ -376,7 +376,7 @@ def test_the_demo_server_is_8_rank_cells_each_listing_its_streams(demo: tuple[Si
         assert watched.page.locator("table.grid caption").all_inner_texts() == [
             "dp 0: 4 of 4 ranks live", "dp 1: 4 of 4 ranks live"]
         # A stream's full identity is its line's tooltip: the scheduler of dp 1 labels global tp 2.
-        scheduler = api.identity_text(2, 1, 1, None, tuple(sorted(SCHEDULER.items())))
+        scheduler = view.identity_text(2, 1, 1, None, tuple(sorted(SCHEDULER.items())))
         cell = watched.page.locator(f'td.rank[data-rank$="/{demo_cell(1, 1, 0)}"]')
         assert cell.locator(".stream").nth(2).get_attribute("title").startswith(f"{scheduler}\nstate live, last push ")
         assert watched.page.locator("#streams-body tbody tr").count() == 20
@@ -433,7 +433,7 @@ SECTION_HTML_JS = """() => Object.fromEntries(
 
 
 def drawn_both_ways(browser: Browser, url: str, body: bytes) -> tuple[dict[str, str], dict[str, str]]:
-    """A status document as page.py renders it (JavaScript off) and as status.js builds it from the JSON (the
+    """A status document as page.py renders it (JavaScript off) and as status.js swaps it in on a refresh (the
     page and every refresh get this one document; the script and style sheet come from the sidecar at `url`):
     each section's and the header's markup, as the browser serializes it."""
     served = page.render_page(msgspec.json.decode(body, type=v1.StatusDocument))
@@ -660,7 +660,7 @@ def test_page_refreshes_behind_basic_auth(fast_refresh: None, browser: Browser) 
 
 
 def test_the_state_file_line_is_the_same_from_the_script_and_the_server(fast_refresh: None, browser: Browser) -> None:
-    """status.js' stateFile against page.py's state_file, on a sidecar that keeps a state file and wrote it."""
+    """The refreshed page's state file line against page.py's state_file, on a sidecar that keeps a state file and wrote it."""
     with tempfile.TemporaryDirectory(prefix="hc-", dir="/tmp") as directory:
         state = Path(directory) / "state"
         sidecar = _sidecar(Path(directory), persistence={"file": str(state), "interval": "100ms"})

@@ -172,3 +172,46 @@ def test_an_engines_metric_name_finds_its_family_as_both_hooks_look_it_up(lmcach
     assert lmcache.engine_family("sglang:num_hit_tokens", "lmcache:", MetricType.COUNTER) is None
     assert default_catalog().engine_family("sglang:evicted_tokens", "sglang:", MetricType.COUNTER) is \
         default_catalog().get("evicted_tokens_total")
+
+
+# --- profile facts: tier transfers, spread threshold, DP-attention rule --------------------
+
+
+def test_each_profile_declares_its_transfers_and_both_are_listed(both: Catalog) -> None:
+    listed = [(profile.name, transfer.name, transfer.tiers) for profile, transfer in both.transfers()]
+    assert listed == [
+        ("sglang", "load_back", "L2→L1"), ("sglang", "backup", "L1→L2"), ("sglang", "prefetch", "L3→L2"),
+        ("sglang", "storage_backup", "L2→L3"),
+        ("lmcache", "retrieve", "L2→L1"), ("lmcache", "store", "L1→L2"), ("lmcache", "remote_read", "L3→L2"),
+        ("lmcache", "remote_write", "L2→L3"),
+    ]
+    for _, transfer in both.transfers():  # every family a packaged transfer names is in its profile
+        assert all(name in both for name in transfer.families()), transfer.name
+    assert [t.title for _, t in both.transfers()][:4] == ["load-back", "backup", "prefetch", "backup"]
+
+
+def test_a_transfer_of_a_trimmed_profile_file_is_left_out_and_a_wrong_family_type_refused() -> None:
+    transfer = {"name": "move", "source": "L2", "target": "L1", "tokens": "moved_tokens_total", "bytes": "moved_total"}
+    trimmed = catalog_from_data({"profile": _profile(transfers=[transfer]), "families": [_family()]})
+    assert trimmed.transfers() == []  # neither of its families is in the file
+    with pytest.raises(ConfigError, match="'things_total' is a counter, not a histogram"):
+        catalog_from_data({"profile": _profile(transfers=[{**transfer, "seconds": "things_total"}]),
+                           "families": [_family()]})
+    with pytest.raises(ConfigError, match="transfers repeat a name"):
+        catalog_from_data({"profile": _profile(transfers=[transfer, transfer]), "families": [_family()]})
+
+
+def test_spread_threshold_and_dp_attention_are_profile_facts(both: Catalog) -> None:
+    sglang, lmcache = both.profiles["sglang"], both.profiles["lmcache"]
+    assert sglang.spread_threshold == lmcache.spread_threshold == 0.2
+    # SGLang: the dp groups share one tp group when its size spans them (tp 4 = dp 2 x attention tp 2).
+    assert sglang.runs_dp_attention(tp_size=4, dp_size=2, attn_cp_size=1, attn_tp_size=2)
+    assert not sglang.runs_dp_attention(tp_size=2, dp_size=2, attn_cp_size=1, attn_tp_size=2)
+    # vLLM's data-parallel replicas each have their own tp group, whatever the sizes.
+    assert not lmcache.runs_dp_attention(tp_size=4, dp_size=2, attn_cp_size=1, attn_tp_size=2)
+
+
+def test_replicated_counter_is_one_predicate(both: Catalog) -> None:
+    expected = {f.name for f in both if f.type is MetricType.COUNTER and f.semantics is Semantics.REPLICATED}
+    assert {f.name for f in both if f.replicated_counter} == expected
+    assert "num_hit_tokens_total" in expected and "load_back_tokens_total" in expected

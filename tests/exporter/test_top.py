@@ -37,10 +37,11 @@ from rich.cells import cell_len
 from rich.console import Console, RenderableType
 
 from exporter.api.v1 import StatusDocument
+from exporter.api.view import GRID_CELLS, GRID_CELLS_PER_GROUP
 from exporter.catalog import default_catalog
 from exporter.errors import ErrorCode, HicacheExporterError
 from exporter.sidecar.core.servers import Cell, Layout, NodeShare
-from exporter.sidecar.expose.status import GRID_CELLS, GRID_CELLS_PER_GROUP, grid_model
+from exporter.sidecar.expose.status import grid_model
 from exporter.top.fetch import (
     ENV_PASSWORD,
     MAX_DOCUMENT_BYTES,

@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 from rich.console import Console, RenderableType
 
+from exporter.api import view
 from exporter.config import SidecarConfig
 from exporter.protocol.messages import Hello, RankId, World
 from exporter.sidecar.core.health import SidecarHealth
-from exporter.sidecar.expose import status as api
 from exporter.sidecar.expose.page import render_page
 from exporter.sidecar.expose.status import StatusView
 from exporter.top import render
@@ -64,7 +64,7 @@ def page_cells(page: str) -> int:
 
 def drawn(n: int) -> tuple[int, int]:
     """(rows, cells) the grid draws of `n` ranks on a diagonal: every tp column, as many rows as fit in
-    1,024 cells (api.GRID_CELLS_PER_GROUP, written out: the counts are the test's own)."""
+    1,024 cells (view.GRID_CELLS_PER_GROUP, written out: the counts are the test's own)."""
     rows = 1024 // n
     return rows, rows * n
 
@@ -140,7 +140,7 @@ def test_groups_share_the_documents_cap_on_cells() -> None:
     # The last group has 96 cells of room left: 2 rows of its 40 columns.
     assert [len(g["rows"]) * len(g["tp_ranks"]) for g in grids] == [1000] * 4 + [80]
     assert [g["hidden_ranks"] for g in grids] == [15] * 4 + [38]
-    assert page_cells(render_page(typed(doc))) == 4080 <= api.GRID_CELLS
+    assert page_cells(render_page(typed(doc))) == 4080 <= view.GRID_CELLS
 
 
 def test_an_ordinary_layout_is_drawn_whole_as_before() -> None:
@@ -193,7 +193,8 @@ def test_top_bounds_a_grid_a_document_lists_past_the_caps() -> None:
     text = screen_text(render_frame(view_of(doc)), width=200)
     assert ("cannot read: Object missing required field `grid` - at `$.servers[0].dp_groups[0]`" in text
             and not grid_rows(text))
-    assert render.GRID_CELLS_PER_GROUP == api.GRID_CELLS_PER_GROUP and render.GRID_CELLS == api.GRID_CELLS
+    # One bound for the sidecar and top: both read the view model's caps.
+    assert render.GRID_CELLS_PER_GROUP is view.GRID_CELLS_PER_GROUP and render.GRID_CELLS is view.GRID_CELLS
 
 
 class _Serve(http.server.BaseHTTPRequestHandler):

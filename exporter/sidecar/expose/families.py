@@ -121,7 +121,7 @@ class ExposedFamilies:
                 prefix[spec.name] + spec.base_name + "_replica_spread_ratio", "gauge",
                 f"How far live replicas' increases of {spec.name} over the window disagree: (max - min) / max.",
             )
-            for spec in catalog if spec.type is MetricType.COUNTER and spec.replicated
+            for spec in catalog if spec.replicated_counter
         }
         self._refuse_clashes()
 

@@ -1,10 +1,11 @@
 """The status page at `/`: the status document (exporter.api.v1, built by status.py) rendered as HTML; no I/O.
 
-Readable without JavaScript. With it, static/status.js rebuilds the same sections from
-/api/v1/status every few seconds: the element ids and classes here are what it fills in, and
-the two draw the same markup for one document, to the character (tests/e2e/test_status_page_browser.py
-compares them in Chromium; the number formats round as JavaScript rounds). Every value goes through
-`esc`; the page has no inline script or style, so its Content-Security-Policy can forbid them.
+The page's one renderer: what it shows of the document is decided in exporter.api.view, and this
+module only writes it as HTML. Readable without JavaScript; with it, static/status.js fetches this
+page again every few seconds and swaps in its sections (the elements with the ids written here), so
+the script draws nothing of its own (tests/e2e/test_status_page_browser.py compares the two in
+Chromium). Every value goes through `esc`; the page has no inline script or style, so its
+Content-Security-Policy can forbid them.
 """
 
 from __future__ import annotations
@@ -15,16 +16,21 @@ import time
 from collections.abc import Iterable, Sequence
 from decimal import ROUND_HALF_UP, Context, Decimal
 
-import msgspec
-
 from exporter.api import v1
-from exporter.sidecar.expose.status import identity_text, quoted_labels
+from exporter.api.view import (
+    CELL_STATES,
+    MISSING,
+    Names,
+    cells_by_group,
+    grid_cut,
+    label_text,
+    rejections,
+    streams_by_state,
+    transfer_rows,
+)
 
-REFRESH_MS = 2000  # how often the script fetches /api/v1/status
+REFRESH_MS = 2000  # how often the script fetches the page again
 NOSCRIPT_REFRESH_SECONDS = 15  # without JavaScript, the browser reloads the page this often
-STATES = ("live", "stale", "departed", "expired")
-MISSING = "missing"  # a rank (position) that its server's world expects and no unexpired stream reports for
-KINDS = ("radix", "storage", "scheduler")  # a cell lists its streams in this order, pushed clients last
 UNEXPECTED = "outside world"  # a rank or dp group that its server's expected world does not hold
 SPARK_WIDTH, SPARK_HEIGHT = 120, 24
 
@@ -34,14 +40,14 @@ def esc(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
-# --- number formats (static/status.js has the same ones, to the character) ---
+# --- number formats (they round as JavaScript rounds, as the page's script once drew them) ---
 
 _EXACT = Context(prec=400)  # room for any float's every digit: a float converts to Decimal exactly
 
 
 def fixed(value: float, digits: int) -> str:
     """`value` with `digits` decimals, a tie rounded away from zero as JavaScript's toFixed rounds it
-    (Python's format rounds a tie to even: 12.25 MiB would read 12.2 here and 12.3 in the script)."""
+    (Python's format rounds a tie to even: 12.25 MiB would read 12.2; the page has always read 12.3)."""
     return f"{Decimal(value).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP, context=_EXACT):f}"
 
 
@@ -154,12 +160,7 @@ def _row(*cells: object, cls: str = "") -> str:
 
 def legend() -> str:
     return '<p class="legend">' + "".join(
-        f'<span class="swatch state-{state}">{state}</span>' for state in (*STATES, MISSING)) + "</p>"
-
-
-def by_state(sidecar: v1.Sidecar) -> dict[str, int]:
-    """Known streams by state, in the document's order (live, stale, departed, expired)."""
-    return msgspec.structs.asdict(sidecar.streams_by_state)
+        f'<span class="swatch state-{state}">{state}</span>' for state in CELL_STATES) + "</p>"
 
 
 def plural(count: int, word: str) -> str:
@@ -167,14 +168,9 @@ def plural(count: int, word: str) -> str:
     return f"{fmt_number(count)} {word}{'' if count == 1 else 's'}"
 
 
-def label_text(labels: dict[str, str]) -> str:
-    """Static labels as /metrics quotes them (unambiguous), or "" when there are none."""
-    return " ".join(quoted_labels(tuple(labels.items())))
-
-
 def server_name(names: Names, server: v1.Server) -> str:
     """A server by its labels, or `server` when its streams share none."""
-    return label_text(names.labels[server.label_set]) or "server"
+    return label_text(names.server_labels(server)) or "server"
 
 
 def server_world(server: v1.Server) -> str:
@@ -186,27 +182,6 @@ def server_world(server: v1.Server) -> str:
 
 def world_key(world: v1.WorldSizes) -> tuple[int, ...]:
     return (world.dp_size, world.pp_size, world.attn_cp_size, world.attn_tp_size, world.tp_size)
-
-
-class Names:
-    """What the document writes once and references by id, read back as text: a replica group's `dp=<n>`
-    and quoted static labels, and a stream's full identity (`status.identity_text`), both as /metrics
-    quotes them."""
-
-    def __init__(self, doc: v1.StatusDocument) -> None:
-        self.labels: dict[str, dict[str, str]] = {s.id: s.labels for s in doc.label_sets}
-        self.groups: dict[str, v1.Group] = {g.id: g for g in doc.groups}
-        self.streams: dict[str, v1.Stream] = {s.id: s for s in doc.streams}
-
-    def group(self, group: v1.Group) -> str:
-        """A replica group: `dp=<n> name="value" ...`."""
-        return " ".join((f"dp={group.dp_rank}", *quoted_labels(tuple(self.labels[group.label_set].items()))))
-
-    def stream(self, stream: v1.Stream) -> str:
-        """`tp=.. pp=.. dp=.. [cp=..] name="value" ...`: the axes as labelled, then every static label in name order."""
-        labels = {**self.labels[self.groups[stream.group].label_set], **stream.own_labels}
-        return identity_text(stream.tp_rank, stream.pp_rank, stream.dp_rank, stream.attn_cp_rank,
-                             tuple(sorted(labels.items())))
 
 
 def world_conflict(doc: v1.StatusDocument, server: v1.Server) -> str:
@@ -237,24 +212,20 @@ def node_share(node: v1.NodeShare) -> str:
             f"{tp[0]}–{tp[1] - 1} of pp stages {pp[0]}–{pp[1] - 1}")
 
 
-def grid_cut(grid: v1.Grid) -> str:
-    """What a dp group's grid leaves out (status.grid_model caps it), with exact counts; empty when nothing."""
-    rows, columns = len(grid.rows), len(grid.tp_ranks)
-    if rows == grid.row_count and columns == grid.column_count:
+def cut_text(grid: v1.Grid) -> str:
+    """What a dp group's grid leaves out (view.grid_cut), with exact counts; empty when nothing."""
+    cut = grid_cut(grid)
+    if cut is None:
         return ""
-    return (f"drawn: {rows} of {grid.row_count} rows, {columns} of {grid.column_count} tp columns; "
-            f"{plural(grid.hidden_ranks, 'rank')} not drawn (their streams are under All streams)")
+    return (f"drawn: {cut.rows} of {cut.row_count} rows, {cut.columns} of {cut.column_count} tp columns; "
+            f"{plural(cut.hidden_ranks, 'rank')} not drawn (their streams are under All streams)")
 
 
 def stream_tip(names: Names, stream: v1.Stream) -> str:
     """A stream's full identity and how it goes: the tooltip of its line in a cell."""
     pushed = ("never pushed" if stream.seconds_since_push is None
               else f"last push {fmt_seconds(stream.seconds_since_push)} ago")
-    return f"{names.stream(stream)}\nstate {stream.state}, {pushed}, restarts {stream.restarts}, {stream.source}"
-
-
-def kind_order(stream: v1.Stream) -> int:
-    return KINDS.index(stream.kind) if stream.kind in KINDS else len(KINDS)
+    return f"{names.identity(stream)}\nstate {stream.state}, {pushed}, restarts {stream.restarts}, {stream.source}"
 
 
 def cell(names: Names, server: v1.Server, rank: v1.RankCell) -> str:
@@ -265,7 +236,7 @@ def cell(names: Names, server: v1.Server, rank: v1.RankCell) -> str:
     said = ("expected by the server's world, no unexpired stream reports for it" if rank.state == MISSING
             else plural(len(rank.streams), "stream"))
     tip = f"{where}: {rank.state}, {said}" + ("; outside the server's expected world" if unexpected else "")
-    streams = sorted((names.streams[s] for s in rank.streams if s in names.streams), key=kind_order)
+    streams = names.cell_streams(rank)
     lines = "".join(f'<span class="stream state-{esc(s.state)}" title="{esc(stream_tip(names, s))}">'
                     f"{esc(s.kind)} {esc(s.state)}</span>" for s in streams)
     return (f'<td class="rank state-{esc(rank.state)}{" unexpected" if unexpected else ""}" '
@@ -293,7 +264,7 @@ def dp_group(names: Names, server: v1.Server, group: v1.ServerGroup, at: dict[tu
     caption = (f"dp {group.dp_rank}: {group.live} of {plural(group.ranks, 'rank')} live"
                + (f", {group.missing} {MISSING}" if group.missing else "")
                + (f"; {UNEXPECTED}" if server.expected is not None and not group.expected else ""))
-    cut = grid_cut(grid)
+    cut = cut_text(grid)
     foot = (f'<tfoot><tr><td class="note grid-cut" colspan="{len(tps) + 1}">{esc(cut)}</td></tr></tfoot>'
             if cut else "")
     return (f'<table class="grid" data-server="{esc(server.id)}" data-dp="{esc(group.dp_rank)}">'
@@ -302,7 +273,7 @@ def dp_group(names: Names, server: v1.Server, group: v1.ServerGroup, at: dict[tu
 
 
 def server_block(doc: v1.StatusDocument, names: Names, server: v1.Server,
-                 cells: dict[int, dict[tuple[int, int, int], v1.RankCell]]) -> str:
+                 cells: dict[tuple[str, int], dict[tuple[int, int, int], v1.RankCell]]) -> str:
     """A server: its name and world, its counts, its warnings, and a grid per dp group."""
     counts = (f"{plural(server.ranks, 'rank')}, {plural(server.streams, 'stream')}; {server.live_ranks} live"
               + (f", {server.missing} {MISSING}" if server.missing else ""))
@@ -311,7 +282,7 @@ def server_block(doc: v1.StatusDocument, names: Names, server: v1.Server,
         f'<p class="note node-share">{esc(node_share(server.node))}</p>' if server.node is not None else "",
     ))
     groups = "".join(
-        dp_group(names, server, group, cells.get(group.dp_rank, {}))
+        dp_group(names, server, group, cells.get((server.id, group.dp_rank), {}))
         for group in server.dp_groups)
     return (f'<div class="server" data-server="{esc(server.id)}"><h3><span class="server-name">'
             f'{esc(server_name(names, server))}</span> · <span class="world">{esc(server_world(server))}</span></h3>'
@@ -328,17 +299,15 @@ def grid(doc: v1.StatusDocument) -> str:
     if not doc.servers:
         return '<p class="empty">No rank has connected yet.</p>'
     names = Names(doc)
-    by_server: dict[str, dict[int, dict[tuple[int, int, int], v1.RankCell]]] = {}
-    for rank in doc.ranks:
-        by_dp = by_server.setdefault(rank.server, {}).setdefault(rank.dp_rank, {})
-        by_dp[(rank.pp_rank, rank.attn_cp_rank, rank.tp_rank)] = rank
-    return "".join(server_block(doc, names, server, by_server.get(server.id, {})) for server in doc.servers)
+    cells = cells_by_group(doc)
+    return "".join(server_block(doc, names, server, cells) for server in doc.servers)
 
 
 def totals(doc: v1.StatusDocument) -> str:
+    """Each profile's tier transfers (view.transfer_rows): tiers, totals and active bandwidth."""
     rows = (_row(t.name, f"{t.source} → {t.target}", fmt_number(t.tokens), fmt_bytes(t.bytes),
                  fmt_rate(t.bytes_per_second))
-            for t in doc.transfers)
+            for t in transfer_rows(doc))
     return _table(("transfer", "tiers", "tokens", "bytes", "active bandwidth"), rows, "no transfer families in the catalog", 5)
 
 
@@ -381,7 +350,7 @@ def spread(doc: v1.StatusDocument) -> str:
     for group in sp.groups:
         worst = group.series[0] if group.series else None
         where = "–" if worst is None else worst.family + "".join(f" {k}={v}" for k, v in worst.labels.items())
-        rows.append(_row(f"{group.group} {names.group(names.groups[group.group])}", fmt_ratio(group.max_ratio), where,
+        rows.append(_row(f"{group.group} {names.group_text(names.groups[group.group])}", fmt_ratio(group.max_ratio), where,
                          "diverging" if group.diverging else "agree", cls="diverging" if group.diverging else ""))
     note = (f'<p class="note">(max − min) / max of the replicas\' increases over the window; above '
             f'{esc(fmt_ratio(sp.threshold))} a group is diverging.</p>')
@@ -389,7 +358,7 @@ def spread(doc: v1.StatusDocument) -> str:
 
 
 def state_file(p: v1.Persistence | None) -> str:
-    """The state file's line: where, how often, what the start took back and what failed (status.js: stateFile)."""
+    """The state file's line: where, how often, what the start took back and what failed."""
     if p is None:
         return "not kept (--persistence.file)"
     failed = sum(p.write_failures.values())
@@ -401,7 +370,7 @@ def state_file(p: v1.Persistence | None) -> str:
 def health(doc: v1.StatusDocument) -> str:
     s = doc.sidecar
     limits = s.limits
-    states = ", ".join(f"{count} {state}" for state, count in by_state(s).items())
+    states = ", ".join(f"{count} {state}" for state, count in streams_by_state(s))
     t = doc.totals
     ranks = (f"{t.ranks} in {plural(t.servers, 'server')}: {t.live_ranks} live"
              + (f", {t.missing} {MISSING}" if t.missing else ""))
@@ -423,19 +392,19 @@ def health(doc: v1.StatusDocument) -> str:
         ("state file", state_file(s.persistence)),
     )
     table = _table(("", ""), (_row(k, v) for k, v in items), "", 2)
-    rejected = sorted(((n, c) for n, c in s.rejections.items() if c), key=lambda item: (-item[1], item[0]))
-    rejections = _table(("rejection reason", "count"), (_row(n, fmt_number(c)) for n, c in rejected), "no rejections", 2)
+    rejected = _table(("rejection reason", "count"), (_row(n, fmt_number(c)) for n, c in rejections(s)),
+                      "no rejections", 2)
     conflicts = s.rollup_layout_conflicts
     extra = _table(("family left out of its rollup (bucket layout)", "series"),
                    (_row(f, c) for f, c in conflicts.items()), "", 2) if conflicts else ""
     return (f'<div class="cols"><div>{table}</div><div><p class="note">{esc(fmt_number(s.rejections_total))} '
-            f"rejected in all</p>{rejections}{extra}</div></div>")
+            f"rejected in all</p>{rejected}{extra}</div></div>")
 
 
 def stream_table(doc: v1.StatusDocument) -> str:
     """Every stream: its identity, kind, the rank it reports for and how it goes."""
     names = Names(doc)
-    rows = (_row(names.stream(r), r.kind, r.rank, r.state, r.source, fmt_seconds(r.seconds_since_push), r.restarts,
+    rows = (_row(names.identity(r), r.kind, r.rank, r.state, r.source, fmt_seconds(r.seconds_since_push), r.restarts,
                  r.epoch, r.pid, r.series, cls=f"state-{r.state}")
             for r in doc.streams)
     return _table(("stream", "kind", "rank", "state", "source", "last push", "restarts", "epoch", "pid", "series"),
@@ -505,7 +474,7 @@ def summary(doc: v1.StatusDocument) -> str:
     parts = [f"{'ready' if s.ready else 'NOT READY'}", f"{plural(t.ranks, 'rank')}, {plural(t.streams, 'stream')}"]
     if t.ranks or t.missing:
         parts.append(f"ranks: {t.live_ranks} live" + (f", {t.missing} {MISSING}" if t.missing else ""))
-    states = ", ".join(f"{count} {state}" for state, count in by_state(s).items() if count)
+    states = ", ".join(f"{count} {state}" for state, count in streams_by_state(s) if count)
     if states:
         parts.append(f"streams: {states}")
     parts += [f"up {fmt_seconds(s.uptime_seconds)}", f"revision {s.revision[:12]}"]

@@ -13,15 +13,16 @@ import math
 import platform
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypedDict
 
 import msgspec
 
 from exporter import __version__
-from exporter.api import v1
+from exporter.api import v1, view
 from exporter.api.v1 import API_VERSION, BANDWIDTH_SERIES_LISTED, SPREAD_SERIES_LISTED
+from exporter.api.view import GRID_CELLS, GRID_CELLS_PER_GROUP, cell_id
 from exporter.catalog import Catalog
 from exporter.config import SidecarConfig
 from exporter.protocol.messages import World
@@ -29,13 +30,12 @@ from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import GroupKey, HistAccumulator, LabelValues, RollupKey, StaticKey
 from exporter.sidecar.core.ranks import RankState
-from exporter.sidecar.core.servers import Cell, Layout, Position, Server, build_servers
+from exporter.sidecar.core.servers import Cell, Layout, Server, build_servers
 from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.core.window import Bandwidth
 from exporter.sidecar.expose.collector import build_revision, rollup_cells, window_increases
 from exporter.sidecar.expose.families import ExposedFamilies
 
-SPREAD_THRESHOLD = 0.2  # the HiCacheReplicaSpreadHigh alert's threshold (config/prometheus/alerting_rules.yml)
 HISTORY_INTERVAL_SECONDS = 5.0  # bandwidth history: one point per interval, sampled by housekeeping
 BANDWIDTH_HISTORY_POINTS = 60  # five minutes of points at 5 s: a few KiB whatever the number of ranks
 # Listings that a rank's label values can grow are cut to their largest entries; the counts and
@@ -44,33 +44,6 @@ BANDWIDTH_HISTORY_POINTS = 60  # five minutes of points at 5 s: a few KiB whatev
 # v1.SPREAD_SERIES_LISTED): the schema states them as maxItems.
 REASONS_LISTED = 20  # per reason family, after its preset reasons
 ENCODED_MAX_AGE_SECONDS = 1.0  # one housekeeping tick: viewers within it share one encoded document
-# The grid of a replica group (groups[].grid) is what the page, its script and `top` draw, so what they
-# draw is bounded here once: at most these many cells, with exact counts of the rows, columns and ranks
-# left out. 1,024 is ranks.max_ranks's default: a plausible world's group with every position held
-# is drawn whole; four such groups' worth over the document, since a cell that names a rank carries
-# its identity (up to a few KiB of labels) into the page.
-GRID_CELLS_PER_GROUP = 1024
-GRID_CELLS = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class Transfer:
-    """One movement of KV data between two cache tiers, and the families that count it."""
-
-    name: str
-    source: v1.Tier  # tier the data leaves
-    target: v1.Tier  # tier the data arrives in
-    tokens_family: str
-    bytes_family: str
-
-
-# The four movements between the cache tiers (L1 = device, L2 = host, L3 = storage), stated once.
-TRANSFERS: tuple[Transfer, ...] = (
-    Transfer("load_back", "L2", "L1", "load_back_tokens_total", "load_back_bytes_total"),
-    Transfer("backup", "L1", "L2", "hicache_backup_tokens_total", "hicache_backup_bytes_total"),
-    Transfer("prefetch", "L3", "L2", "prefetched_tokens_total", "storage_prefetch_bytes_total"),
-    Transfer("storage_backup", "L2", "L3", "backuped_tokens_total", "storage_backup_bytes_total"),
-)
 # A family's unit, by the ending of its name (catalog names follow the Prometheus naming rules).
 _UNITS: tuple[tuple[str, v1.Unit], ...] = (
     ("_tokens_total", "tokens"), ("_tokens", "tokens"), ("_bytes_total", "bytes"), ("_seconds", "seconds"),
@@ -83,30 +56,6 @@ def unit_of(name: str) -> v1.Unit | None:
     return next((unit for suffix, unit in _UNITS if name.endswith(suffix)), None)
 
 
-def quoted_labels(static: StaticKey) -> tuple[str, ...]:
-    """Static labels as Prometheus writes them, `name="value"` with backslash, quote and newline
-    escaped: unambiguous, so two label sets never read alike (`a="1 b=2"` is not `a="1" b="2"`)."""
-    return tuple(f'{name}="{_escaped(value)}"' for name, value in static)
-
-
-def _escaped(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def identity_text(tp_rank: int, pp_rank: int, dp_rank: int, attn_cp_rank: int | None, static: StaticKey) -> str:
-    """A rank identity as people read it: its axes, then its static labels, quoted (unambiguous: these
-    are its identity). The document does not carry it (each rank's labels would be written again):
-    the page and `top` build it from the rank's axes, its label set and its own labels."""
-    cp = () if attn_cp_rank is None else (f"cp={attn_cp_rank}",)
-    return " ".join((f"tp={tp_rank}", f"pp={pp_rank}", f"dp={dp_rank}", *cp, *quoted_labels(static)))
-
-
-def cell_id(server: str, position: Position) -> str:
-    """A rank cell's id in the document: `v0/dp=1,pp=0,cp=0,tp=1`."""
-    dp, pp, cp, tp = position
-    return f"{server}/dp={dp},pp={pp},cp={cp},tp={tp}"
-
-
 def own_labels(rank: RankState) -> StaticKey:
     """The static labels of a rank's identity that its replica group leaves out (derived ones: moe_ep_rank)."""
     return tuple(item for item in rank.static if item not in rank.shared)
@@ -117,7 +66,7 @@ def short_rank_id(group: str, rank: RankState) -> str:
     (`g3/tp=1,pp=0,cp=0`): unique, since the group id stands for dp_rank and the shared labels."""
     cp = "" if rank.attn_cp_rank is None else f",cp={rank.attn_cp_rank}"
     own = own_labels(rank)
-    return f"{group}/tp={rank.tp_rank},pp={rank.pp_rank}{cp}" + ("".join(" " + q for q in quoted_labels(own)))
+    return f"{group}/tp={rank.tp_rank},pp={rank.pp_rank}{cp}" + ("".join(" " + q for q in view.quoted_labels(own)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,8 +266,9 @@ class StatusView:
         self.families = ExposedFamilies(catalog, config.metrics.namespace)
         self.pairs = catalog.bandwidth_pairs()
         self.history = history or BandwidthHistory(b.name for b, _ in self.pairs)
-        self.transfers = [t for t in TRANSFERS if t.tokens_family in catalog or t.bytes_family in catalog]
-        self.transfer_of = {t.bytes_family: t.name for t in TRANSFERS}
+        self.transfers = catalog.transfers()
+        self.transfer_of = {t.bytes: t.name for _, t in self.transfers if t.bytes is not None}
+        self.spread_threshold = {name: profile.spread_threshold for name, profile in catalog.profiles.items()}
         self.reason_specs = [spec for spec in catalog if "reason" in spec.labels]
         self.specs = {spec.name: spec for spec in catalog}
         self.revision = build_revision()
@@ -347,7 +297,7 @@ class StatusView:
             streams=streams,
             groups=groups,
             rollups=self._rollups(rolled, sums),
-            transfers=self._transfers(sums, bw_totals),
+            transfers=self._transfers(rolled, sums, bw_totals),
             bandwidth=self._bandwidth(bandwidth, bw_totals),
             reasons=self._reasons(rolled),
             spread=self._spread(registry_groups, increases, ids),
@@ -437,7 +387,7 @@ class StatusView:
             by_dp: dict[int, list[Cell]] = {}
             for cell in server.cells.values():
                 by_dp.setdefault(cell.position[0], []).append(cell)
-                cid = cell_id(sid, cell.position)
+                cid = cell_id(sid, *cell.position)
                 for stream in cell.streams:
                     cell_of[id(stream.rank)] = cid
                     stream_kind[id(stream.rank)] = stream.kind
@@ -452,7 +402,7 @@ class StatusView:
                     dp_rank=dp, ranks=len(known_cells), live=sum(1 for c in known_cells if c.state == "live"),
                     missing=server.missing_by_dp.get(dp, 0), expected=dp in server.missing_by_dp, grid=grid))
                 out_cells.extend(v1.RankCell(
-                    id=cell_id(sid, c.position), server=sid, dp_rank=c.position[0], pp_rank=c.position[1],
+                    id=cell_id(sid, *c.position), server=sid, dp_rank=c.position[0], pp_rank=c.position[1],
                     attn_cp_rank=c.position[2], tp_rank=c.position[3], state=c.state, expected=c.expected,
                     streams=[stream_ids[id(s.rank)] for s in c.streams]) for c in drawn)
             known_cells = server.known_cells
@@ -524,21 +474,32 @@ class StatusView:
             for spec in self.catalog
         ]
 
-    def _transfers(self, totals: dict[str, float], bw_totals: dict[str, Bandwidth]) -> list[v1.Transfer]:
+    def _transfers(self, cells: dict[str, list[tuple[RollupKey, float | HistAccumulator]]], totals: dict[str, float],
+                   bw_totals: dict[str, Bandwidth]) -> list[v1.Transfer]:
+        """Every profile's tier transfers (the catalog's), their rolled-up totals and active bandwidth."""
         catalog = self.catalog
-        return [
-            v1.Transfer(
+
+        def present(name: str | None) -> str | None:
+            return name if name is not None and name in catalog else None
+
+        out = []
+        for profile, transfer in self.transfers:
+            tokens, moved, seconds = present(transfer.tokens), present(transfer.bytes), present(transfer.seconds)
+            out.append(v1.Transfer(
                 name=transfer.name,
+                profile=profile.name,
                 source=transfer.source,
                 target=transfer.target,
-                tokens_family=transfer.tokens_family if transfer.tokens_family in catalog else None,
-                tokens=totals.get(transfer.tokens_family, 0.0) if transfer.tokens_family in catalog else None,
-                bytes_family=transfer.bytes_family if transfer.bytes_family in catalog else None,
-                bytes=totals.get(transfer.bytes_family, 0.0) if transfer.bytes_family in catalog else None,
-                bytes_per_second=rate(bw_totals.get(transfer.bytes_family)),
-            )
-            for transfer in self.transfers
-        ]
+                tokens_family=tokens,
+                tokens=None if tokens is None else totals.get(tokens, 0.0),
+                bytes_family=moved,
+                bytes=None if moved is None else totals.get(moved, 0.0),
+                bytes_per_second=None if moved is None else rate(bw_totals.get(moved)),
+                seconds_family=seconds,
+                seconds=None if seconds is None else sum(
+                    value.sum for _, value in cells.get(seconds, ()) if isinstance(value, HistAccumulator)),
+            ))
+        return out
 
     def _bandwidth(self, bandwidth: dict[str, list[tuple[RollupKey, Bandwidth]]],
                    bw_totals: dict[str, Bandwidth]) -> v1.Bandwidth:
@@ -604,37 +565,52 @@ class StatusView:
         for (family, group_key, values), ratio in state.spreads(increases).items():
             per_group.setdefault(group_key, []).append((family, values, ratio))
         groups: list[v1.SpreadGroup] = []
+        default = self.catalog.default_profile
         for key in sorted(current, key=lambda k: (k[1], k[0])):
             entries = sorted((e for e in per_group.get(key, ()) if e[2] > 0), key=lambda e: -e[2])
             top = entries[0][2] if entries else 0.0
+            # A group's families are of one profile: the widest series' says which threshold applies.
+            threshold = self.spread_threshold[self.specs[entries[0][0]].profile] if entries else default.spread_threshold
             groups.append(v1.SpreadGroup(
                 group=ids.groups[key],
                 max_ratio=top,
-                diverging=top > SPREAD_THRESHOLD,
+                diverging=top > threshold,
                 series=[v1.SpreadSeries(family=family, labels=dict(zip(self.specs[family].labels, values)), ratio=ratio)
                         for family, values, ratio in entries[:SPREAD_SERIES_LISTED]],
                 series_count=len(entries),
             ))
-        return v1.Spread(threshold=SPREAD_THRESHOLD, groups=groups)
+        return v1.Spread(threshold=default.spread_threshold, groups=groups)
+
+
+@dataclass(slots=True)
+class _Served:
+    """One encoded body and when it was built: the JSON, or the page."""
+
+    built_at: float = float("-inf")
+    token: tuple[int, ...] = ()
+    plain: bytes = b""
+    gzipped: bytes | None = None
 
 
 class EncodedStatus:
-    """The status document as served: encoded once per `max_age` (one housekeeping tick) and shared by
-    every request until then, with its gzipped form made on first demand; one copy of each is held.
+    """The status document as served, as JSON and (with `render`) as the page: each encoded once per `max_age`
+    (one housekeeping tick) and shared by every request until then, with its gzipped form made on first
+    demand; one copy of each is held.
 
     Without it each request built its own copy, and viewers of a sidecar whose series were all
     escape-heavy labels held one document each at once (measured: docs/reliability.md, section
-    Memory budget). A frame, a connection or an upstream read since the build makes it stale at once, so a
-    reader polling for a change sees it on its next request.
+    Memory budget); the page's script fetches the page every few seconds, so its viewers share one too.
+    A frame, a connection or an upstream read since the build makes it stale at once, so a reader
+    polling for a change sees it on its next request.
     """
 
-    def __init__(self, view: StatusView, max_age: float = ENCODED_MAX_AGE_SECONDS) -> None:
+    def __init__(self, view: StatusView, max_age: float = ENCODED_MAX_AGE_SECONDS,
+                 render: Callable[[v1.StatusDocument], str] | None = None) -> None:
         self.view = view
         self.max_age = max_age
-        self._built_at = float("-inf")
-        self._token: tuple[int, ...] = ()
-        self._plain = b""
-        self._gzipped: bytes | None = None
+        self.render = render
+        self._json = _Served()
+        self._page = _Served()
 
     def _change_token(self) -> tuple[int, ...]:
         stats = self.view.stats
@@ -643,16 +619,26 @@ class EncodedStatus:
                 saving.writes, sum(saving.write_failures.values()),
                 *(health.scrapes for health in stats.upstreams.values()))
 
-    def body(self, gzipped: bool) -> bytes:
-        """The current document's JSON, gzipped (level 1) if asked."""
+    def _served(self, served: _Served, build: Callable[[], bytes], gzipped: bool) -> bytes:
         now = self.view.state.clock()
         token = self._change_token()
-        if now - self._built_at >= self.max_age or token != self._token:
-            self._plain, self._gzipped = b"", None  # let the old copy go before the new one is built
-            self._plain = self.view.encode()
-            self._built_at, self._token = now, token
+        if now - served.built_at >= self.max_age or token != served.token:
+            served.plain, served.gzipped = b"", None  # let the old copy go before the new one is built
+            served.plain = build()
+            served.built_at, served.token = now, token
         if not gzipped:
-            return self._plain
-        if self._gzipped is None:
-            self._gzipped = gzip.compress(self._plain, compresslevel=1)
-        return self._gzipped
+            return served.plain
+        if served.gzipped is None:
+            served.gzipped = gzip.compress(served.plain, compresslevel=1)
+        return served.gzipped
+
+    def body(self, gzipped: bool) -> bytes:
+        """The current document's JSON, gzipped (level 1) if asked."""
+        return self._served(self._json, self.view.encode, gzipped)
+
+    def page(self, gzipped: bool) -> bytes:
+        """The current document as the status page (`render`), gzipped (level 1) if asked."""
+        render = self.render
+        if render is None:
+            raise RuntimeError("EncodedStatus.page needs a render function")
+        return self._served(self._page, lambda: render(self.view.document()).encode(), gzipped)

@@ -37,7 +37,7 @@ ENCODED: web.AppKey[EncodedStatus] = web.AppKey("encoded", EncodedStatus)
 BODIES: web.AppKey[BodyBudget] = web.AppKey("bodies", BodyBudget)
 STATIC: web.AppKey[dict[str, tuple[bytes, str]]] = web.AppKey("static", dict)
 STATIC_FILES = {"status.js": "text/javascript", "status.css": "text/css"}
-# The page loads only its own script and style sheet and fetches only the API (docs/api.md).
+# The page loads only its own script and style sheet, and its script fetches only the page itself (docs/api.md).
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
@@ -88,7 +88,7 @@ def build_app(
     app[HEALTH] = health
     app[RENDERER] = renderer
     app[VIEW] = StatusView(config, state, health)
-    app[ENCODED] = EncodedStatus(app[VIEW])
+    app[ENCODED] = EncodedStatus(app[VIEW], render=render_page)
     app[STATIC] = _static_files()
     app[BODIES] = bodies
     app.cleanup_ctx.extend(sources)
@@ -199,8 +199,12 @@ async def _status(request: web.Request) -> web.Response:
 
 
 async def _status_page(request: web.Request) -> web.Response:
-    page = render_page(request.app[VIEW].document()).encode()
-    return _negotiated(request, page, {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"})
+    # The page's script fetches it every few seconds: viewers within one tick share one copy, as for the JSON.
+    gzipped = _gzipped(request)
+    headers = {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store", "Vary": "Accept-Encoding"}
+    if gzipped:
+        headers["Content-Encoding"] = "gzip"
+    return web.Response(body=request.app[ENCODED].page(gzipped), headers=headers)
 
 
 def _static_files() -> dict[str, tuple[bytes, str]]:

@@ -1,7 +1,7 @@
 """The status page's HTML (exporter.sidecar.expose.page) on the server/rank/stream model: one cell per rank
 (position) listing its streams, a block per server, a grid per dp group; on the harness's fake clocks.
 
-The script (static/status.js) builds the same DOM from the same document: tests/e2e/test_status_page_browser.py
+The script (static/status.js) swaps in the same sections on a refresh: tests/e2e/test_status_page_browser.py
 compares the two in Chromium.
 """
 
@@ -16,12 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exporter.api import v1
+from exporter.api.view import identity_text
 from exporter.config import RanksConfig, SidecarConfig
 from exporter.protocol.messages import RankId, World
 from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.ranks import Join
 from exporter.sidecar.expose import page
-from exporter.sidecar.expose.status import StatusView, identity_text
+from exporter.sidecar.expose.status import StatusView
 from tests.exporter.sidecar.harness import Harness, tokens
 
 RADIX = {"cache_type": "UnifiedRadixCache"}

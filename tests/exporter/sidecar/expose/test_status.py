@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import gzip
 import html
+import io
 import json
+import re
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -21,19 +23,29 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rich.console import Console
 
 from exporter.api import v1
-from exporter.catalog import MetricType, default_catalog, load_profile
+from exporter.api.view import escaped, identity_text
+from exporter.catalog import (
+    SGLANG_TRANSFERS,
+    SPREAD_THRESHOLD,
+    MetricType,
+    default_catalog,
+    load_profile,
+    load_profiles,
+)
 from exporter.client import RankClient
 from exporter.config import RanksConfig, SidecarConfig, config_from_data
-from exporter.protocol.messages import Hello, RankId, World
+from exporter.protocol.messages import Hello, RankId, ScalarSample, World
 from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.expose import page
 from exporter.sidecar.expose import status as api
 from exporter.sidecar.expose.collector import window_increases
 from exporter.sidecar.expose.page import render_page, sparkline_path
-from exporter.sidecar.expose.status import SPREAD_THRESHOLD, TRANSFERS, BandwidthHistory, StatusView, _escaped
+from exporter.sidecar.expose.status import BandwidthHistory, StatusView
 from exporter.sidecar.http import app as app_module
+from exporter.top.render import transfers_section
 from tests.exporter.sidecar.harness import STATIC, Harness, bytes_, dropped, hist, one_hot, tokens
 from tests.exporter.sidecar.upstream.test_feed import Engine, EngineHTTP
 from tests.helpers import RawClient, Scrape, SidecarThread, counter, hello, http_get, snapshot, wait_until
@@ -76,9 +88,9 @@ def rank_labels(doc: dict[str, Any], stream: dict[str, Any]) -> dict[str, str]:
 
 
 def identity_of(doc: dict[str, Any], stream: dict[str, Any]) -> str:
-    """A stream's identity as /metrics quotes it (status.identity_text)."""
+    """A stream's identity as /metrics quotes it (view.identity_text)."""
     static = tuple(sorted(rank_labels(doc, stream).items()))
-    return api.identity_text(stream["tp_rank"], stream["pp_rank"], stream["dp_rank"], stream["attn_cp_rank"], static)
+    return identity_text(stream["tp_rank"], stream["pp_rank"], stream["dp_rank"], stream["attn_cp_rank"], static)
 
 
 def assert_valid(definition: str, document: Any) -> None:
@@ -189,9 +201,9 @@ def test_every_number_equals_the_metrics_rollups(proxied: tuple[SidecarThread, E
     transfers = {t["name"]: t for t in doc["transfers"]}
     assert transfers["load_back"]["tokens"] == 2000 + 10 and transfers["load_back"]["bytes"] == 3000 + 300
     assert transfers["prefetch"]["tokens"] == 2000 and transfers["prefetch"]["bytes"] == 3000
-    for transfer in TRANSFERS:
-        assert transfers[transfer.name]["tokens"] == by_family[transfer.tokens_family]["total"]
-        assert transfers[transfer.name]["bytes"] == by_family[transfer.bytes_family]["total"]
+    for transfer in SGLANG_TRANSFERS:
+        assert transfers[transfer.name]["tokens"] == by_family[transfer.tokens]["total"]
+        assert transfers[transfer.name]["bytes"] == by_family[transfer.bytes]["total"]
     for bw in doc["bandwidth"]["families"]:
         on_metrics = {tuple(sorted(s.labels.items())): s.value for s in scrape.find(bw["exported"])}
         assert {tuple(sorted(s["labels"].items())): s["bytes_per_second"] for s in bw["series"]} == on_metrics
@@ -256,10 +268,12 @@ def test_every_response_carries_the_security_headers(sidecar: SidecarThread) -> 
 
 
 def test_the_packaged_script_builds_the_dom_without_markup() -> None:
+    """No markup of the script's own: it moves the nodes of the server's page (parsed inert, every value
+    escaped by page.esc) and writes its own line as text."""
     script = (REPO / "exporter" / "sidecar" / "http" / "static" / "status.js").read_text()
     for forbidden in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
         assert forbidden not in script, forbidden
-    assert "textContent" in script and "createElementNS" in script
+    assert "textContent" in script and "DOMParser" in script and "adoptNode" in script
 
 
 # --- state level: the harness's fake clocks ---
@@ -354,7 +368,7 @@ def test_any_label_value_round_trips_through_json_and_is_text_on_the_page(value:
     (row,) = doc["streams"]
     assert rank_labels(doc, row) == {**STATIC, "model": value} and row["own_labels"] == {}
     identity = identity_of(doc, row)
-    assert identity.endswith(f'model="{_escaped(value)}"') and row["id"] == "g0/tp=0,pp=0"
+    assert identity.endswith(f'model="{escaped(value)}"') and row["id"] == "g0/tp=0,pp=0"
     (server,) = doc["servers"]
     assert label_set(doc, server["label_set"]) == {"model": value}  # the radix stream's cache_type is its own
     parsed = _Page()
@@ -756,7 +770,7 @@ def test_an_id_reads_back_as_its_identity(identity: tuple[Any, ...]) -> None:
     identities never share one (`a="1 b=2"` against `a="1" b="2"`), and no more do two groups."""
     tp, pp, dp, cp, labels = identity
     static = tuple(sorted(labels.items()))
-    assert parse_id(api.identity_text(tp, pp, dp, cp, static)) == (tp, pp, dp, cp, static)
+    assert parse_id(identity_text(tp, pp, dp, cp, static)) == (tp, pp, dp, cp, static)
 
 
 def test_the_state_file_line_says_where_how_often_what_was_taken_back_and_what_failed() -> None:
@@ -806,7 +820,52 @@ def test_a_second_profile_is_served_under_its_own_namespace_and_worker_id_splits
         assert doc["sidecar"]["profiles"] == [{"name": "sglang", "namespace": "sglang_", "families": 32},
                                               {"name": "lmcache", "namespace": "lmcache_", "families": 94}]
         assert len(doc["groups"]) == 2  # one per replica: worker_id is left out of a replica group
+        transfers = {t["name"]: t for t in doc["transfers"] if t["profile"] == "lmcache"}  # the profile's own
+        assert transfers["retrieve"]["tokens"] == 740 and transfers["remote_read"]["bytes"] == 10_000
     finally:
         for client in clients:
             client.close()
         sidecar.stop()
+
+
+def test_an_lmcache_sidecar_shows_its_tier_transfers_in_the_api_the_page_and_top() -> None:
+    """The transfers are the profiles' own (exporter/defaults/lmcache.yaml), not a table of SGLang names: two
+    workers of one LMCache engine retrieve, store and read and write their remote backend, and the document,
+    the page and `top` list LMCache's transfers beside SGLang's, each with its totals."""
+    catalog = load_profiles(None, ["lmcache"])
+    lmcache = catalog.of_profile("lmcache")
+    h = Harness(catalog=catalog)
+    labels = {"model_name": "m", "served_model_name": "s", "role": "worker"}
+    retrieve_bounds = lmcache.get("time_to_retrieve").buckets
+    assert retrieve_bounds is not None
+    for worker in (0, 1):
+        _, rank = h.hello(tp=worker, labels={**labels, "worker_id": str(worker)})
+        h.push(rank, ScalarSample(family="num_hit_tokens_total", labels={}, value=640),
+               ScalarSample(family="num_stored_tokens_total", labels={}, value=256),
+               ScalarSample(family="num_remote_read_bytes_total", labels={}, value=4096 * (worker + 1)),
+               ScalarSample(family="num_remote_write_bytes_total", labels={}, value=1024),
+               hist("time_to_retrieve", one_hot("time_to_retrieve", 2, finite=retrieve_bounds), 0.25,
+                    finite=retrieve_bounds))
+    doc = doc_of(view_of(h))
+    assert_valid("status", doc)
+    shown = {t["name"]: t for t in doc["transfers"] if t["profile"] == "lmcache"}
+    assert list(shown) == ["retrieve", "store", "remote_read", "remote_write"]
+    assert (shown["retrieve"]["from"], shown["retrieve"]["to"]) == ("L2", "L1")
+    assert shown["retrieve"]["tokens"] == 640  # replicated: one worker of the engine, not the sum
+    assert shown["retrieve"]["seconds_family"] == "time_to_retrieve" and shown["retrieve"]["seconds"] == 0.5
+    assert shown["retrieve"]["bytes_family"] is None and shown["retrieve"]["bytes"] is None
+    assert shown["remote_read"]["bytes"] == 4096 * 3  # per shard: every worker's
+    assert (shown["remote_write"]["from"], shown["remote_write"]["to"], shown["remote_write"]["tokens"]) == (
+        "L2", "L3", None)
+    assert [t["name"] for t in doc["transfers"] if t["profile"] == "sglang"] == [t.name for t in SGLANG_TRANSFERS]
+    # The page: a row per transfer, LMCache's named with their profile.
+    body = render_page(typed(doc))
+    totals = body[body.index('id="totals-body"'):body.index('id="bandwidth"')]
+    assert "<tr><td>lmcache retrieve</td><td>L2 → L1</td><td>640</td><td>–</td><td>idle</td></tr>" in totals
+    assert "<tr><td>lmcache remote_read</td><td>L3 → L2</td><td>–</td><td>12.0 KiB</td><td>idle</td></tr>" in totals
+    # top: the same rows in its Transfers section.
+    out = Console(file=io.StringIO(), width=160, record=True)
+    out.print(*transfers_section(typed(doc)))
+    text = out.export_text()
+    assert re.search(r"lmcache retrieve\s+L2→L1\s+640\s+–", text), text
+    assert re.search(r"lmcache remote_write\s+L2→L3\s+–\s+2\.0 KiB", text), text

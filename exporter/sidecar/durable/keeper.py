@@ -314,11 +314,6 @@ class StateKeeper:
                            "timeout")
         self._show(write.order, write.shown)
 
-    @property
-    def _writing(self) -> bool:
-        """Whether a write's thread runs now."""
-        return self._inflight is not None
-
     def _written(self, write: _Write) -> None:
         """A write's thread ended: count it, as a write or a failure (unless its deadline counted it already),
         and show the rollups it saved (after a failure too: the rollups are then not durable, counted and

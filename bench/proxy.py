@@ -5,7 +5,7 @@
 An upstream exposition of N ranks (radix and storage families of the default catalog, as the
 released engine labels them) is written by prometheus_client, once per read with every counter
 and histogram advanced, as between two scrapes of a busy engine. Per read the sidecar takes the
-text as the scraper does (`UpstreamFeed.read_text`, then `apply`: text in, state updated) and
+text as the scraper does (`UpstreamFeed.plan_text`, then `apply`: text in, state updated) and
 the parser reads the same text; the two take turns, read by read, timed with
 `time.process_time`, and the medians are compared. The first read (untimed) makes the ranks and
 the text's layout. Part of `make bench` (bench.run): the goal is at most 0.2x the parser's time
@@ -114,7 +114,7 @@ def compare(texts: list[str], feed: UpstreamFeed, ranks: int | None = None) -> d
     samples = sum(len(f.samples) for f in text_string_to_metric_families(texts[0]))
     first_parser = time.process_time() - started
     started = time.process_time()
-    first = feed.apply(feed.read_text(texts[0], False))  # the first read makes the ranks and the text's layout
+    first = feed.apply(feed.plan_text(texts[0], False))  # the first read makes the ranks and the text's layout
     first_sidecar = time.process_time() - started
     if ranks is not None and (first.ranks != ranks or first.samples != samples or first.rejected or first.unranked):
         raise RuntimeError(f"the sidecar's first read is not the whole text: {ranks} ranks and {samples} samples "
@@ -125,7 +125,7 @@ def compare(texts: list[str], feed: UpstreamFeed, ranks: int | None = None) -> d
         list(text_string_to_metric_families(text))
         parser.append(time.process_time() - started)
         started = time.process_time()
-        reading = feed.read_text(text, False)
+        reading = feed.plan_text(text, False)
         feed.apply(reading)
         sidecar.append(time.process_time() - started)
         parsed += reading.parsed

@@ -29,7 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 from exporter.config import RanksConfig
-from exporter.sidecar.upstream.feed import MAX_PASS_THROUGH_SAMPLES, READ_LINES_PER_SERIES
+from exporter.sidecar.upstream.feed import READ_LINES_PER_SERIES
+from exporter.sidecar.upstream.plan import MAX_PASS_THROUGH_SAMPLES
 from exporter.sidecar.upstream.scrape import MAX_BODY_BYTES
 
 from bench.common import Sidecar, progress_printer

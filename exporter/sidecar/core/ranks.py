@@ -32,6 +32,13 @@ log = logging.getLogger("hicache_exporter.ranks")
 Clock = Callable[[], float]
 RankIdentity = tuple[int, int, int, int, StaticKey]  # (tp_rank, pp_rank, dp_rank, attn_cp_rank, static labels)
 REPLACED_EPOCHS_KEPT = 64
+
+
+def rank_identity(tp_rank: int, pp_rank: int, dp_rank: int, attn_cp_rank: int | None, static: StaticKey) -> RankIdentity:
+    """The one constructor of a rank identity: a rank without a context-parallel axis (None) is cp rank 0."""
+    return (tp_rank, pp_rank, dp_rank, attn_cp_rank or 0, static)
+
+
 PUSH_SOURCE = "push"  # the source of identities that ranks push over the socket; an upstream's is "upstream:<name>"
 # The source of identities taken back from the durable state whose upstream is no longer configured: the
 # first source that reports one continues it (a move from the proxy to push, or to another upstream).
@@ -147,7 +154,7 @@ class RankState:
 
     @property
     def identity(self) -> RankIdentity:
-        return (self.tp_rank, self.pp_rank, self.dp_rank, self.attn_cp_rank or 0, self.static)
+        return rank_identity(self.tp_rank, self.pp_rank, self.dp_rank, self.attn_cp_rank, self.static)
 
     @property
     def replica_group(self) -> GroupKey:
@@ -284,7 +291,7 @@ class RankRegistry:
         """Bind `connection` to the rank identity in `msg`, reported by `source`; raise ProtocolError to refuse it."""
         self._check_static_labels(msg.labels)
         static = static_key(msg.labels)
-        identity = (msg.rank.tp_rank, msg.rank.pp_rank, msg.rank.dp_rank, msg.rank.attn_cp_rank or 0, static)
+        identity = rank_identity(msg.rank.tp_rank, msg.rank.pp_rank, msg.rank.dp_rank, msg.rank.attn_cp_rank, static)
         rank = self.ranks.get(identity)
         if rank is not None and rank.source != source and not rank.connected and (
                 rank.source == RELEASED_SOURCE or (rank.restored and rank.expired)):

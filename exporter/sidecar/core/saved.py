@@ -21,8 +21,8 @@ from exporter.catalog import Catalog, MetricType
 from exporter.labels import MAX_RANK_AXIS
 from exporter.protocol.messages import World
 from exporter.sidecar.core.history import WindowHistory
-from exporter.sidecar.core.keys import HistAccumulator, HistValue, RollupCounter, SeriesKey, histogram_cost
-from exporter.sidecar.core.ranks import WINDOW_HISTORY_ENTRIES, RankIdentity, RankState
+from exporter.sidecar.core.keys import HistAccumulator, HistValue, RollupCounter, SeriesKey, histogram_cost, make_rollup_key
+from exporter.sidecar.core.ranks import WINDOW_HISTORY_ENTRIES, RankIdentity, RankState, rank_identity
 from exporter.sidecar.core.state import SidecarState
 
 log = logging.getLogger("hicache_exporter.durable")
@@ -239,7 +239,7 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
             result.drop("invalid")
             continue
         spec = catalog.get(key[0])
-        rollup_key = (key[0], statics[item.shared], key[1])
+        rollup_key = make_rollup_key(key[0], statics[item.shared], key[1])
         if isinstance(item.value, HistValue):
             if spec.type is not MetricType.HISTOGRAM or not _whole(item.value):
                 result.drop("changed_family")
@@ -278,8 +278,8 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
     # Expired identities last: when there are more than max_ranks, they are the ones left out, as
     # the registry would forget them first.
     for saved_rank in sorted(saved.ranks, key=lambda r: r.expired):
-        identity: RankIdentity = (saved_rank.tp_rank, saved_rank.pp_rank, saved_rank.dp_rank,
-                                  saved_rank.attn_cp_rank or 0, statics[saved_rank.static])
+        identity = rank_identity(saved_rank.tp_rank, saved_rank.pp_rank, saved_rank.dp_rank, saved_rank.attn_cp_rank,
+                                 statics[saved_rank.static])
         invalid = not _valid_rank(saved_rank, catalog)
         if invalid or len(registry.ranks) >= config.max_ranks:
             # Left out as the registry forgets a rank: its values are baselines when it comes back, never
@@ -335,8 +335,8 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
         registry.ranks[identity] = rank
         result.identities += 1
     for entry in saved.forgotten:
-        forgotten_identity: RankIdentity = (entry.tp_rank, entry.pp_rank, entry.dp_rank, entry.attn_cp_rank,
-                                                statics[entry.static])
+        forgotten_identity = rank_identity(entry.tp_rank, entry.pp_rank, entry.dp_rank, entry.attn_cp_rank,
+                                           statics[entry.static])
         memory = registry.forgotten.setdefault(entry.source, {})
         if len(memory) < config.max_ranks and forgotten_identity not in registry.ranks:
             memory[forgotten_identity] = entry.epoch

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from exporter.catalog import Catalog, FamilySpec
 from exporter.config import RanksConfig
 from exporter.errors import ErrorCode
-from exporter.protocol.messages import Hello, Sample, Snapshot
+from exporter.protocol.messages import Hello, Sample, Snapshot, World
 from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import GroupKey, HistAccumulator, LabelValues, RollupKey, SeriesBudget
 from exporter.sidecar.core.ranks import (
@@ -117,6 +117,10 @@ class SidecarState:
         """The connection holding `rank` closed (bye, EOF or error)."""
         self.changes += 1
         self.registry.disconnect(connection, rank)
+
+    def expect(self, rank: RankState, world: World | None) -> None:
+        """Expect `rank` in `world` from now on: a source's judgement of its world changed (no hello, so no reconnect)."""
+        rank.world = world
 
     def snapshot(self, rank: RankState, msg: Snapshot) -> SnapshotResult:
         """A pushed rank's wire snapshot, for callers that speak the protocol directly (tests, benches): `push`."""

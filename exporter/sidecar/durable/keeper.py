@@ -43,6 +43,7 @@ from exporter.sidecar.durable.file import (
     write_failure_reason,
 )
 from exporter.sidecar.upstream import saved as feed_saved
+from exporter.sidecar.upstream.continuity import SAVED_NAME_CHARS
 from exporter.sidecar.upstream.feed import UpstreamFeed
 from exporter.sidecar.worker import WorkerThread
 
@@ -118,7 +119,7 @@ def max_file_bytes(limits: RanksConfig, family_labels: int, upstreams: int) -> i
                   limits.max_static_label_chars + limits.max_static_labels * LABEL_NAME_BYTES)  # one rank's
     core_rank = 3 * statics  # its static labels, a forgotten one's, its group's
     # A series' own labels, as names and values; its name for log lines only while it flaps (cut: SAVED_NAME_CHARS).
-    upstream_series = MAX_BYTES_PER_SERIES + 2 * family_labels * own + feed_saved.SAVED_NAME_CHARS
+    upstream_series = MAX_BYTES_PER_SERIES + 2 * family_labels * own + SAVED_NAME_CHARS
     upstream_rank = 2 * statics  # its static labels, and a forgotten one's
     return (MAX_BYTES_FIXED + core_series * limits.max_series_total + core_rank * limits.max_ranks
             + (upstream_series * limits.max_series_total + upstream_rank * limits.max_ranks) * upstreams)
@@ -312,11 +313,6 @@ class StateKeeper:
                                                     "(a stalled volume?); no other write starts until it does"),
                            "timeout")
         self._show(write.order, write.shown)
-
-    @property
-    def _writing(self) -> bool:
-        """Whether a write's thread runs now."""
-        return self._inflight is not None
 
     def _written(self, write: _Write) -> None:
         """A write's thread ended: count it, as a write or a failure (unless its deadline counted it already),

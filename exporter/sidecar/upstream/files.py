@@ -27,8 +27,10 @@ from prometheus_client.multiprocess import MultiProcessCollector
 _DB_FILE = re.compile(r"^(?P<kind>[a-z]+)(?:_(?P<mode>[a-z]+))?_(?P<pid>[^_]+)\.db$")
 _KINDS = frozenset({"counter", "gauge", "histogram", "summary"})  # the files prometheus_client writes
 
-Reading = list[tuple[str | None, float, list[Metric]]]  # (pid or None, its files' mtime, families), oldest first
-# In a directory's reading, the entry of every process's files merged as the engine's /metrics
+# One read's families, per process: (pid or None, its files' mtime, families), oldest first. A text
+# upstream's is one entry (None, 0.0, families); a directory's has one per process.
+Exposition = list[tuple[str | None, float, list[Metric]]]
+# In a directory's exposition, the entry of every process's files merged as the engine's /metrics
 # merges them: the families passed through come from it (one series per label set, summed).
 MERGED = "*"
 
@@ -61,10 +63,10 @@ class Skipped:
 
 
 @dataclass
-class DirectoryReading:
-    """One read of a directory: what the feed takes, the files left out, and how many entries it held."""
+class DirectoryRead:
+    """One read of a directory: its exposition, the files left out, and how many entries it held."""
 
-    reading: Reading
+    exposition: Exposition
     skipped: list[Skipped] = field(default_factory=list)
     entries: int = 0
 
@@ -182,7 +184,7 @@ def _metrics(files: list[_File]) -> list[Metric]:
     return list(MultiProcessCollector._accumulate_metrics(metrics, True))
 
 
-def read_directory(directory: Path, merged: bool = True, max_entries: int | None = None) -> DirectoryReading:
+def read_directory(directory: Path, merged: bool = True, max_entries: int | None = None) -> DirectoryRead:
     """Each process's families from a prometheus_client multiprocess directory, read apart, oldest
     first, then (with `merged`) every process's merged, for the families passed through; the files
     left out, and why. `TooLarge` past MAX_FILES, MAX_READ_BYTES or `max_entries` entries.
@@ -191,7 +193,7 @@ def read_directory(directory: Path, merged: bool = True, max_entries: int | None
     engine's /metrics runs), one process at a time, so one process's values are never summed with
     another's. A process's age is its files' latest modification time.
     """
-    out = DirectoryReading([])
+    out = DirectoryRead([])
     dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         names = _listing(dir_fd)
@@ -229,7 +231,7 @@ def read_directory(directory: Path, merged: bool = True, max_entries: int | None
                 _File(name, kind, match.group("mode"), match.group("pid"), mtime, entries))
     finally:
         os.close(dir_fd)
-    processes: Reading = []
+    processes: Exposition = []
     for pid, files in by_pid.items():
         families = _accumulated(files, out, pid)
         if families is not None:
@@ -239,7 +241,7 @@ def read_directory(directory: Path, merged: bool = True, max_entries: int | None
         every = sorted((f for files in by_pid.values() for f in files), key=lambda f: f.name)
         families = _accumulated(every, out, MERGED)
         processes.append((MERGED, 0.0, families if families is not None else []))
-    out.reading = processes
+    out.exposition = processes
     return out
 
 
@@ -254,7 +256,7 @@ def _listing(dir_fd: int) -> list[str]:
     return sorted(names)
 
 
-def _accumulated(files: list[_File], out: DirectoryReading, pid: str) -> list[Metric] | None:
+def _accumulated(files: list[_File], out: DirectoryRead, pid: str) -> list[Metric] | None:
     """The files' families, or None (each file reported) where the library's accumulate step fails on them."""
     try:
         return _metrics(files)
@@ -262,9 +264,4 @@ def _accumulated(files: list[_File], out: DirectoryReading, pid: str) -> list[Me
         for file in files:
             out.skipped.append(Skipped(file.name, "corrupt", f"process {pid}: {type(err).__name__}: {err}"))
         return None
-
-
-def read_multiprocess_dir(directory: Path, merged: bool = True) -> Reading:
-    """The reading of `read_directory`, without the files it left out."""
-    return read_directory(directory, merged).reading
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 
 from prometheus_client.metrics_core import Metric
 
-from exporter.sidecar.upstream.files import MERGED, Reading, Skipped
+from exporter.sidecar.upstream.files import MERGED, Exposition, Skipped
 
 # A sample by a 64-bit hash of its name and sorted labels: a whole key per sample cost 700 bytes, and a
 # directory may hold 98,304 entries (70 MB kept between reads); a hash costs a tenth of that. Two
@@ -66,14 +66,14 @@ class HeldProcesses:
         self.max_keys = max_keys
         self._lock = threading.Lock()  # a save (on the event loop) sees one read's state whole
 
-    def hold(self, reading: Reading, skipped: Iterable[Skipped]) -> Reading:
-        """`reading` with its merged entry's counters and histograms held steady (module docstring)."""
-        current = {pid: _values(families, self.wanted) for pid, _, families in reading
+    def hold(self, exposition: Exposition, skipped: Iterable[Skipped]) -> Exposition:
+        """`exposition` with its merged entry's counters and histograms held steady (module docstring)."""
+        current = {pid: _values(families, self.wanted) for pid, _, families in exposition
                    if pid is not None and pid != MERGED}
         with self._lock:
-            return self._hold(reading, current, {s.pid for s in skipped if s.pid is not None})
+            return self._hold(exposition, current, {s.pid for s in skipped if s.pid is not None})
 
-    def _hold(self, reading: Reading, current: dict[str, dict[Key, float]], skipped: set[str]) -> Reading:
+    def _hold(self, exposition: Exposition, current: dict[str, dict[Key, float]], skipped: set[str]) -> Exposition:
         held = skipped & self.last.keys()
         # A pid whose values fell is another process under a reused pid: the one read before is retired.
         replaced = {pid for pid, values in current.items() if pid in self.last and _fell(self.last[pid], values)}
@@ -92,13 +92,13 @@ class HeldProcesses:
             if pid not in held:
                 self.last[pid] = values
         if extra:
-            for source, _, families in reading:
+            for source, _, families in exposition:
                 if source == MERGED:
                     for family in families:
                         if family.type in _CONTINUED and self.wanted(family.name):
                             family.samples = [s._replace(value=s.value + extra.get(_key(s.name, s.labels), 0.0))
                                               for s in family.samples]
-        return reading
+        return exposition
 
     def _retire(self, values: dict[Key, float]) -> None:
         for key, value in values.items():

@@ -5,8 +5,8 @@ one that restarted (lower), and a directory rank's new process from the one it r
 The expected world is not kept: the feed judges it from its config and its first read (world.py),
 and gives it to every rank it took back then.
 
-Times on the state's monotonic clock (a series' drops, when it was last listed) are saved as ages and
-taken back relative to the load. A merged directory's held processes (merged.py) are saved with the feed.
+What each identity keeps, and how its times are saved (as ages), is the continuity's (continuity.py: its
+`dump` and `restore`); a merged directory's held processes (merged.py) are saved with it.
 
 What is saved belongs to the physical series (DESIGN 16), never to what an operator may rename or
 reconfigure: `relocate` takes a file's state to the upstreams configured now before anything is restored.
@@ -20,8 +20,6 @@ the first source to report one continues it. No I/O here: the file is the durabl
 from __future__ import annotations
 
 import logging
-import math
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,58 +27,12 @@ from typing import Any
 import msgspec
 
 from exporter.labels import rank_axis
-from exporter.sidecar.core.ranks import PUSH_SOURCE, RELEASED_SOURCE, RankIdentity
-from exporter.sidecar.core.saved import SavedCore, valid_count, valid_sum
-from exporter.sidecar.upstream.feed import FLAP_RESETS, REPLACED_PIDS_KEPT, UpstreamFeed, _Continuity, _UpstreamRank
+from exporter.sidecar.core.ranks import PUSH_SOURCE, RELEASED_SOURCE, RankIdentity, RankState, rank_identity
+from exporter.sidecar.core.saved import SavedCore
+from exporter.sidecar.upstream.continuity import SavedGeneration, SavedUpstreamRank
+from exporter.sidecar.upstream.feed import UpstreamFeed
 
 log = logging.getLogger("hicache_exporter.durable")
-SAVED_NAME_CHARS = 256  # a flapping series' name is kept for the line that says it calmed: its start is enough
-
-Pairs = tuple[tuple[str, str], ...]
-
-
-class SavedSeries(msgspec.Struct, array_like=True, frozen=True):
-    """One counter or histogram of an upstream rank: its raw values and how they are made continuous."""
-
-    family: str
-    labels: Pairs
-    part: str
-    bounds: tuple[float, ...]
-    last: list[float]
-    offset: list[float]
-    high: list[float]
-    base: list[float] | None
-    drops_ago: list[float]  # seconds before the save of its recent drops
-    flapping: bool
-    seen_ago: float
-    name: str  # as log lines name it
-
-
-class SavedUpstreamRank(msgspec.Struct, array_like=True, frozen=True):
-    """One rank identity an upstream feeds."""
-
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-    attn_cp_rank: int
-    static: Pairs
-    epoch: str
-    pid: str | None
-    generation: int
-    seq: int
-    replaced_pids: list[str]
-    series: list[SavedSeries]
-
-
-class SavedGeneration(msgspec.Struct, array_like=True, frozen=True):
-    """An identity dropped after the registry forgot it, with its generation (its epoch's number)."""
-
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-    attn_cp_rank: int
-    static: Pairs
-    generation: int
 
 
 class SavedHeld(msgspec.Struct, array_like=True, frozen=True):
@@ -91,7 +43,7 @@ class SavedHeld(msgspec.Struct, array_like=True, frozen=True):
 
 
 class SavedFeed(msgspec.Struct, array_like=True, frozen=True):
-    """One upstream's durable state."""
+    """One upstream's durable state: its identities and generations (continuity.py's), and a directory's held processes."""
 
     ranks: list[SavedUpstreamRank]
     generations: list[SavedGeneration]
@@ -100,77 +52,27 @@ class SavedFeed(msgspec.Struct, array_like=True, frozen=True):
 
 def dump(feed: UpstreamFeed) -> tuple[Any, ...]:
     """The feed's durable state as plain tuples, shaped as `SavedFeed` (on the event loop, between reads)."""
-    now = feed.state.clock()
-    ranks = []
-    for identity, entry in feed.ranks.items():
-        series = [
-            (key[0], key[1], key[2], kept.bounds, list(kept.last), list(kept.offset), list(kept.high),
-             None if kept.base is None else list(kept.base), [now - t for t in kept.resets], kept.flapping,
-             now - kept.seen, feed._flapping.get(kept, "")[:SAVED_NAME_CHARS])
-            for key, kept in entry.series.items()
-        ]
-        ranks.append((*identity, entry.epoch, entry.pid, entry.generation, entry.seq, list(entry.replaced_pids), series))
-    generations = [(*identity, generation) for identity, generation in feed._generations.items()]
+    ranks, generations = feed.continuity.dump(feed.state.clock())
     return (ranks, generations, feed.held.dump() if feed.merges_processes else None)
 
 
 def restore(feed: UpstreamFeed, saved: SavedFeed) -> int:
     """Take `saved` back into a feed that has read nothing yet, after the core's state was restored; the
     number of identities taken back. A rank whose identity the registry did not take back is left out."""
-    now = feed.state.clock()
-    limits = feed.state.config
-    taken = 0
-    for item in saved.ranks:
-        if len(feed.ranks) >= limits.max_ranks:
-            break
-        identity: RankIdentity = (item.tp_rank, item.pp_rank, item.dp_rank, item.attn_cp_rank, item.static)
+
+    def taken_back(identity: RankIdentity, epoch: str) -> RankState | None:
         rank = feed.state.rank(identity)
-        if rank is None or rank.source != feed.source or rank.epoch != item.epoch:
-            continue
-        entry = _UpstreamRank(rank=rank, epoch=item.epoch, pid=item.pid, generation=item.generation, seq=item.seq)
-        entry.replaced_pids = dict.fromkeys(item.replaced_pids[-REPLACED_PIDS_KEPT:])
-        for series in item.series[:limits.max_series_per_rank]:
-            parts = len(series.last)
-            if not parts or len(series.offset) != parts or len(series.high) != parts \
-                    or (series.base is not None and len(series.base) != parts) or not _valid(series):
-                continue  # what no read could have made: the series starts over from its next read
-            drops: deque[float] = deque(maxlen=FLAP_RESETS + 1)
-            drops.extend(now - ago for ago in series.drops_ago[-(FLAP_RESETS + 1):])
-            kept = _Continuity(series.bounds, list(series.last), list(series.offset), list(series.high),
-                               None if series.base is None else list(series.base), drops, series.flapping,
-                               now - series.seen_ago)
-            entry.series[(series.family, series.labels, series.part)] = kept
-            if series.flapping:
-                feed._flapping[kept] = series.name
-        feed.ranks[identity] = entry
-        taken += 1
-    for generation in saved.generations[-limits.max_ranks:]:
-        forgotten: RankIdentity = (generation.tp_rank, generation.pp_rank, generation.dp_rank,
-                                   generation.attn_cp_rank, generation.static)
-        if forgotten not in feed.ranks:
-            feed._generations[forgotten] = generation.generation
-    feed.health.flapping = len(feed._flapping)
+        return rank if rank is not None and rank.source == feed.source and rank.epoch == epoch else None
+
+    taken = feed.continuity.restore(saved.ranks, saved.generations, feed.state.clock(), taken_back)
     if saved.held is not None and feed.merges_processes:
-        feed.held.restore((saved.held.last, saved.held.retired), max_processes=limits.max_ranks)
+        feed.held.restore((saved.held.last, saved.held.retired), max_processes=feed.state.config.max_ranks)
     return taken
-
-
-def _valid(series: SavedSeries) -> bool:
-    """Whether a saved series holds what reads make: counts as the core's saved values are (core.saved.valid_count),
-    and a histogram's sum (its last part: a negative observation lowers it) as its sums are; finite ages."""
-    counts = len(series.last) - 1 if series.bounds or len(series.last) > 1 else len(series.last)
-    for values in (series.last, series.offset, series.high, series.base or ()):
-        if not all(map(valid_count, values[:counts])) or not all(map(valid_sum, values[counts:])):
-            return False
-    return all(math.isfinite(t) for t in (*series.drops_ago, series.seen_ago))
 
 
 def forget(feed: UpstreamFeed) -> None:
     """Forget what `restore` took back: the feed as if it had read nothing (the state it fed starts fresh too)."""
-    feed.ranks.clear()
-    feed._generations.clear()
-    feed._flapping.clear()
-    feed.health.flapping = 0
+    feed.continuity.clear()
     feed.held.restore(({}, []), max_processes=0)
 
 
@@ -242,7 +144,7 @@ def relocate(
         worker = rank_axis(dict(static).get(feed.linear, ""))
         if worker is None:
             return tp, pp, cp
-        axes = feed.place(worker)
+        axes = feed.planner.place(worker)
         return axes["tp_rank"], axes["pp_rank"], axes.get("attn_cp_rank")
 
     statics = core.statics
@@ -252,7 +154,7 @@ def relocate(
     for rank in core.ranks:
         source = owner[rank.source]
         tp, pp, cp = placed(source, rank.tp_rank, rank.pp_rank, rank.attn_cp_rank, statics[rank.static])
-        identity = (tp, pp, rank.dp_rank, cp or 0, statics[rank.static])
+        identity = rank_identity(tp, pp, rank.dp_rank, cp, statics[rank.static])
         if identity in taken:
             series = len({(v.family, v.labels) for v in rank.values} | {(p.family, p.labels) for p in rank.positions})
             done.collided[source] = done.collided.get(source, 0) + series
@@ -279,7 +181,8 @@ def relocate(
         feed_ranks = []
         for item in saved_feed.ranks:
             tp, pp, cp = placed(source, item.tp_rank, item.pp_rank, item.attn_cp_rank, item.static)
-            if taken.get((tp, pp, item.dp_rank, cp or 0, item.static)) != (item.tp_rank, item.pp_rank, item.attn_cp_rank):
+            if taken.get(rank_identity(tp, pp, item.dp_rank, cp, item.static)) != (item.tp_rank, item.pp_rank,
+                                                                                  item.attn_cp_rank):
                 continue  # its identity is not taken back, or another saved identity took its place
             feed_ranks.append(msgspec.structs.replace(item, tp_rank=tp, pp_rank=pp, attn_cp_rank=cp or 0))
         generations = []

@@ -28,8 +28,10 @@ from yarl import URL
 
 from exporter.config import UpstreamConfig
 from exporter.errors import ConfigError
-from exporter.sidecar.upstream.feed import FeedResult, TextReading, UpstreamFeed
+from exporter.log_throttle import LogThrottle
+from exporter.sidecar.upstream.feed import UpstreamFeed
 from exporter.sidecar.upstream.files import Skipped, TooLarge, read_directory
+from exporter.sidecar.upstream.plan import FeedResult, PlannedRead
 from exporter.sidecar.worker import WorkerThread
 
 log = logging.getLogger("hicache_exporter.upstream")
@@ -82,7 +84,9 @@ class UpstreamScraper:
         self.clock: Callable[[], float] = time.monotonic
         self._thread = WorkerThread(f"upstream {self.health.name}")
         self._running: concurrent.futures.Future[object] | None = None
-        self._logged: dict[str, float] = {}  # error kind -> when it was last logged
+        # Error kinds are few and fixed: the throttle's bound is never reached. Its clock is `clock`'s, read
+        # at each call (a test sets `clock` after construction).
+        self._logged = LogThrottle(LOG_EVERY_SECONDS, clock=lambda: self.clock())
 
     async def start(self) -> None:
         """Read once (a pass-through family that clashes with the sidecar's stops start-up), then on an interval."""
@@ -143,8 +147,9 @@ class UpstreamScraper:
         self._running = future  # type: ignore[assignment]
         return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
 
-    async def read(self) -> TextReading | tuple[list[Skipped], TextReading]:
-        """One read of the upstream (file reading and parsing run on this source's thread)."""
+    async def read(self) -> tuple[PlannedRead, list[Skipped]]:
+        """One read of the upstream, planned, and the files it skipped (file reading, parsing and planning
+        run on this source's thread)."""
         if self.config.multiprocess_dir is not None:
             return await self._off_loop(self._read_directory, self.config.timeout_seconds)
         try:  # asyncio.wait_for, not asyncio.timeout: the package runs on Python 3.10
@@ -153,16 +158,17 @@ class UpstreamScraper:
             raise _ReadError("timeout", f"no answer within {self.config.timeout_seconds} s") from None
         except aiohttp.ClientError as err:
             raise _ReadError("connect", str(err) or type(err).__name__) from None
-        return await self._off_loop(lambda: self._parse(raw, charset, openmetrics), None)
+        return await self._off_loop(lambda: (self._parse(raw, charset, openmetrics), []), None)
 
-    def _read_directory(self) -> tuple[list[Skipped], TextReading]:
+    def _read_directory(self) -> tuple[PlannedRead, list[Skipped]]:
         """The directory's files read and planned (on this source's thread), with the files skipped."""
         directory = self.config.multiprocess_dir
         assert directory is not None
         try:
             read = read_directory(directory, self.config.pass_through or self.feed.merges_processes, self.max_entries)
-            reading = self.feed.held.hold(read.reading, read.skipped) if self.feed.merges_processes else read.reading
-            return read.skipped, self.feed.plan_reading(reading)
+            exposition = (self.feed.held.hold(read.exposition, read.skipped) if self.feed.merges_processes
+                          else read.exposition)
+            return self.feed.plan_exposition(exposition), read.skipped
         except TooLarge as err:
             raise _ReadError("too_large", str(err)) from None
         except NotADirectoryError:
@@ -212,8 +218,8 @@ class UpstreamScraper:
             body += chunk
         return body
 
-    def _parse(self, raw: bytearray, charset: str, openmetrics: bool) -> TextReading:
-        """The answer decoded, then read by the feed (which refuses more sample lines than a read may have)."""
+    def _parse(self, raw: bytearray, charset: str, openmetrics: bool) -> PlannedRead:
+        """The answer decoded, then planned by the feed (which refuses more sample lines than a read may have)."""
         try:
             text = raw.decode(charset)
         except UnicodeDecodeError as err:
@@ -232,7 +238,7 @@ class UpstreamScraper:
             raise _ReadError("too_large", f"a line is longer than {MAX_LINE_CHARS} characters",
                              text.count("\n", 0, long_line.start()) + 1)
         try:
-            return self.feed.read_text(text, openmetrics)
+            return self.feed.plan_text(text, openmetrics)
         except TooLarge as err:
             raise _ReadError("too_large", str(err)) from None
         except ValueError as err:
@@ -244,14 +250,12 @@ class UpstreamScraper:
         started = time.perf_counter()
         result = None
         try:
-            reading = await self.read()
-            if isinstance(reading, tuple):
-                skipped_files, reading = reading
-                for skipped in skipped_files:
-                    health.error(skipped.kind, skipped.message)
-                    self._log(skipped.kind, "upstream %s: %s skipped: %s (%s); %d files skipped in this read",
-                              health.name, skipped.name, skipped.message, skipped.kind, len(skipped_files))
-            result = await self.feed.apply_async(reading)
+            planned, skipped_files = await self.read()
+            for skipped in skipped_files:
+                health.error(skipped.kind, skipped.message)
+                self._log(skipped.kind, "upstream %s: %s skipped: %s (%s); %d files skipped in this read",
+                          health.name, skipped.name, skipped.message, skipped.kind, len(skipped_files))
+            result = await self.feed.apply_async(planned)
         except _ReadError as err:
             self._failed(err.kind, err.message, err.line)
         except TimeoutError:
@@ -286,12 +290,8 @@ class UpstreamScraper:
 
     def _log(self, kind: str, message: str, *args: object, exc_info: bool = False) -> None:
         """Log at most once a minute per error kind: a source that fails every read must not flood the log."""
-        now = self.clock()
-        last = self._logged.get(kind)
-        if last is not None and now - last < LOG_EVERY_SECONDS:
-            return
-        self._logged[kind] = now
-        log.warning(message, *args, exc_info=exc_info)
+        if self._logged.due(kind):
+            log.warning(message, *args, exc_info=exc_info)
 
 
 def _charset(content_type: str) -> str:

@@ -1,4 +1,5 @@
-"""The shape of an upstream's exposition text: a read whose lines are the last read's but for their values.
+"""An upstream's exposition text: parsed by prometheus_client's parsers (`parse_exposition`), or, for a
+read whose lines are the last read's but for their values, read by its shape alone (`TextLayout`).
 
 prometheus_client's parsers turn a text into families; everything but the sample values comes
 from the text with those values cut out (its *shape*): which lines are comments, every sample's
@@ -34,8 +35,14 @@ import re
 from collections.abc import Sequence
 
 from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 Number = int | float
+# The engine's OpenMetrics quirk (prometheus_client 0.26 without `escaping=allow-utf-8`): sample
+# names have `:` escaped to `_` while HELP, TYPE and UNIT lines keep it, which its own parser
+# refuses. The metadata lines get the samples' spelling before parsing.
+_OM_METADATA = re.compile(r"(?m)^(# (?:HELP|TYPE|UNIT) )(\S+)")
 _TOKEN = r"[0-9A-Za-z.+-]+"
 _SERIES = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^{}]*\})?")
 _TEXT_VALUE = re.compile(f" ({_TOKEN})(?: ({_TOKEN}))?")
@@ -45,6 +52,23 @@ _NON_NEGATIVE = 1  # counter-like: not NaN, not negative
 _COUNT = 2  # a bucket or count: a non-negative integer as well
 _COUNTER_LIKE = {"_total": _NON_NEGATIVE, "_sum": _NON_NEGATIVE, "_count": _COUNT, "_bucket": _COUNT}
 _UNCHECKED_TYPES = frozenset({"info", "stateset", "gaugehistogram"})  # other value rules: left to the parser
+
+
+def parse_exposition(text: str, openmetrics: bool) -> list[Metric]:
+    """Families of one exposition, by prometheus_client's text or OpenMetrics parser (ValueError where it fails)."""
+    try:
+        if openmetrics:
+            return list(parse_openmetrics(_OM_METADATA.sub(lambda m: m.group(1) + m.group(2).replace(":", "_"), text)))
+        return list(parse_text(text))
+    except ValueError as err:
+        if str(err):
+            raise
+        # The parsers raise a bare ValueError() on some lines (`# TYPE evil.name counter`): the log
+        # line must still say what failed.
+        raise ValueError("ValueError: prometheus_client's parser refused a line and gave no reason "
+                         "(an invalid metric name or TYPE line?)") from None
+    except (OverflowError, LookupError, TypeError) as err:  # what the parsers raise on some malformed lines
+        raise ValueError(f"{type(err).__name__}: {err}" if str(err) else f"{type(err).__name__} (no message)") from None
 
 
 def sample_number(token: str) -> Number:
@@ -108,7 +132,7 @@ class TextLayout:
             if match is None:
                 return None
             try:
-                value, timestamp = layout._read(match)
+                value, timestamp = layout._sample_value(match)
             except (ValueError, OverflowError):
                 return None
             sample = samples[slot]
@@ -124,7 +148,7 @@ class TextLayout:
         layout.lines = lines
         return layout
 
-    def read(self, text: str) -> tuple[list[Number], list[float | None]] | None:
+    def values_of(self, text: str) -> tuple[list[Number], list[float | None]] | None:
         """The values and timestamps of `text`'s samples when it has this layout's shape (which
         then becomes `text`); None when it does not, or when OpenMetrics would refuse a value."""
         lines = text.split("\n")
@@ -162,7 +186,7 @@ class TextLayout:
         self.lines, self.values, self.timestamps = lines, values, timestamps
         return values, timestamps
 
-    def _read(self, match: re.Match[str]) -> tuple[Number, float | None]:
+    def _sample_value(self, match: re.Match[str]) -> tuple[Number, float | None]:
         """A sample's value and timestamp as the library gives them (0.0.4: the timestamp in ms, as seconds)."""
         if self.openmetrics:
             return sample_number(match.group(1)), None

@@ -22,7 +22,8 @@ from exporter.protocol.messages import RankId, ScalarSample
 from exporter.sidecar.core.health import PersistenceHealth, UpstreamHealth
 from exporter.sidecar.core.ranks import PUSH_SOURCE, RELEASED_SOURCE, Join
 from exporter.sidecar.durable.keeper import StateKeeper
-from exporter.sidecar.upstream.feed import UpstreamFeed, parse_exposition
+from exporter.sidecar.upstream.feed import UpstreamFeed
+from exporter.sidecar.upstream.text import parse_exposition
 from tests.exporter.sidecar.harness import Harness
 from tests.exporter.sidecar.upstream.test_feed import Engine, read, rollup
 from tests.exporter.sidecar.upstream.test_profiles import LABELS, STATIC, catalog

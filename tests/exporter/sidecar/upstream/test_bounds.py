@@ -20,13 +20,10 @@ from exporter.sidecar.core.health import SidecarHealth, UpstreamHealth
 from exporter.sidecar.core.ranks import RankStatus
 from exporter.sidecar.expose.collector import SidecarCollector
 from exporter.sidecar.upstream import feed as upstream_module
-from exporter.sidecar.upstream.feed import (
-    MAX_PASS_THROUGH_BYTES,
-    MAX_PASS_THROUGH_SAMPLES,
-    FeedResult,
-    UpstreamFeed,
-    parse_exposition,
-)
+from exporter.sidecar.upstream.continuity import FORGET_SERIES_SECONDS
+from exporter.sidecar.upstream.feed import UpstreamFeed
+from exporter.sidecar.upstream.plan import MAX_PASS_THROUGH_BYTES, MAX_PASS_THROUGH_SAMPLES, FeedResult
+from exporter.sidecar.upstream.text import parse_exposition
 from tests.exporter.sidecar.harness import Harness
 from tests.exporter.sidecar.upstream.test_feed import Engine, read, rollup
 
@@ -148,17 +145,17 @@ def test_a_text_with_more_sample_lines_than_the_read_bound_is_refused_before_it_
     bound = 4 * 2 + MAX_PASS_THROUGH_SAMPLES
     assert up.max_read_samples == bound
     text = "# TYPE a gauge\n" + "a 1\n" * bound
-    assert len(up.read_text(text, False).values) == bound
+    assert len(up.plan_text(text, False).values) == bound
     with pytest.raises(ValueError, match=rf"the answer has {bound + 1} sample lines, more than the {bound} one read"):
-        up.read_text(text + "a 1\n", False)
+        up.plan_text(text + "a 1\n", False)
 
 
-def test_a_directory_reading_past_the_read_bound_is_refused_by_plan_reading() -> None:
+def test_a_directory_reading_past_the_read_bound_is_refused_by_plan_exposition() -> None:
     h = Harness(ranks_config=RanksConfig(max_series_total=2))
     up = feed(h, url=None, multiprocess_dir="/nonexistent")
     families = parse_exposition("".join(f"a{i} 1\n" for i in range(up.max_read_samples + 1)), False)
     with pytest.raises(ValueError, match=r"the directory holds 16393 samples, more than the 16392"):
-        up.plan_reading([("1", 0.0, families)])
+        up.plan_exposition([("1", 0.0, families)])
 
 
 def test_pass_through_is_held_to_its_sample_and_byte_caps_whole_families_at_a_time() -> None:
@@ -251,7 +248,7 @@ async def applied_in_slices(up: UpstreamFeed, text: str) -> tuple[FeedResult, in
     task = asyncio.create_task(ticker())
     await asyncio.sleep(0)
     try:
-        return await up.apply_async(up.read_text(text, False)), turns
+        return await up.apply_async(up.plan_text(text, False)), turns
     finally:
         task.cancel()
 
@@ -275,7 +272,7 @@ def test_apply_async_gives_the_loop_back_and_leaves_what_apply_leaves(monkeypatc
                 result, read_turns = asyncio.run(applied_in_slices(up, text))
                 turns += read_turns
             else:
-                result = up.apply(up.read_text(text, False))
+                result = up.apply(up.plan_text(text, False))
         results.append(result)
         states.append(({k: (r.status, dict(r.values)) for k, r in h.state.ranks.items()},
                        dict(h.state.ledger.counters), up.pass_through_text(False)))
@@ -309,7 +306,7 @@ def test_the_feed_continues_at_most_max_series_per_rank_series_and_forgets_only_
     h.clock.advance(10)
     result = up.apply(read(pools("a", "e", "f", "g")))  # three new series: the rank holds four
     assert continued(up) == {"a", "b", "c", "d"} and result.rejected == 3
-    h.clock.advance(upstream_module.FORGET_SERIES_SECONDS + 1)
+    h.clock.advance(FORGET_SERIES_SECONDS + 1)
     result = up.apply(read(pools("a", "e", "f")))  # b, c and d unlisted for an hour: two of them make room
     assert len(continued(up)) == 4 and {"a", "e", "f"} <= continued(up)
     assert result.rejected == 2  # the state holds b, c and d until the rank's epoch ends: it refuses e and f
@@ -340,7 +337,7 @@ def test_a_family_passed_through_that_lists_a_sample_twice_keeps_the_first() -> 
     for values in ((1, 2, 3), (4, 5, 6)):  # the second read has the first's shape: read by its values alone
         one, again, two = values
         text = f'# TYPE dupx gauge\ndupx{{a="1"}} {one}\ndupx{{a="1"}} {again}\ndupx{{a="2"}} {two}\n'
-        result = up.apply(up.read_text(text, False))
+        result = up.apply(up.plan_text(text, False))
         lines = [line for line in up.pass_through_text(False).splitlines() if line.startswith("dupx")]
         assert lines == [f'dupx{{a="1"}} {values[0]}.0', f'dupx{{a="2"}} {values[2]}.0']
     assert result.cut == {"duplicate_series": "1 series are listed more than once in this read (the first: "

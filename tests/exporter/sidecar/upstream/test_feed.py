@@ -19,9 +19,14 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 from exporter.config import RanksConfig, UpstreamConfig
 from exporter.sidecar.core.health import UpstreamHealth
 from exporter.sidecar.core.ranks import RankStatus
-from exporter.sidecar.upstream import feed as upstream_module
-from exporter.sidecar.upstream.feed import TextReading, UpstreamFeed, _Families, parse_exposition
+from exporter.sidecar.upstream import problems as problems_module
+from exporter.sidecar.upstream.continuity import REPLACED_PIDS_KEPT
+from exporter.sidecar.upstream.feed import UpstreamFeed
+from exporter.sidecar.upstream.plan import PlannedRead, exposition_text
+from exporter.sidecar.upstream.problems import LOG_AGAIN_SECONDS, MAX_LOG_LINES_PER_READ
+from exporter.sidecar.upstream.text import parse_exposition
 from tests.exporter.sidecar.harness import Harness
+from tests.exporter.sidecar.upstream.support import directory_exposition
 from tests.exporter.sidecar.upstream_texts import read_sequences
 
 RADIX = ("cache_type", "tp_rank", "pp_rank", "dp_rank")
@@ -202,31 +207,31 @@ def test_a_text_the_parser_overflows_on_is_a_parse_error() -> None:
         parse_exposition("x 1 1" + "0" * 400 + "\n", False)  # a timestamp too large for a float
     up = feed(Harness())
     with pytest.raises(ValueError):
-        up.read_text("x 1 1" + "0" * 400 + "\n", False)
+        up.plan_text("x 1 1" + "0" * 400 + "\n", False)
 
 
 def test_a_read_with_the_last_reads_shape_is_read_by_its_values_and_any_other_by_the_parser() -> None:
     h, engine = Harness(), Engine()
     engine.rank(0, tokens=10, moved=100, seconds=0.05)
     up = feed(h)
-    first = up.read_text(engine.text(), False)
+    first = up.plan_text(engine.text(), False)
     assert first.parsed
     up.apply(first)
     engine.rank(0, tokens=5, moved=50, seconds=0.5)
-    again = up.read_text(engine.text(), False)
+    again = up.plan_text(engine.text(), False)
     assert not again.parsed
     up.apply(again)
     assert rollup(h, "load_back_bytes_total") == 150 and rollup(h, "load_back_tokens_total", pool="kv") == 15
     (duration,) = h.state.ledger.histograms.values()
     assert list(duration.counts) == [0, 1, 2] and duration.sum == 0.55
     engine.rank(1, tokens=1)  # a new rank's series: a new shape
-    assert up.read_text(engine.text(), False).parsed
+    assert up.plan_text(engine.text(), False).parsed
     text = engine.text()
-    up.apply(up.read_text(text, False))
-    assert up.read_text(text.replace("# HELP sglang:load_back_bytes_total bytes",
+    up.apply(up.plan_text(text, False))
+    assert up.plan_text(text.replace("# HELP sglang:load_back_bytes_total bytes",
                                      "# HELP sglang:load_back_bytes_total other bytes"), False).parsed
-    assert up.read_text(text, False).parsed  # back to the old HELP: parsed again, then known
-    assert not up.read_text(text, False).parsed
+    assert up.plan_text(text, False).parsed  # back to the old HELP: parsed again, then known
+    assert not up.plan_text(text, False).parsed
 
 
 def test_no_layout_is_kept_for_a_text_beyond_the_series_budget() -> None:
@@ -235,7 +240,7 @@ def test_no_layout_is_kept_for_a_text_beyond_the_series_budget() -> None:
         engine.rank(tp, tokens=10, moved=100, seconds=0.05)
     up = feed(h)
     assert up.layout_lines < sum(len(f.samples) for f in parse_exposition(engine.text(), False))
-    assert up.read_text(engine.text(), False).parsed and up.read_text(engine.text(), False).parsed
+    assert up.plan_text(engine.text(), False).parsed and up.plan_text(engine.text(), False).parsed
 
 
 # --- the scraper inside a real sidecar, over real HTTP ---
@@ -333,7 +338,7 @@ def _state(h: Harness, up: UpstreamFeed, result: Any) -> Any:
                {g: {k: (getattr(m, "value", None), getattr(m, "counts", None), getattr(m, "sum", None))
                     for k, m in marks.items()} for g, marks in ledger.watermarks.items()},
                ledger.gauges(h.state.ranks.values()), ledger.layout_conflicts)
-    passed = generate_latest(_Families(up.pass_through)).decode()  # type: ignore[arg-type]
+    passed = exposition_text(up.pass_through, False)  # as prometheus_client's generate_latest writes them
     report = None if result is None else (result.samples, result.ranks, result.resets, result.rejected,
                                           result.unranked, result.cp_colliding, result.clashes)
     return ranks, rollups, dict(h.state.help), passed, report, up.health.unranked, up.health.cp_colliding
@@ -351,7 +356,7 @@ def test_reads_by_their_values_alone_leave_the_state_the_parser_and_the_slow_pat
     for exposition in sequence:
         text = exposition.text(openmetrics, quirk)
         try:
-            reading: TextReading | None = fast.read_text(text, openmetrics)
+            reading: PlannedRead | None = fast.plan_text(text, openmetrics)
         except ValueError:
             reading = None
         try:
@@ -397,7 +402,7 @@ def test_an_answer_longer_than_the_bound_is_refused_not_read() -> None:
 def test_a_directory_read_without_pass_through_skips_the_merged_reading_and_feeds_the_same(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
-    from exporter.sidecar.upstream.files import MERGED, read_multiprocess_dir
+    from exporter.sidecar.upstream.files import MERGED
 
     labels = ["cache_type", "tp_rank", "pp_rank", "dp_rank"]
     for pid, tp in (("101", "0"), ("102", "1")):  # two rank processes' files, written by prometheus_client's writer
@@ -406,11 +411,11 @@ def test_a_directory_read_without_pass_through_skips_the_merged_reading_and_feed
         values.write_value(mmap_key(family, family + "_total", labels, ["c", tp, "0", "0"], "bytes"), 100.0 * (int(tp) + 1), 0.0)
         values.write_value(mmap_key("sglang:num_requests", "sglang:num_requests_total", ["m"], ["x"], "r"), 1.0, 0.0)
         values.close()
-    assert [pid for pid, _, _ in read_multiprocess_dir(tmp_path)] == ["101", "102", MERGED]
-    assert [pid for pid, _, _ in read_multiprocess_dir(tmp_path, merged=False)] == ["101", "102"]
+    assert [pid for pid, _, _ in directory_exposition(tmp_path)] == ["101", "102", MERGED]
+    assert [pid for pid, _, _ in directory_exposition(tmp_path, merged=False)] == ["101", "102"]
     both, apart = Harness(), Harness()
-    feed(both, pass_through=False).apply(read_multiprocess_dir(tmp_path))
-    feed(apart, pass_through=False).apply(read_multiprocess_dir(tmp_path, merged=False))
+    feed(both, pass_through=False).apply(directory_exposition(tmp_path))
+    feed(apart, pass_through=False).apply(directory_exposition(tmp_path, merged=False))
     assert rollup(apart, "load_back_bytes_total") == 300 == rollup(both, "load_back_bytes_total")
     assert [r.values for r in apart.state.ranks.values()] == [r.values for r in both.state.ranks.values()]
 
@@ -429,22 +434,22 @@ def test_a_read_logs_at_most_its_share_and_the_log_memory_forgets(
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: one read of 10,000 bad rank labels logged 10,000 lines and filled the once-only memory
     for good: a NaN counter an hour later was never logged."""
-    monkeypatch.setattr(upstream_module, "MAX_LOGGED", 30)
+    monkeypatch.setattr(problems_module, "MAX_LOGGED", 30)
     h = Harness()
     up = feed(h)
     caplog.set_level(logging.INFO, logger="hicache_exporter.upstream")
     result = up.apply(read(_bad_ranks(100)))
     lines = [r.getMessage() for r in caplog.records]
-    assert result.rejected == 100 and len(lines) == upstream_module.MAX_LOG_LINES_PER_READ + 1
+    assert result.rejected == 100 and len(lines) == MAX_LOG_LINES_PER_READ + 1
     assert all("tp_rank='0" in line for line in lines[:-1])
     assert lines[-1] == ("upstream http://engine:30000/metrics: 80 more problems this read, not logged; see "
                          "hicache_exporter_upstream_scrape_errors_total")
     caplog.clear()
     up.apply(read(_bad_ranks(100)))  # the next 20 problems are logged: the first 20 were, a moment ago
     lines = [r.getMessage() for r in caplog.records]
-    assert "tp_rank='020'" in lines[0] and "60 more problems" in lines[-1] and len(up._logged) == 30
+    assert "tp_rank='020'" in lines[0] and "60 more problems" in lines[-1] and len(up.problems.throttle) == 30
     caplog.clear()
-    h.clock.advance(upstream_module.LOG_AGAIN_SECONDS)
+    h.clock.advance(LOG_AGAIN_SECONDS)
     up.apply(read('# TYPE sglang:load_back_bytes_total counter\nsglang:load_back_bytes_total{cache_type="c",'
                   'tp_rank="0",pp_rank="0",dp_rank="0"} NaN\n'))
     assert [r.getMessage() for r in caplog.records] == [
@@ -494,7 +499,7 @@ def test_the_pids_a_rank_replaced_are_remembered_boundedly() -> None:
     for pid in range(200):
         up.apply([(str(pid), float(pid), families)])
     (entry,) = up.ranks.values()
-    assert len(entry.replaced_pids) == upstream_module.REPLACED_PIDS_KEPT
+    assert len(entry.replaced_pids) == REPLACED_PIDS_KEPT
     assert list(entry.replaced_pids)[-1] == "198"
     assert rollup(h, "load_back_bytes_total") == 200 * 10  # each new process counted from zero, as before
 

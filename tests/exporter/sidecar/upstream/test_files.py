@@ -25,8 +25,9 @@ from exporter.config import UpstreamConfig
 from exporter.sidecar.core.health import UpstreamHealth
 from exporter.sidecar.upstream import files as upstream_files
 from exporter.sidecar.upstream.feed import UpstreamFeed
-from exporter.sidecar.upstream.files import MERGED, read_multiprocess_dir
+from exporter.sidecar.upstream.files import MERGED
 from tests.exporter.sidecar.harness import Harness
+from tests.exporter.sidecar.upstream.support import directory_exposition
 
 LABELS = ["cache_type", "tp_rank", "pp_rank", "dp_rank"]
 FAMILY = "sglang:load_back_bytes"
@@ -140,11 +141,11 @@ def test_a_hostile_file_is_skipped_by_kind_and_the_rest_is_read(tmp_path: Path, 
     name, make, kind = HOSTILE[case]
     good_process(tmp_path)
     make(tmp_path / name)
-    reading = bounded(lambda: read_multiprocess_dir(tmp_path))
+    reading = bounded(lambda: directory_exposition(tmp_path))
     assert [pid for pid, _, _ in reading] == ["101", MERGED]  # type: ignore[attr-defined]
     out = upstream_files.read_directory(tmp_path)
     assert [(s.name, s.kind) for s in out.skipped] == [(name, kind)]
-    assert [(pid, [s.value for f in families for s in f.samples]) for pid, _, families in out.reading] == [
+    assert [(pid, [s.value for f in families for s in f.samples]) for pid, _, families in out.exposition] == [
         ("101", [100.0]), (MERGED, [100.0])]
 
 
@@ -153,7 +154,7 @@ def test_entries_whose_lengths_step_backwards_are_corrupt_not_a_loop(tmp_path: P
     body = struct.pack("i", -100) + b"\0" * 244
     (tmp_path / "counter_9.db").write_bytes(raw_db(256, body))
     out = upstream_files.read_directory(tmp_path)
-    assert [(s.name, s.kind) for s in out.skipped] == [("counter_9.db", "corrupt")] and out.reading == [(MERGED, 0.0, [])]
+    assert [(s.name, s.kind) for s in out.skipped] == [("counter_9.db", "corrupt")] and out.exposition == [(MERGED, 0.0, [])]
 
 
 def test_a_file_removed_since_the_listing_is_left_out_quietly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -162,7 +163,7 @@ def test_a_file_removed_since_the_listing_is_left_out_quietly(tmp_path: Path, mo
     listing = upstream_files._listing
     monkeypatch.setattr(upstream_files, "_listing", lambda fd: [*listing(fd), "gauge_livesum_103.db"])
     out = upstream_files.read_directory(tmp_path)
-    assert not out.skipped and [pid for pid, _, _ in out.reading] == ["101", "102", MERGED]
+    assert not out.skipped and [pid for pid, _, _ in out.exposition] == ["101", "102", MERGED]
 
 
 def test_reads_past_the_caps_are_refused_as_a_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -241,19 +242,19 @@ def test_any_directory_is_read_or_its_bad_files_are_skipped_never_raised(files: 
                 assert isinstance(content, bytes)
                 (root / name).write_bytes(content)
         out = bounded(lambda: upstream_files.read_directory(root, merged))
-        assert isinstance(out, upstream_files.DirectoryReading)
-        read = {name for name in files if any(name.endswith(f"_{pid}.db") for pid, _, _ in out.reading if pid != MERGED)}
+        assert isinstance(out, upstream_files.DirectoryRead)
+        read = {name for name in files if any(name.endswith(f"_{pid}.db") for pid, _, _ in out.exposition if pid != MERGED)}
         skipped = {s.name for s in out.skipped}
         assert read | skipped == set(files)
         for name, content in files.items():  # an untouched file reads as prometheus_client reads it
             if content in VALID.values() and name.startswith("counter_") and name.count("_") == 1:
-                (pid,) = [p for p, _, _ in out.reading if p == name[len("counter_"):-3]]
-                mine = next(f for p, _, f in out.reading if p == pid)
+                (pid,) = [p for p, _, _ in out.exposition if p == name[len("counter_"):-3]]
+                mine = next(f for p, _, f in out.exposition if p == pid)
                 if len([n for n in files if n.endswith(f"_{pid}.db")]) == 1:
                     assert _samples(mine) == _samples(MultiProcessCollector.merge([str(root / name)]))
         h = Harness()  # and the feed takes whatever was read
         config = UpstreamConfig.model_validate({"multiprocess_dir": scratch})
-        UpstreamFeed(config, h.state, UpstreamHealth("u", scratch)).apply(out.reading)
+        UpstreamFeed(config, h.state, UpstreamHealth("u", scratch)).apply(out.exposition)
 
 
 def _samples(families: object) -> list[tuple[str, str, float]]:

@@ -20,7 +20,7 @@ from tests.exporter.sidecar.upstream.test_profiles import catalog, write_process
 def read(feed: UpstreamFeed, directory: Path) -> None:
     """One read as the directory source makes it: merged, held steady, then fed."""
     reading = read_directory(directory)
-    feed.apply(feed.held.hold(reading.reading, reading.skipped))
+    feed.apply(feed.held.hold(reading.exposition, reading.skipped))
 
 
 def directory_upstream(directory: Path) -> list[dict[str, object]]:

@@ -19,9 +19,10 @@ from exporter.catalog import Catalog, load_profiles
 from exporter.config import UpstreamConfig
 from exporter.errors import ConfigError
 from exporter.sidecar.core.health import UpstreamHealth
-from exporter.sidecar.upstream.feed import UpstreamFeed, parse_exposition
+from exporter.sidecar.upstream.feed import UpstreamFeed
 from exporter.sidecar.upstream.files import read_directory
 from exporter.sidecar.upstream.merged import HeldProcesses
+from exporter.sidecar.upstream.text import parse_exposition
 from tests.exporter.sidecar.harness import Harness
 from tests.exporter.sidecar.upstream.test_feed import Engine
 
@@ -181,13 +182,13 @@ def write_process(directory: Path, pid: str, values: dict[str, float], family: s
 def test_a_directory_is_read_merged_one_rank_per_worker_holding_the_sum_of_its_processes(tmp_path: Path) -> None:
     h = Harness(catalog())
     up = feed(h, url=None, multiprocess_dir=str(tmp_path), world=world(tp=2))
-    held = HeldProcesses(lambda name: up.spec_of(name) is not None)
+    held = HeldProcesses(lambda name: up.planner.spec_of(name) is not None)
     assert up.merges_processes
 
     def read() -> Any:
         """A read as the directory source makes it: merged, held steady (upstream/merged.py), then fed."""
         directory = read_directory(tmp_path)
-        return up.apply(held.hold(directory.reading, directory.skipped))
+        return up.apply(held.hold(directory.exposition, directory.skipped))
 
     def per_rank() -> dict[str, float]:
         return {dict(r.static)["worker_id"]: r.values[("num_hit_tokens_total", ())] for r in h.state.ranks.values()}

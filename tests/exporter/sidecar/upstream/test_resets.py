@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.exposition import generate_latest
 
 from exporter.config import RanksConfig
-from exporter.sidecar.upstream.feed import FLAP_RESETS, FLAP_WINDOW_SECONDS, UpstreamFeed
+from exporter.sidecar.upstream.continuity import FLAP_RESETS, FLAP_WINDOW_SECONDS
+from exporter.sidecar.upstream.feed import UpstreamFeed
 from tests.exporter.sidecar.harness import Harness
 from tests.exporter.sidecar.upstream.test_feed import Engine, feed, read, rollup
 
@@ -202,7 +203,7 @@ def test_a_series_listed_twice_in_one_read_keeps_its_first_value_and_is_counted(
             f"sglang:load_back_bytes_total{{{labels}}} 5\n")
     for _ in range(12):
         h.clock.advance(5)
-        result = up.apply(up.read_text(text, False))
+        result = up.apply(up.plan_text(text, False))
     assert rollup(h, "load_back_bytes_total") == 1000
     assert up.health.series_resets == 0 and up.health.flapping == 0 and up.health.errors["duplicate_series"] == 12
     assert result.cut["duplicate_series"] == (

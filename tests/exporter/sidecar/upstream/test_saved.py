@@ -15,7 +15,8 @@ from exporter.sidecar.core import saved as core_saved
 from exporter.sidecar.core.health import UpstreamHealth
 from exporter.sidecar.core.ranks import RankStatus
 from exporter.sidecar.upstream import saved as feed_saved
-from exporter.sidecar.upstream.feed import UpstreamFeed, parse_exposition
+from exporter.sidecar.upstream.feed import UpstreamFeed
+from exporter.sidecar.upstream.text import parse_exposition
 from tests.exporter.sidecar.core.test_saved import assert_not_lower, rollups
 from tests.exporter.sidecar.harness import Harness
 from tests.exporter.sidecar.upstream.test_feed import Engine, read, rollup

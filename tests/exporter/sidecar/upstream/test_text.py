@@ -20,8 +20,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
-from exporter.sidecar.upstream.feed import parse_exposition
-from exporter.sidecar.upstream.text import TextLayout, sample_number
+from exporter.sidecar.upstream.text import TextLayout, parse_exposition, sample_number
 from tests.exporter.sidecar.upstream_texts import read_sequences
 
 PROPERTY = settings(max_examples=300, deadline=None, derandomize=True, database=None,
@@ -51,7 +50,7 @@ def _parse(text: str, openmetrics: bool) -> list[Metric] | None:
 
 def _check_read(layout: TextLayout, made_from: list[Metric], text: str, openmetrics: bool) -> bool:
     """Read `text` with the layout; where it reads it, the library must agree. True when it read it."""
-    read = layout.read(text)
+    read = layout.values_of(text)
     if read is None:
         return False
     families = _parse(text, openmetrics)
@@ -176,7 +175,7 @@ def test_prometheus_clients_own_text_is_read_by_its_values_while_its_series_stay
         used.labels("3", "0", "0").set(-1.5 * step)  # a gauge goes down: fine
         assert _check_read(layout, families, write(), openmetrics)
     tokens.labels("UnifiedRadixCache", "9", "0", "0", "kv").inc()  # a new series: the parser's again
-    assert layout.read(write()) is None
+    assert layout.values_of(write()) is None
 
 
 def test_openmetrics_values_the_parser_refuses_are_left_to_it() -> None:
@@ -198,7 +197,7 @@ def test_openmetrics_values_the_parser_refuses_are_left_to_it() -> None:
             odd_text = "\n".join(odd)
             if _parse(odd_text, True) is None:
                 refused += 1
-                assert layout.read(odd_text) is None, odd[i]
+                assert layout.values_of(odd_text) is None, odd[i]
             else:
                 assert _check_read(layout, families, odd_text, True), odd[i]
                 assert _check_read(layout, families, text, True)  # and back
@@ -208,7 +207,7 @@ def test_openmetrics_values_the_parser_refuses_are_left_to_it() -> None:
         odd = lines.copy()
         for i in group:
             odd[i] = lines[i].rsplit(" ", 1)[0] + " " + bad
-        assert _parse("\n".join(odd), True) is None and layout.read("\n".join(odd)) is None, bad
+        assert _parse("\n".join(odd), True) is None and layout.values_of("\n".join(odd)) is None, bad
         refused += 1
     assert refused > 10  # negative, NaN and fractional counts, buckets out of order, a count off its +Inf bucket
 

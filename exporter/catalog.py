@@ -218,6 +218,13 @@ class TransferSpec(BaseModel):
 SPREAD_THRESHOLD = 0.2  # the default: a replica group whose spread ratio is above it is diverging
 
 
+def dp_attention_by_sizes(tp_size: int, dp_size: int, attn_cp_size: int, attn_tp_size: int) -> bool:
+    """SGLang's sizes of DP attention: the dp groups share one tp group, so the engine's tp size spans every
+    dp group's attention ranks (tp = dp x cp x attention tp). The one statement of it (the core's layouts
+    and a profile's rule read it)."""
+    return dp_size > 1 and tp_size == dp_size * attn_cp_size * attn_tp_size
+
+
 class ProfileSpec(BaseModel):
     """An engine profile's own facts (DESIGN section 14): its name, exported namespace, the prefix of
     its names on the engine's /metrics, how a series' labels name its rank, and its static labels."""
@@ -251,15 +258,18 @@ class ProfileSpec(BaseModel):
 
     def runs_dp_attention(self, tp_size: int, dp_size: int, attn_cp_size: int, attn_tp_size: int) -> bool:
         """Whether a world of these sizes runs DP attention under this profile's rule."""
-        return (self.dp_attention == "sizes" and dp_size > 1
-                and tp_size == dp_size * attn_cp_size * attn_tp_size)
+        return self.dp_attention == "sizes" and dp_attention_by_sizes(tp_size, dp_size, attn_cp_size, attn_tp_size)
 
-    def world_problem(self, dp_size: int) -> str | None:
-        """Why an upstream of this profile cannot be given a world of `dp_size` replicas, or None: a profile
-        whose series label no replica (a linear rank label) reads the replicas merged, as one."""
+    def world_problem(self, dp_size: int, dp_attention: bool = False) -> str | None:
+        """Why an upstream of this profile cannot be given a world of `dp_size` replicas (with DP attention
+        or not), or None: a profile whose series label no replica (a linear rank label) reads the replicas
+        merged, as one; a profile whose engine has no DP attention cannot be told it runs it."""
         if self.linear_rank_label is not None and dp_size > 1:
             return (f"profile {self.name!r} labels no data-parallel replica, so its replicas read as one engine here "
                     "(their sum); give world dp_size 1, or push through the hook, which tells replicas apart")
+        if dp_attention and self.dp_attention == "never":
+            return (f"profile {self.name!r} has no DP attention (each data-parallel replica of its engine has its "
+                    "own tp group): drop dp_attention from its world")
         return None
 
     @model_validator(mode="after")

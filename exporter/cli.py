@@ -358,7 +358,8 @@ def _check_config(args: argparse.Namespace) -> int:
     ExposedFamilies(catalog, config.metrics.namespace)  # refuses names that would clash on /metrics, as serve does
     for upstream in config.upstreams:  # what serve's feeds would refuse at start
         profile = catalog.of_profile(upstream.profile or catalog.default_profile.name).default_profile
-        problem = profile.world_problem(upstream.world.dp_size) if upstream.world is not None else None
+        world = upstream.world
+        problem = profile.world_problem(world.dp_size, world.dp_attention) if world is not None else None
         if problem:
             raise ConfigError(f"upstream {upstream.label}: {problem}")
     if config.http.tls_server_config is not None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from exporter.client.metrics import GaugeChild, SeriesKey
 from exporter.errors import ErrorCode, ProtocolError
+from exporter.log_throttle import LogThrottle
 from exporter.protocol.framing import FrameDecoder, encode_message
 from exporter.protocol.messages import Bye, ErrorMessage, Hello, Snapshot, Welcome, parse_server_message
 
@@ -67,7 +68,7 @@ class Pusher:
         self._sock: socket.socket | None = None
         self._decoder = FrameDecoder()
         self._seq = 0
-        self._refusal_logged = 0.0
+        self._refusals = LogThrottle(REFUSAL_LOG_SECONDS)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._io_lock = threading.Lock()  # the thread and close() never write at once
@@ -249,13 +250,13 @@ class Pusher:
 
     def _refused(self, reply: ErrorMessage) -> None:
         """Say loudly, and again every minute, that this rank's numbers are not reaching the sidecar."""
-        now = time.monotonic()
-        if self.stats.refused is None or now - self._refusal_logged >= REFUSAL_LOG_SECONDS:
+        if self.stats.refused is None:  # a new refusal after an accepted hello says so at once
+            self._refusals = LogThrottle(REFUSAL_LOG_SECONDS)
+        if self._refusals.due("hello"):
             log.error(
                 "sidecar at %s refuses this rank's hello (%s: %s): nothing this process counts reaches /metrics; "
                 "retrying every %.0f s", self.socket_path, reply.code, reply.message, self.max_backoff,
             )
-            self._refusal_logged = now
         self.stats.refused = f"{reply.code}: {reply.message}"
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from exporter.catalog import StreamSpec
+from exporter.catalog import StreamSpec, dp_attention_by_sizes
 from exporter.protocol.messages import World
 from exporter.sidecar.core.keys import StaticKey
 from exporter.sidecar.core.ranks import RankState
@@ -50,7 +50,7 @@ class Layout:
     @property
     def dp_attention(self) -> bool:
         """The dp groups share one tp group (the engine's tp_size spans them all), as under DP attention."""
-        return self.dp_size > 1 and self.tp_size == self.dp_size * self.attn_cp_size * self.attn_tp_size
+        return dp_attention_by_sizes(self.tp_size, self.dp_size, self.attn_cp_size, self.attn_tp_size)
 
     @property
     def span(self) -> int:

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain, repeat
 
-from exporter.catalog import Catalog, FamilySpec, MetricType
+from exporter.catalog import Catalog, FamilySpec
 from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import GroupKey, LabelValues, RollupKey, make_rollup_key
 from exporter.sidecar.core.ranks import RankState
@@ -29,9 +29,7 @@ class SeriesWindow:
 
     def __init__(self, catalog: Catalog) -> None:
         self.pairs = catalog.bandwidth_pairs()
-        self.replicated = frozenset(
-            f.name for f in catalog if f.type is MetricType.COUNTER and f.replicated
-        )
+        self.replicated = frozenset(f.name for f in catalog if f.replicated_counter)
 
     @staticmethod
     def increases(ranks: Iterable[RankState], now: float) -> dict[int, Increases]:

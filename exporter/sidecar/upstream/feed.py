@@ -154,7 +154,7 @@ class UpstreamFeed:
         # A merged directory's processes (merged.py): held on the source's thread, saved with the feed's state.
         self.held = HeldProcesses(lambda name: self.planner.spec_of(name) is not None)
         world = config.world
-        problem = self.planner.profile.world_problem(world.dp_size) if world is not None else None
+        problem = self.planner.profile.world_problem(world.dp_size, world.dp_attention) if world is not None else None
         if problem:
             raise ConfigError(f"upstream {config.label}: {problem}")
         self.problems = ReadLog(health.name, state.clock)

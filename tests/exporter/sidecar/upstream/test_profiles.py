@@ -244,6 +244,15 @@ def test_world_dp_size_above_one_on_an_lmcache_upstream_is_refused_in_one_line()
         "as one engine here (their sum); give world dp_size 1, or push through the hook, which tells replicas apart")
 
 
+def test_dp_attention_on_an_lmcache_upstream_is_refused_in_one_line() -> None:
+    """The profile's DP-attention rule (never: each vLLM replica has its own tp group) refuses the flag."""
+    with pytest.raises(ConfigError) as refused:
+        feed(Harness(catalog()), world={"tp_size": 4, "dp_attention": True})
+    assert str(refused.value) == (
+        "upstream http://engine:8000/metrics: profile 'lmcache' has no DP attention (each data-parallel replica of "
+        "its engine has its own tp group): drop dp_attention from its world")
+
+
 def test_the_sglang_profiles_feed_is_unchanged_by_the_lmcache_profile_beside_it() -> None:
     # The same engine read with and without the lmcache profile in the catalog gives the same ranks and rollups.
     engine = Engine()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -246,3 +248,20 @@ def steady_rank(socket_path: str, rank: dict[str, int], labels: dict[str, str], 
         if missed is not None:
             missed.inc(unfulfilled)
         time.sleep(0.05)
+
+
+# What the sidecar's side loads (YAML and pydantic for its config and catalog, aiohttp for its server) and
+# its modules: an engine process that imports the client or an integration must load none of them.
+HEAVY_MODULES = ("yaml", "pydantic", "pydantic_core", "aiohttp")
+SIDECAR_MODULES = ("exporter.catalog", "exporter.config", "exporter.sidecar", "exporter.cli")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def loaded_after(code: str, roots: tuple[str, ...] = HEAVY_MODULES) -> list[str]:
+    """The `roots` packages and sidecar modules a fresh interpreter of this environment holds after running `code`."""
+    probe = (f"import json, sys\n{code}\n"
+             f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {roots!r} "
+             f"or '.'.join(m.split('.')[:2]) in {SIDECAR_MODULES!r})))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return list(json.loads(done.stdout))

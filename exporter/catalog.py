@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import fields
 from enum import Enum
 from pathlib import Path
@@ -23,11 +23,10 @@ from exporter.rank_catalog import (
     DEFAULT_PROFILE,
     RANK_CATALOGS,
     BuiltFamily,
+    FamilyLookup,
     MetricType,
     bucket_layout_problem,
-    engine_family_name,
     preset_label_sets,
-    unknown_family,
 )
 
 
@@ -298,7 +297,7 @@ SGLANG_PROFILE = ProfileSpec(name=DEFAULT_PROFILE, namespace="sglang_", upstream
                              derived_labels=("moe_ep_rank",), transfers=SGLANG_TRANSFERS)
 
 
-class Catalog(BaseModel):
+class Catalog(BaseModel, FamilyLookup[FamilySpec]):
     """The validated set of families; look families up by name."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -354,39 +353,17 @@ class Catalog(BaseModel):
                 )
         return self
 
-    def __iter__(self) -> Iterator[FamilySpec]:  # type: ignore[override]
-        return iter(self.families)
-
-    def __len__(self) -> int:
-        return len(self.families)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._index
-
-    def get(self, name: str) -> FamilySpec:
-        """The family called `name`; raises UnknownFamilyError naming the catalog's families."""
-        try:
-            return self._index[name]
-        except KeyError:
-            raise unknown_family(name, self._index) from None
-
-    def find(self, name: str) -> FamilySpec | None:
-        """The family called `name`, or None."""
-        return self._index.get(name)
-
-    def engine_family(self, name: str, prefix: str, kind: MetricType) -> FamilySpec | None:
-        """The family an engine's metric `name` (`prefix` + family, as the engine builds it; a counter's
-        with or without `_total`, which prometheus_client adds) is, whatever its type; None outside both."""
-        family = engine_family_name(name, prefix, kind)
-        return None if family is None else self.find(family)
-
     @property
-    def _index(self) -> dict[str, FamilySpec]:
+    def index(self) -> dict[str, FamilySpec]:
+        """The families by name, made on first use (the families are not changed after validation)."""
         index = self.__dict__.get("_cached_index")
         if index is None:
             index = {f.name: f for f in self.families}
             object.__setattr__(self, "_cached_index", index)
         return index
+
+    # BaseModel iterates a model's fields: a catalog iterates its families (FamilyLookup's).
+    __iter__ = FamilyLookup.__iter__  # type: ignore[assignment]
 
     def for_collector(self, collector: str) -> Catalog:
         """The families one collector emits, as a catalog of their own (for that collector's client)."""
@@ -457,10 +434,6 @@ class Catalog(BaseModel):
     def bandwidth_pairs(self) -> list[tuple[FamilySpec, FamilySpec]]:
         """(bytes counter, duration histogram) pairs that get active-bandwidth gauges."""
         return [(f, self.get(f.duration_histogram)) for f in self.families if f.duration_histogram]
-
-    def static_label_conflicts(self, names: set[str]) -> set[str]:
-        """Static label names that collide with a family's own labels."""
-        return names & {label for fam in self.families for label in fam.labels}
 
 
 def format_validation_error(err: ValidationError, source: str, within: str = "") -> str:

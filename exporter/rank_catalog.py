@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from exporter.defaults import default_path
 from exporter.errors import UnknownFamilyError
@@ -120,41 +120,60 @@ class BuiltFamily:
         return preset_label_sets(self.labels, self.preset)
 
 
-class BuiltCatalog:
-    """One packaged profile's families, pre-built; look families up by name."""
+F = TypeVar("F", bound=RankFamily)
 
-    def __init__(self, families: Sequence[BuiltFamily]) -> None:
-        self.families = tuple(families)
-        self._index = {f.name: f for f in self.families}
 
-    def __iter__(self) -> Iterator[BuiltFamily]:
+class FamilyLookup(Generic[F]):
+    """Families looked up by name: what the pre-built and the validated catalog answer alike."""
+
+    families: Sequence[F]
+
+    @property
+    def index(self) -> Mapping[str, F]:
+        """The families by name (each catalog keeps its own)."""
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[F]:
         return iter(self.families)
 
     def __len__(self) -> int:
         return len(self.families)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._index
+        return name in self.index
 
-    def get(self, name: str) -> BuiltFamily:
+    def get(self, name: str) -> F:
         """The family called `name`; raises UnknownFamilyError naming the catalog's families."""
         try:
-            return self._index[name]
+            return self.index[name]
         except KeyError:
-            raise unknown_family(name, self._index) from None
+            raise unknown_family(name, self.index) from None
 
-    def find(self, name: str) -> BuiltFamily | None:
+    def find(self, name: str) -> F | None:
         """The family called `name`, or None."""
-        return self._index.get(name)
+        return self.index.get(name)
 
-    def engine_family(self, name: str, prefix: str, kind: MetricType) -> BuiltFamily | None:
-        """The family an engine's metric `name` is (see `engine_family_name`), whatever its type; None outside it."""
+    def engine_family(self, name: str, prefix: str, kind: MetricType) -> F | None:
+        """The family an engine's metric `name` (`prefix` + family, as the engine builds it; a counter's
+        with or without `_total`, which prometheus_client adds) is, whatever its type; None outside both."""
         family = engine_family_name(name, prefix, kind)
         return None if family is None else self.find(family)
 
     def static_label_conflicts(self, names: set[str]) -> set[str]:
         """Static label names that collide with a family's own labels."""
         return names & {label for fam in self.families for label in fam.labels}
+
+
+class BuiltCatalog(FamilyLookup[BuiltFamily]):
+    """One packaged profile's families, pre-built; look families up by name."""
+
+    def __init__(self, families: Sequence[BuiltFamily]) -> None:
+        self.families = tuple(families)
+        self._by_name = {f.name: f for f in self.families}
+
+    @property
+    def index(self) -> Mapping[str, BuiltFamily]:
+        return self._by_name
 
 
 _built: dict[str, BuiltCatalog] | None = None

@@ -1,10 +1,12 @@
 """Fast text exposition (Prometheus 0.0.4 and OpenMetrics 1.0) of the sidecar's state.
 
 The per-rank catalog series are most of a scrape: each rank's lines are rendered once after it
-pushes and reused until it pushes again, so a scrape only formats what changed. Rollups, derived
-gauges and self-metrics are few, and are formatted from the collector's Metric objects with a
-lean formatter. The output parses to exactly the samples prometheus_client's own exposition of
-`SidecarCollector` gives (tests/exporter/sidecar/expose/test_render.py holds the two side by side).
+pushes and reused until it pushes again, so a scrape only formats what changed. Rollups, bandwidth
+and spread gauges and the per-rank self-metrics are written as text straight from the state's
+reads, each series' label text kept between scrapes; the other self-metrics and extra collectors
+(few) are the collector's Metric objects, through a lean formatter. The output parses to exactly
+the samples prometheus_client's own exposition of the reference collector gives
+(tests/exporter/sidecar/expose/reference.py; test_render.py holds the two side by side).
 """
 
 from __future__ import annotations
@@ -158,7 +160,7 @@ class _RankLayout:
         blocks: dict[str, bytes] = {}
         for family, keys, histogram, template in self.families:
             # Most families hold one series: its values go straight in, with no argument list built
-            # (15 % of a fill at 64 full-catalog ranks; BENCHMARKS.md "Fast paths", "the /metrics renderer").
+            # (15 % of a fill at 64 full-catalog ranks; BENCHMARKS.md "Fast paths", "Bytes %-templates").
             if histogram:
                 if len(keys) == 1:
                     value = values[keys[0]]
@@ -255,9 +257,8 @@ class TextRenderer:
         return text
 
     # Fast path: the derived series (rollups, bandwidth, spread, per-rank self-metrics) written as text,
-    # not built as prometheus_client Metric objects and then formatted: at 64 full-catalog ranks
-    # 0.8 ms a scrape, where the Metric path took 2.3 ms (BENCHMARKS.md "Fast paths", "derived series
-    # as text"). Proof: tests/exporter/sidecar/expose/test_render.py against reference.py's Metric objects.
+    # not built as prometheus_client Metric objects and then formatted (BENCHMARKS.md "Fast paths",
+    # "Derived series as text"). Proof: tests/exporter/sidecar/expose/test_render.py against reference.py.
     def _head(self, family: Family, openmetrics: bool) -> str:
         key = (family, openmetrics)
         text = self._heads.get(key)

@@ -201,7 +201,7 @@ def collector_names(ns: str = DEFAULT_NAMESPACE, prefix: str = "") -> frozenset[
     from exporter.config import SidecarConfig
     from exporter.sidecar.core.health import SidecarHealth, UpstreamHealth
     from exporter.sidecar.core.state import SidecarState
-    from exporter.sidecar.expose.collector import SidecarCollector
+    from tests.exporter.sidecar.expose.reference import ReferenceCollector
 
     config = SidecarConfig()
     state = SidecarState(profiles_catalog(), config.ranks, config.rollup.window_seconds)
@@ -218,7 +218,7 @@ def collector_names(ns: str = DEFAULT_NAMESPACE, prefix: str = "") -> frozenset[
     state.join(object(), Join(rank=RankId(tp_rank=0, pp_rank=0, dp_rank=0), labels={"cache_type": "c"}, epoch="e",
                               pid=1, world=World(tp_size=1, pp_size=1, dp_size=1)))
     names: set[str] = set()
-    for metric in SidecarCollector(state, stats, ns).collect():
+    for metric in ReferenceCollector(state, stats, ns).collect():
         if not metric.name.startswith(prefix):
             continue
         if metric.type == "counter":

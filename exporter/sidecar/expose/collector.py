@@ -1,7 +1,10 @@
-"""A prometheus_client collector over the sidecar's state: the reference exposition; no I/O.
+"""What the exposition is made of, besides each rank's values: the exposed families, the rollup
+cells and window reads grouped for it, and the sidecar's self-metrics as prometheus_client Metric
+objects; no I/O.
 
-/metrics is served by the faster renderer (render.py), whose output parses to exactly the
-samples this collector yields (tests/exporter/sidecar/expose/test_render.py holds the two side by side).
+/metrics is written by the renderer (render.py). The same series as prometheus_client Metric
+objects, all of them, are the reference it is held to: tests/exporter/sidecar/expose/reference.py
+(tests/exporter/sidecar/expose/test_render.py holds the two side by side).
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import TypeVar
 
@@ -22,12 +25,15 @@ from exporter import __version__
 from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import HistAccumulator, HistValue, LabelValues, Layout, RollupKey
-from exporter.sidecar.core.ranks import RankState, RankStatus
+from exporter.sidecar.core.ranks import RankState
 from exporter.sidecar.core.servers import build_servers
 from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.expose.families import SELF, SELF_FAMILIES, ExposedFamilies, Family, value_sample_name
 
 ENV_REVISION = "HICACHE_EXPORTER_REVISION"
+# Self-metrics with a series per rank: `SidecarCollector.self_metrics` leaves them empty, the
+# renderer writes them (TextRenderer._rank_self_metrics), the reference collector fills them.
+PER_RANK_SELF = ("rank_up", "rank_last_push_timestamp_seconds", "rank_restarts")
 KeyT = TypeVar("KeyT", bound=tuple)
 ValueT = TypeVar("ValueT")
 _METRIC_CLASS = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}
@@ -77,7 +83,8 @@ def add_value(
         metric.add_sample(name + "_created", labels, created)
 
 
-def _labels(names: tuple[str, ...], values: LabelValues, base: dict[str, str]) -> dict[str, str]:
+def series_labels(names: tuple[str, ...], values: LabelValues, base: dict[str, str]) -> dict[str, str]:
+    """One series' labels: its family's own (`names` with `values`), then `base` (the rank's, or the rollup's)."""
     if not values:
         return base  # no labels of its own: share the rank's (or rollup's) dict, which nobody changes
     labels = dict(zip(names, values))
@@ -85,7 +92,7 @@ def _labels(names: tuple[str, ...], values: LabelValues, base: dict[str, str]) -
     return labels
 
 
-def _by_family(*sources: Iterable[tuple[KeyT, ValueT]]) -> dict[str, list[tuple[KeyT, ValueT]]]:
+def by_family(*sources: Iterable[tuple[KeyT, ValueT]]) -> dict[str, list[tuple[KeyT, ValueT]]]:
     """Entries keyed by (family, ...) grouped by family, in one pass: not one scan per family."""
     grouped: dict[str, list[tuple[KeyT, ValueT]]] = {}
     for source in sources:
@@ -96,7 +103,7 @@ def _by_family(*sources: Iterable[tuple[KeyT, ValueT]]) -> dict[str, list[tuple[
 
 def rollup_cells(state: SidecarState) -> dict[str, list[tuple[RollupKey, float | HistAccumulator]]]:
     """Every rollup series (counters, histograms, then gauges over the current ranks), grouped by family."""
-    return _by_family(state.rollup_counters().items(), state.rollup_histograms().items(), state.rollup_gauges().items())
+    return by_family(state.rollup_counters().items(), state.rollup_histograms().items(), state.rollup_gauges().items())
 
 
 def window_increases(state: SidecarState) -> tuple[list[RankState], dict[int, Increases]]:
@@ -105,8 +112,11 @@ def window_increases(state: SidecarState) -> tuple[list[RankState], dict[int, In
     return known, state.window_increases(known)
 
 
-class SidecarCollector(Collector):
-    """Yields per-rank series, rollups, bandwidth and spread gauges, and the sidecar's self-metrics."""
+class SidecarCollector:
+    """What /metrics is made of besides the state: the exposed families, the sidecar's revision and
+    self-metrics, and other collectors rendered last. The fast renderer (render.py) writes the text;
+    tests/exporter/sidecar/expose/reference.py yields the same series as prometheus_client Metric
+    objects, the reference the renderer is held to."""
 
     def __init__(
         self, state: SidecarState, health: SidecarHealth, namespace: str, per_rank_series: bool = True,
@@ -120,22 +130,9 @@ class SidecarCollector(Collector):
         self.families = ExposedFamilies(state.catalog, namespace)
         self._labels = {spec.name: spec.labels for spec in state.catalog}
 
-    def collect(self) -> Iterator[Metric]:
-        ranks = self.state.exposed_ranks()
-        rank_labels = {id(r): r.label_dict() for r in ranks}
-        yield from self._per_rank(ranks, rank_labels)
-        yield from self.derived(ranks, rank_labels)
-
-    def derived(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
-        """Everything but the per-rank catalog series: rollups, bandwidth, spread, self-metrics."""
-        state = self.state
-        yield from self._rollups()
-        known, increases = window_increases(state)
-        yield from self._bandwidth(known, increases, rank_labels)
-        yield from self._spreads(increases)
-        yield from self._self_metrics(ranks, rank_labels)
-        for collector in self.extra:
-            yield from collector.collect()
+    def label_names(self, family: str) -> tuple[str, ...]:
+        """The catalog family's own label names."""
+        return self._labels[family]
 
     def exposed_names(self) -> set[str]:
         """Every family name this collector can expose (counters without `_total`)."""
@@ -145,61 +142,9 @@ class SidecarCollector(Collector):
         names |= {metric.name for collector in self.extra for metric in collector.collect()}  # process_*, say
         return names
 
-    def _per_rank(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
-        if not self.per_rank_series:
-            return
-        reported = self.state.help
-        metrics = {name: new_metric(family, reported.get(name)) for name, family in self.families.per_rank.items()}
-        for rank in ranks:
-            base = rank_labels[id(rank)]
-            for (family, values), value in rank.values.items():
-                add_value(metrics[family], _labels(self._labels[family], values, base), value)
-        yield from metrics.values()
-
-    def _rollups(self) -> Iterator[Metric]:
-        """Rollup series; counters and histograms with their start time as `_created`, which the
-        OpenMetrics exposition shows and the 0.0.4 one leaves out (render.format_metric). Per-rank
-        series have none: theirs would change with every epoch, which is no reset of the series."""
-        by_family = rollup_cells(self.state)
-        created = self.state.rollup_created()  # gauges have no entry
-        for name, family in self.families.rollup.items():
-            metric = new_metric(family)
-            for key, value in by_family.get(name, ()):
-                add_value(metric, _labels(self._labels[name], key[2], dict(key[1])), value, created.get(key))
-            yield metric
-
-    def _bandwidth(
-        self, known: list[RankState], increases: dict[int, dict[tuple[str, LabelValues], float]],
-        rank_labels: dict[int, dict[str, str]],
-    ) -> Iterator[Metric]:
-        per_rank, rolled = self.state.bandwidths(known, increases)
-        rank_rows: dict[str, list[tuple[RankState, LabelValues, float]]] = {}
-        for spec, rank, values, bw in per_rank:
-            rank_rows.setdefault(spec.name, []).append((rank, values, bw.value))
-        rolled_rows = _by_family(rolled.items())
-        for name, (per_rank_family, rollup_family) in self.families.bandwidth.items():
-            names = self._labels[name]
-            if self.per_rank_series:  # a per-rank series of a catalog family, as the per-rank values are
-                metric = new_metric(per_rank_family)
-                for rank, values, value in rank_rows.get(name, ()):
-                    metric.add_sample(metric.name, _labels(names, values, rank_labels[id(rank)]), value)
-                yield metric
-            rollup = new_metric(rollup_family)
-            for (_, static, values), bw in rolled_rows.get(name, ()):
-                rollup.add_sample(rollup.name, _labels(names, values, dict(static)), bw.value)
-            yield rollup
-
-    def _spreads(self, increases: dict[int, dict[tuple[str, LabelValues], float]]) -> Iterator[Metric]:
-        state = self.state
-        by_family = _by_family(state.spreads(increases).items())
-        for name, family in self.families.spread.items():
-            metric = new_metric(family)
-            for (_, (dp_rank, static), values), ratio in by_family.get(name, ()):
-                labels = _labels(self._labels[name], values, {"dp_rank": str(dp_rank), **dict(static)})
-                metric.add_sample(metric.name, labels, ratio)
-            yield metric
-
-    def _self_metrics(self, ranks: list[RankState], rank_labels: dict[int, dict[str, str]]) -> Iterator[Metric]:
+    def self_metrics(self) -> dict[str, Metric]:
+        """The sidecar's self-metrics to show, by name less `hicache_exporter_`, in exposition order.
+        The per-rank ones (PER_RANK_SELF) are left empty: the renderer writes their lines itself."""
         health, state = self.health, self.state
         metric = {name[len(SELF):]: new_metric(family) for name, family in SELF_FAMILIES.items()}
         info = metric["build_info"]
@@ -213,13 +158,6 @@ class SidecarCollector(Collector):
             for server in build_servers(known, state.catalog.streams, config.max_ranks, config.node_rank, config.nodes):
                 for dp, missing in sorted(server.missing_by_dp.items()):
                     add_value(metric["ranks_missing"], {**dict(server.labels), "dp_rank": str(dp)}, missing)
-        up, last, restarts = metric["rank_up"], metric["rank_last_push_timestamp_seconds"], metric["rank_restarts"]
-        for rank in ranks:
-            labels = rank_labels[id(rank)]
-            add_value(up, labels, 1.0 if rank.status is RankStatus.LIVE else 0.0)
-            if rank.last_push_wall is not None:
-                add_value(last, labels, rank.last_push_wall)
-            add_value(restarts, labels, rank.restarts)
         for name, value in (
             ("connections", health.connections_open), ("connections_accepted", health.connections_accepted),
             ("frames_received", health.frames_received), ("snapshots_received", health.snapshots_received),
@@ -269,7 +207,7 @@ class SidecarCollector(Collector):
         hidden: tuple[str, ...] = () if health.upstreams else ("upstream_",)
         hidden += () if saving.enabled else ("persistence_",)
         hidden += () if metric["ranks_missing"].samples else ("ranks_missing",)  # no server with an expected world
-        yield from (m for name, m in metric.items() if not name.startswith(hidden))  # startswith(()) is False
+        return {name: m for name, m in metric.items() if not name.startswith(hidden)}  # startswith(()) is False
 
 
 def _durations(metric: Metric, histogram: Histogram) -> None:

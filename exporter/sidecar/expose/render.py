@@ -1,26 +1,40 @@
 """Fast text exposition (Prometheus 0.0.4 and OpenMetrics 1.0) of the sidecar's state.
 
 The per-rank catalog series are most of a scrape: each rank's lines are rendered once after it
-pushes and reused until it pushes again, so a scrape only formats what changed. Rollups, derived
-gauges and self-metrics are few, and are formatted from the collector's Metric objects with a
-lean formatter. The output parses to exactly the samples prometheus_client's own exposition of
-`SidecarCollector` gives (tests/exporter/sidecar/expose/test_render.py holds the two side by side).
+pushes and reused until it pushes again, so a scrape only formats what changed. Rollups, bandwidth
+and spread gauges and the per-rank self-metrics are written as text straight from the state's
+reads, each series' label text kept between scrapes; the other self-metrics and extra collectors
+(few) are the collector's Metric objects, through a lean formatter. The output parses to exactly
+the samples prometheus_client's own exposition of the reference collector gives
+(tests/exporter/sidecar/expose/reference.py; test_render.py holds the two side by side).
 """
 
 from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Mapping
+from functools import partial
 from math import isfinite
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
 from exporter.catalog import FamilySpec, MetricType
-from exporter.sidecar.core.keys import HistValue, SeriesKey
-from exporter.sidecar.core.ranks import RankState
-from exporter.sidecar.expose.collector import SidecarCollector, le_values
-from exporter.sidecar.expose.families import value_sample_name
+from exporter.sidecar.core.history import Increases
+from exporter.sidecar.core.keys import HistAccumulator, HistValue, LabelValues, SeriesKey, StaticKey
+from exporter.sidecar.core.ranks import RankState, RankStatus
+from exporter.sidecar.expose.collector import (
+    PER_RANK_SELF,
+    SidecarCollector,
+    by_family,
+    le_values,
+    rollup_cells,
+    series_labels,
+    window_increases,
+)
+from exporter.sidecar.expose.families import SELF, SELF_FAMILIES, Family, value_sample_name
+
+SERIES_TEXTS_LIMIT = 100_000  # label texts of rollup, spread and per-rank bandwidth series kept between scrapes
 
 
 def escape_label_value(value: str) -> str:
@@ -78,6 +92,34 @@ def format_metric(metric: Metric, openmetrics: bool, label_texts: Callable[[dict
     return "".join(lines)
 
 
+def _group_labels(dp_rank: int, static: StaticKey) -> dict[str, str]:
+    """A replica group's labels, as its spread series carry them."""
+    return {"dp_rank": str(dp_rank), **dict(static)}
+
+
+def _line(sample: str, labels: str, value: str) -> str:
+    """One sample line, as format_metric writes it: no braces without labels."""
+    return f"{sample}{{{labels}}} {value}\n" if labels else f"{sample} {value}\n"
+
+
+def _series_lines(out: list[str], family: Family, labels: str, value: float | HistValue | HistAccumulator,
+                  created: float | None) -> None:
+    """The lines of one series as the collector's `add_value` makes its samples and format_metric
+    writes them: a counter's `_total` or a gauge, or a histogram's buckets, count and sum; then its
+    `_created` if given (OpenMetrics only: the caller gives none for the 0.0.4 format)."""
+    name = family.name
+    if isinstance(value, (HistValue, HistAccumulator)):
+        counts = value.counts
+        prefix = f"{name}_bucket{{{labels},le=\"" if labels else f"{name}_bucket{{le=\""
+        out += [f'{prefix}{bound}"}} {spell_value(float(count))}\n' for bound, count in zip(le_values(value.bounds), counts)]
+        out.append(_line(name + "_count", labels, spell_value(float(counts[-1]))))
+        out.append(_line(name + "_sum", labels, spell_value(float(value.sum))))
+    else:
+        out.append(_line(family.sample_name, labels, spell_value(float(value))))
+    if created is not None:
+        out.append(_line(name + "_created", labels, spell_value(created)))
+
+
 class _RankLines:
     """One rank's lines, a bytes block per family, valid while its values have not changed; the
     layout they are filled from, valid while its set of series has not changed; and the
@@ -117,7 +159,14 @@ class _RankLayout:
         """Each family's lines with the rank's current values."""
         blocks: dict[str, bytes] = {}
         for family, keys, histogram, template in self.families:
+            # Most families hold one series: its values go straight in, with no argument list built
+            # (15 % of a fill at 64 full-catalog ranks; BENCHMARKS.md "Fast paths", "Bytes %-templates").
             if histogram:
+                if len(keys) == 1:
+                    value = values[keys[0]]
+                    counts = value.counts  # type: ignore[attr-defined]
+                    blocks[family] = template % (*counts, counts[-1], value.sum)  # type: ignore[attr-defined]
+                    continue
                 args: list[object] = []
                 for key in keys:
                     value = values[key]
@@ -126,6 +175,8 @@ class _RankLayout:
                     args.append(counts[-1])
                     args.append(value.sum)  # type: ignore[attr-defined]
                 blocks[family] = template % tuple(args)
+            elif len(keys) == 1:
+                blocks[family] = template % (values[keys[0]],)
             else:
                 blocks[family] = template % tuple(map(values.__getitem__, keys))
         return blocks
@@ -147,6 +198,11 @@ class TextRenderer:
         self._family_labels: dict[tuple[str, tuple[str, ...]], str] = {}
         self._label_texts = LabelTexts()
         self._headers: dict[tuple[str, str, bool], bytes] = {}
+        self._heads: dict[tuple[Family, bool], str] = {}  # the derived families' HELP and TYPE lines
+        # Label texts of derived series by their key (rollup, spread, or family, values and rank
+        # labels), kept between scrapes: escaping and joining cost more than the rest of a line.
+        # A rollup bandwidth key is shaped as its bytes family's rollup key: the same labels, the same text.
+        self._series_texts: dict[tuple[object, ...], str] = {}
 
     def render(self, openmetrics: bool = False) -> bytes:
         """One /metrics body. The garbage collector waits until it is done: a render allocates
@@ -175,9 +231,16 @@ class TextRenderer:
             parts.append(self._header(family.name, family.type, reported.get(spec.name, family.help), openmetrics))
             name = spec.name
             parts += [block for blocks in per_rank if (block := blocks.get(name)) is not None]
-        rank_labels = {id(r): r.label_dict() for r in ranks}
         texts = self._label_texts
-        rest = [format_metric(metric, openmetrics, texts) for metric in self.collector.derived(ranks, rank_labels)]
+        rank_texts = {id(r): texts(r.label_dict()) for r in ranks}
+        rest: list[str] = []
+        self._rollups(rest, openmetrics)
+        known, increases = window_increases(state)
+        self._bandwidth(rest, known, increases, rank_texts, openmetrics)
+        self._spreads(rest, increases, openmetrics)
+        self._self_metrics(rest, ranks, rank_texts, openmetrics)
+        for collector in self.collector.extra:  # prometheus_client's process collector, say
+            rest += [format_metric(metric, openmetrics, texts) for metric in collector.collect()]
         rest.extend(text(openmetrics) for text in self.pass_through)
         if openmetrics:
             rest.append("# EOF\n")
@@ -192,6 +255,98 @@ class TextRenderer:
                 self._headers.clear()
             text = self._headers[key] = header(name, kind, help_text, openmetrics).encode()
         return text
+
+    # Fast path: the derived series (rollups, bandwidth, spread, per-rank self-metrics) written as text,
+    # not built as prometheus_client Metric objects and then formatted (BENCHMARKS.md "Fast paths",
+    # "Derived series as text"). Proof: tests/exporter/sidecar/expose/test_render.py against reference.py.
+    def _head(self, family: Family, openmetrics: bool) -> str:
+        key = (family, openmetrics)
+        text = self._heads.get(key)
+        if text is None:
+            text = self._heads[key] = header(family.name, family.type, family.help, openmetrics)
+        return text
+
+    def _series_text(self, key: tuple[object, ...], names: tuple[str, ...], values: LabelValues,
+                     base: Callable[[], dict[str, str]]) -> str:
+        """The label text of the series `key` names: its family's own labels, then `base()`'s."""
+        text = self._series_texts.get(key)
+        if text is None:
+            if len(self._series_texts) >= SERIES_TEXTS_LIMIT:  # departed ranks' and groups' series drop out
+                self._series_texts.clear()
+            text = self._series_texts[key] = label_text(series_labels(names, values, base()))
+        return text
+
+    def _rollups(self, out: list[str], openmetrics: bool) -> None:
+        """Rollup series; counters and histograms with their start time as `_created`, which only the
+        OpenMetrics exposition shows. Per-rank series have none: theirs would change with every
+        epoch, which is no reset of the series."""
+        cells = rollup_cells(self.state)
+        created = self.state.rollup_created() if openmetrics else {}  # gauges have no entry
+        names = self.collector.label_names
+        texts = self._series_text
+        for name, family in self.collector.families.rollup.items():
+            out.append(self._head(family, openmetrics))
+            own = names(name)
+            for key, value in cells.get(name, ()):
+                labels = texts(key, own, key[2], partial(dict, key[1]))
+                _series_lines(out, family, labels, value, created.get(key))
+
+    def _bandwidth(self, out: list[str], known: list[RankState], increases: dict[int, Increases],
+                   rank_texts: dict[int, str], openmetrics: bool) -> None:
+        per_rank, rolled = self.state.bandwidths(known, increases)
+        rank_rows: dict[str, list[tuple[RankState, LabelValues, float]]] = {}
+        for spec, rank, values, bw in per_rank:
+            rank_rows.setdefault(spec.name, []).append((rank, values, bw.value))
+        rolled_rows = by_family(rolled.items())
+        texts = self._series_text
+        for name, (per_rank_family, rollup_family) in self.collector.families.bandwidth.items():
+            own = self.collector.label_names(name)
+            if self.collector.per_rank_series:  # a per-rank series of a catalog family, as the per-rank values are
+                out.append(self._head(per_rank_family, openmetrics))
+                sample = per_rank_family.name
+                for rank, values, value in rank_rows.get(name, ()):
+                    rank_text = rank_texts[id(rank)]
+                    labels = rank_text if not values else texts(
+                        (name, values, rank_text), own, values, rank.label_dict)
+                    out.append(_line(sample, labels, spell_value(value)))
+            out.append(self._head(rollup_family, openmetrics))
+            sample = rollup_family.name
+            for key, bw in rolled_rows.get(name, ()):
+                labels = texts(key, own, key[2], partial(dict, key[1]))
+                out.append(_line(sample, labels, spell_value(bw.value)))
+
+    def _spreads(self, out: list[str], increases: dict[int, Increases], openmetrics: bool) -> None:
+        spreads = by_family(self.state.spreads(increases).items())
+        texts = self._series_text
+        for name, family in self.collector.families.spread.items():
+            out.append(self._head(family, openmetrics))
+            own = self.collector.label_names(name)
+            for key, ratio in spreads.get(name, ()):
+                _, (dp_rank, static), values = key
+                labels = texts(key, own, values, partial(_group_labels, dp_rank, static))
+                out.append(_line(family.name, labels, spell_value(ratio)))
+
+    def _self_metrics(self, out: list[str], ranks: list[RankState], rank_texts: dict[int, str],
+                      openmetrics: bool) -> None:
+        """The collector's self-metrics, its per-rank ones written here (one line per rank each)."""
+        texts = self._label_texts
+        for name, metric in self.collector.self_metrics().items():
+            if name not in PER_RANK_SELF:
+                out.append(format_metric(metric, openmetrics, texts))
+                continue
+            family = SELF_FAMILIES[SELF + name]
+            out.append(self._head(family, openmetrics))
+            sample = family.sample_name
+            for rank in ranks:
+                if name == "rank_up":
+                    value = "1.0" if rank.status is RankStatus.LIVE else "0.0"
+                elif name == "rank_restarts":
+                    value = spell_value(float(rank.restarts))
+                elif rank.last_push_wall is not None:
+                    value = spell_value(float(rank.last_push_wall))
+                else:
+                    continue  # never pushed: no last push time
+                out.append(_line(sample, rank_texts[id(rank)], value))
 
     def _rank_lines(self, rank: RankState) -> _RankLines:
         cached = self._ranks.get(rank.identity)

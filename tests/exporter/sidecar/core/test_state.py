@@ -21,6 +21,7 @@ from exporter.sidecar.core.state import SidecarState, SnapshotResult
 from exporter.sidecar.expose.collector import SidecarCollector
 from exporter.sidecar.expose.render import TextRenderer
 from exporter.sidecar.expose.status import StatusView, rank_rows
+from tests.exporter.sidecar.expose.reference import ReferenceCollector
 from tests.exporter.sidecar.harness import (
     BYTES,
     DURATION,
@@ -319,7 +320,7 @@ def _fingerprint(h: Harness) -> str:
 
 def test_reading_never_changes_state_and_status_follows_the_clock() -> None:
     h = Harness(ranks_config=RanksConfig(stale_after_seconds=10.0, expire_after_seconds=30.0))
-    collector = SidecarCollector(h.state, SidecarHealth(), "sglang_")
+    collector = ReferenceCollector(h.state, SidecarHealth(), "sglang_")
     renderer = TextRenderer(collector)
     view = StatusView(SidecarConfig(), h.state, SidecarHealth())
     conn, a = h.hello(tp=0)

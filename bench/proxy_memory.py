@@ -172,8 +172,10 @@ def _status_bytes(pid: int, field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in handle if line.startswith(field + ":"))
 
 
-def measure(case: str, reads: int, body_bytes: int | None = None, progress: bool = True) -> dict[str, Any]:
-    """One case: the sidecar's idle RSS, its peak after `reads` answers and one request of each view."""
+def measure(case: str, reads: int, body_bytes: int | None = None, progress: bool = True,
+            interval: float = 10.0) -> dict[str, Any]:
+    """One case: the sidecar's idle RSS, its peak after `reads` answers and one request of each view,
+    the upstream read every `interval` seconds (its timeout the same)."""
     say = progress_printer(progress, "proxy_memory")
     limit = MAX_BODY_BYTES - SLACK if body_bytes is None else body_bytes
     # The most sample lines a read may have (the feed refuses more before parsing), less one.
@@ -187,8 +189,8 @@ def measure(case: str, reads: int, body_bytes: int | None = None, progress: bool
     sample = body(1)
     lines = sample.count(b"\n")
     say(f"{case}: answers of {len(sample) / MB:.1f} MB ({lines} lines); starting the sidecar ...")
-    config = (f"upstreams:\n  - url: {upstream.url}\n    name: hostile\n    interval_seconds: 10\n"
-              "    timeout_seconds: 10\n")
+    config = (f"upstreams:\n  - url: {upstream.url}\n    name: hostile\n    interval_seconds: {interval:g}\n"
+              f"    timeout_seconds: {interval:g}\n")
     try:
         with Sidecar(config_yaml=config) as sidecar:
             idle = _status_bytes(sidecar.pid, "VmRSS")
@@ -211,12 +213,12 @@ def measure(case: str, reads: int, body_bytes: int | None = None, progress: bool
 
 
 def run(reads: int = 3, cases: tuple[str, ...] = CASES, body_bytes: int | None = None,
-        progress: bool = True) -> list[dict[str, Any]]:
-    """One row per case; `body_bytes` smaller than the cap only for a quick pass."""
+        progress: bool = True, interval: float = 10.0) -> list[dict[str, Any]]:
+    """One row per case; `body_bytes` smaller than the cap, and a shorter `interval`, only for a quick pass."""
     limit = memory_limit_bytes()
     rows = []
     for case in cases:
-        m = measure(case, reads, body_bytes, progress)
+        m = measure(case, reads, body_bytes, progress, interval)
         peak = m["peak_rss"] / MB
         rows.append(row(f"proxy memory: peak RSS, hostile upstream ({case})", peak, "MB",
                         "the same sidecar idle", m["idle_rss"] / MB, peak / (m["idle_rss"] / MB),

@@ -83,7 +83,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "proxy": {"ranks": (2, 4), "repeats": 2, "goal_ranks": 4, "lmcache": (2, 2)},
         "status_api": {"ranks": 16, "repeats": 2, "http_repeats": 2},
         "memory": {"ranks": 4, "rounds": 3, "period": 0.05, "scrapes": 1},
-        "proxy_memory": {"reads": 1, "cases": ("floods", "ranks"), "body_bytes": 100_000},
+        "proxy_memory": {"reads": 1, "cases": ("floods", "ranks"), "body_bytes": 100_000, "interval": 0.5},
         "freshness": {"samples": 2, "interval": 0.2, "background_ranks": 1, "pipeline_samples": 2},
         "persistence": {"ranks": (4,), "saves": 2, "starts": 1, "goal_ranks": 4},
         "state_load": {"quick": True},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,14 @@ from typing import Any
 import pytest
 
 from tests.helpers import SidecarThread, sidecar_config
+
+# pytest-xdist exports COLUMNS and LINES (the controlling terminal's size) to its workers, and the
+# processes tests start inherit them: rich then draws `top` at that size whatever its pty says (a
+# resize was never seen), and argparse wraps help text at it. A worker's tests see what a run
+# without xdist sees.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for name in ("COLUMNS", "LINES"):
+        os.environ.pop(name, None)
 
 
 @pytest.fixture

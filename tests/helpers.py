@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import os
+import random
 import shutil
 import socket
 import subprocess
@@ -188,11 +191,28 @@ def counter(family: str, value: float, **labels: str) -> Sample:
     return ScalarSample(family, value, labels)
 
 
+# free_port's ports: below Linux's ephemeral range (32768 and up), where neither bind(0) nor an
+# outgoing connection is ever handed one, in a block of its own per pytest-xdist worker (the master,
+# or a run without xdist, has the first), so that no other test of the run takes one between the
+# probe and the server's own bind.
+PORT_BLOCK_BASE, PORT_BLOCK_SIZE, PORT_BLOCKS = 20000, 500, 25  # 20000..32499: -n up to 24
+_port_offsets = itertools.count(random.randrange(PORT_BLOCK_SIZE))
+
+
 def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A loopback TCP port that was free a moment ago, and that no other test of this run is handed."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    block = int(worker[2:]) + 1 if worker.startswith("gw") and worker[2:].isdigit() else 0
+    base = PORT_BLOCK_BASE + (block % PORT_BLOCKS) * PORT_BLOCK_SIZE
+    for _ in range(PORT_BLOCK_SIZE):
+        port = base + next(_port_offsets) % PORT_BLOCK_SIZE
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # bound by something else, or a connection of this port is still closing
+            return port
+    raise AssertionError(f"no free port in {base}..{base + PORT_BLOCK_SIZE - 1}")
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> None:

@@ -10,10 +10,12 @@ and they are compiled, unchanged, into one module registered under the engine's 
 from __future__ import annotations
 
 import ast
+import fcntl
 import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 import types
 import zipfile
 from collections.abc import Iterable, Mapping
@@ -55,7 +57,15 @@ class ReleasedWheel:
         cached = self.cache_dir / self.name
         if cached.is_file():
             return self._checked(cached)
-        return self._checked(self.download(self.cache_dir))
+        # Several test processes (pytest-xdist's workers) may want it at once: one fetches while the
+        # others wait on the lock, and the file appears whole (renamed into place) or not at all.
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.cache_dir / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not cached.is_file():
+                with tempfile.TemporaryDirectory(prefix="download-", dir=self.cache_dir) as work:
+                    os.replace(self.download(Path(work)), cached)
+        return self._checked(cached)
 
     def download(self, directory: Path) -> Path:
         """Fetch the wheel alone (no dependencies) with pip into `directory`; return its path."""

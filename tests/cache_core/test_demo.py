@@ -207,9 +207,11 @@ def _l3_bytes_stopped(group: int, l3: Path) -> int:
         os.killpg(group, signal.SIGCONT)
 
 
-def test_demo_l3_stays_under_its_capacity_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
+def test_demo_l3_stays_under_its_capacity_and_ctrl_c_leaves_nothing(socket_dir: Path) -> None:
     """The L3 store evicts past its capacity, and the demo's directory goes with the demo."""
-    tmp = tmp_path / "tmp"
+    # A short TMPDIR, not tmp_path: the demo's socket is made in it, and a socket's path has at most
+    # 107 bytes (under pytest-xdist, tmp_path/tmp/hicache-demo-XXXXXXXX/metrics.sock was 110).
+    tmp = socket_dir / "tmp"
     tmp.mkdir()
     capacity = 2 * 2**20
     proc = subprocess.Popen([sys.executable, "-m", "exporter.cli", "demo", "--tp", "2", "--host", "127.0.0.1",
@@ -220,7 +222,12 @@ def test_demo_l3_stays_under_its_capacity_and_ctrl_c_leaves_nothing(tmp_path: Pa
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()
     try:
-        wait_until(lambda: any(" L3 in " in line for line in lines), timeout=120, interval=0.2)
+        def started() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"the demo exited with status {proc.returncode}:\n{''.join(lines)}")
+            return any(" L3 in " in line for line in lines)
+
+        wait_until(started, timeout=120, interval=0.2)
         l3 = Path(next(line for line in lines if " L3 in " in line).split(" L3 in ")[1].split(" (")[0])
         assert l3.parent.parent == tmp and "at most 2 MiB" in "".join(lines)
         peak, full_for = 0, 0

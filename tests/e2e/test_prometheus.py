@@ -33,13 +33,16 @@ RULES = REPO / "config" / "prometheus" / "recording_rules.yml"
 TOKENS_PER_TICK = 64
 TICK_SECONDS = 0.05
 BYTES_PER_TOKEN = {0: 3072, 1: 2048}  # by tp_rank: the shards differ in size
-WINDOW = "40s"  # within SETTLED_SECONDS: the series' samples cover the window from its start
+# Prometheus scrapes and evaluates every SCRAPE_SECONDS, and the ranks push twice as often. Every
+# span below is counted in those intervals: with 1 s ones they took 60 s and 70 s of waiting.
+SCRAPE_SECONDS = 0.5
+WINDOW = f"{40 * SCRAPE_SECONDS:g}s"  # within SETTLED_SECONDS: the series' samples cover the window from its start
 # rate() and increase() extrapolate each series from its first and last samples in the range, and
 # a rule runs before the samples of a scrape in flight are in: two sides of a comparison differ by
-# up to about three scrape intervals (1 s each) of counting, whatever the instant. Compared once
-# the series hold this many seconds of samples, that is under 5 %, inside the 10 % the tests allow;
-# the issue's flake compared them after 6 s (35.99 against 32.62).
-SETTLED_SECONDS = 60
+# up to about three scrape intervals of counting, whatever the instant. Compared once the series
+# hold 60 intervals of samples, that is under 5 %, inside the 10 % the tests allow; the issue's
+# flake compared them after 6 intervals (35.99 against 32.62).
+SETTLED_SECONDS = 60 * SCRAPE_SECONDS
 
 
 def rank_process(socket_path: str, tp: int, dp: int) -> None:
@@ -47,7 +50,7 @@ def rank_process(socket_path: str, tp: int, dp: int) -> None:
     from exporter.client import RankClient
 
     client = RankClient(socket_path, rank={"tp_rank": tp, "pp_rank": 0, "dp_rank": dp},
-                        labels={"cache_type": "HiRadixCache"}, interval=0.5, max_backoff=0.5)
+                        labels={"cache_type": "HiRadixCache"}, interval=SCRAPE_SECONDS / 2, max_backoff=0.5)
     tokens = client.counter("load_back_tokens_total", pool="kv")
     moved = client.counter("load_back_bytes_total")
     duration = client.histogram("load_back_duration_seconds")
@@ -67,7 +70,8 @@ class Prometheus:
         assert binary, "the prometheus server is required (Debian package `prometheus`; `make test` installs it)"
         self.port = free_port()
         config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "global": {"scrape_interval": f"{SCRAPE_SECONDS * 1000:g}ms",
+                       "evaluation_interval": f"{SCRAPE_SECONDS * 1000:g}ms"},
             "rule_files": [str(p) for p in rules],
             "scrape_configs": [{"job_name": "hicache", "static_configs": [{"targets": [target], "labels": {"pod": "pod-a"}}]}],
         }
@@ -157,11 +161,11 @@ def test_rollups_and_rules_agree_with_per_rank_series_across_a_rank_restart(stac
         ranks[(0, 0)] = ctx.Process(target=rank_process, args=(sock, 0, 0), daemon=True)
         ranks[(0, 0)].start()
         wait_until(lambda: prom.scalar('sum(hicache_exporter_rank_restarts_total{tp_rank="0",dp_rank="0"})') >= 1, timeout=30)
-        # ... its reset scraped, and then the rules evaluated over 15 s of Prometheus' own clock past
+        # ... its reset scraped, and then the rules evaluated over 15 intervals of Prometheus' own clock past
         # it, with every series older than the increase() window (its start covered by samples).
         restarted = 'sglang_load_back_tokens_total{tp_rank="0",dp_rank="0"}'
         wait_until(lambda: prom.scalar(f"resets({restarted}[2m])") >= 1, timeout=30)
-        settled = max(time.time() + 15, first_seen + SETTLED_SECONDS)
+        settled = max(time.time() + 15 * SCRAPE_SECONDS, first_seen + SETTLED_SECONDS)
         wait_until(lambda: prom.evaluated_at("cluster:sglang_load_back_tokens:rate5m") >= settled, timeout=120)
         # Every query below is read at one instant, the rules' evaluation: what the ranks count
         # meanwhile cannot move one side of a comparison and not the other.

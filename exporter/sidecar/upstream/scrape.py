@@ -82,6 +82,7 @@ class UpstreamScraper:
         # series of max_series_total (98,304: 3 times a 256-rank engine), counted as they are read.
         self.max_entries = ENTRIES_PER_SERIES * feed.state.config.max_series_total
         self.clock: Callable[[], float] = time.monotonic
+        self.interval_seconds = config.interval_seconds  # the wait between reads (a test shortens it)
         self._thread = WorkerThread(f"upstream {self.health.name}")
         self._running: concurrent.futures.Future[object] | None = None
         # Error kinds are few and fixed: the throttle's bound is never reached. Its clock is `clock`'s, read
@@ -135,7 +136,7 @@ class UpstreamScraper:
 
     async def _loop(self) -> None:
         while not self._stopping:
-            await asyncio.sleep(self.config.interval_seconds)
+            await asyncio.sleep(self.interval_seconds)
             if not self._stopping:
                 await self.scrape_once()
 

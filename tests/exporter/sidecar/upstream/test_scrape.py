@@ -407,12 +407,17 @@ def test_a_hostile_directory_never_stops_the_sidecar_or_another_upstreams_reads(
     config = config_from_data({
         "http": {"host": "127.0.0.1", "port": 0}, "ingest": {"socket_path": str(socket_dir / "run" / "m.sock")},
         # Timeouts far above a read's cost: a loaded machine timed a 50 ms one out (`timeout`, then
-        # `busy` while that read finished), which is no failure of the sidecar's.
-        "upstreams": [{"name": "hostile", "multiprocess_dir": str(mp), "interval_seconds": 1.0, "timeout_seconds": 1.0},
-                      {"name": "healthy", "url": http.url, "interval_seconds": 1.0, "timeout_seconds": 1.0}],
+        # `busy` while that read finished), which is no failure of the sidecar's. 2 s, not 1: the
+        # suite's other tests run beside this one (pytest-xdist).
+        "upstreams": [{"name": "hostile", "multiprocess_dir": str(mp), "interval_seconds": 2.0, "timeout_seconds": 2.0},
+                      {"name": "healthy", "url": http.url, "interval_seconds": 2.0, "timeout_seconds": 2.0}],
     }, "test")
     sidecar = SidecarThread(config).start()
     assert sidecar.sidecar is not None
+    # Reads 20 times a second (20 rounds of two reads a second apart took 41 s): the timeouts are
+    # at 2 s, and the loop's next wait is the short one (the first, already begun, is the 2 s).
+    for running in sidecar.sidecar.upstreams:
+        running.interval_seconds = 0.05
     hostile, healthy = (sidecar.sidecar.health.upstreams[name] for name in ("hostile", "healthy"))
     rng = random.Random(19)
     try:

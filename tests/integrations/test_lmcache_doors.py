@@ -178,11 +178,15 @@ def expected_bytes(steps: int, worker_id: int | None = None) -> float:
 
 
 def settled(sidecar: Serve, steps: int) -> bool:
-    """The sidecar shows both rollups of `steps` intervals."""
+    """The sidecar shows both rollups of `steps` intervals, and every worker's own bytes of them (a read that
+    began while a worker's file was still being written may lack its part: the next one has it)."""
     scrape = sidecar.scrape()
     found = scrape.find("lmcache_rollup_num_hit_tokens_total")
     return (len(found) == 1 and found[0].value == expected_hit_tokens(steps)
-            and scrape.total("lmcache_rollup_num_remote_read_bytes_total") == expected_bytes(steps))
+            and scrape.total("lmcache_rollup_num_remote_read_bytes_total") == expected_bytes(steps)
+            and per_rank(scrape, "lmcache_num_remote_read_bytes_total")
+            == {(str(w), str(w), "0", "0"): expected_bytes(steps, w) for w in range(TP)}
+            and set(per_rank(scrape, "lmcache_num_hit_tokens_total").values()) == {expected_hit_tokens(steps)})
 
 
 def snapshot(directory: Path, sidecars: dict[str, Serve], engine: EngineServer, steps: int) -> Snapshot:

@@ -102,7 +102,8 @@ def outputs(namespace: str = DEFAULT_NAMESPACE, catalog: Catalog | None = None) 
             config/prometheus/*.yml as rule_files instead.
             """, [prometheus_rule(namespace, catalog)]),
         "k8s/podmonitor.yaml": lambda: _manifest(namespace, """
-            Scrape every hicache-exporter sidecar (deployment.yaml, proxy.yaml, lws.yaml) with the Prometheus
+            Scrape every hicache-exporter sidecar (deployment.yaml, proxy.yaml, lws.yaml, vllm-lmcache.yaml,
+            vllm-lmcache-proxy.yaml) with the Prometheus
             Operator. A PodMonitor, not a ServiceMonitor: inference pods are often reached through a gateway
             or a headless Service, and the metrics port need not be on any Service. Your Prometheus must
             select it (its podMonitorSelector, often `release: <helm release>`, and
@@ -156,6 +157,27 @@ def outputs(namespace: str = DEFAULT_NAMESPACE, catalog: Catalog | None = None) 
               kubectl apply -f config/k8s/model-cache.yaml -f config/k8s/lws.yaml -f config/k8s/podmonitor.yaml
               kubectl apply -f config/k8s/prometheusrule.yaml
             """, manifests.lws_example(namespace)),
+        "k8s/vllm-lmcache.yaml": lambda: _manifest(namespace, f"""
+            One pod, one vLLM server (TP=2) with LMCache as its KV connector, LMCache's metrics pushed to
+            the sidecar through this package's vLLM plugin ({manifests.VLLM_PLUGIN}), installed into the
+            engine's image at start as deployment.yaml does for SGLang. The sidecar serves the lmcache
+            profile to the pushing ranks (--profile lmcache), under the namespace lmcache_.
+
+              kubectl apply -f config/k8s/model-cache.yaml -f config/k8s/vllm-lmcache.yaml -f config/k8s/podmonitor.yaml
+
+            Needs Kubernetes 1.29+ (native sidecars). Replace the exporter image with yours, built from this
+            repository's Dockerfile.
+            """, manifests.vllm_push_example(namespace)),
+        "k8s/vllm-lmcache-proxy.yaml": lambda: _manifest(namespace, f"""
+            One pod, an unmodified vLLM server (TP=2) with LMCache, and the sidecar as a proxy reading
+            vLLM's /metrics on 127.0.0.1:{manifests.VLLM_PORT} with the lmcache profile and the engine's world
+            (--upstream-profile lmcache --upstream-world tp=2). vLLM shows LMCache's series on /metrics only
+            when it writes multiprocess files, so the engine starts with PROMETHEUS_MULTIPROC_DIR on an
+            emptyDir. LMCache's DP replicas and its set_function gauges are not told apart this way:
+            vllm-lmcache.yaml (the plugin) does that.
+
+              kubectl apply -f config/k8s/model-cache.yaml -f config/k8s/vllm-lmcache-proxy.yaml -f config/k8s/podmonitor.yaml
+            """, manifests.vllm_proxy_example(namespace)),
         "grafana/hicache-exporter.json": lambda: json.dumps(
             dashboard.build(namespace, catalog, _suffixed("hicache-exporter", namespace),
                             "HiCache exporter" + ("" if namespace == DEFAULT_NAMESPACE else f" ({namespace})")),

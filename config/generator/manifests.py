@@ -1,4 +1,4 @@
-"""The Kubernetes examples, built from one set of parts: the sidecar, the SGLang container, the volumes.
+"""The Kubernetes examples, built from one set of parts: the sidecar, the engine container, the volumes.
 
 Every example pod is made of the same functions, so the sidecar's security context, probes,
 resources and config exist once; the examples differ only in how the engine reaches the sidecar:
@@ -6,6 +6,9 @@ resources and config exist once; the examples differ only in how the engine reac
 * `deployment.yaml`: one pod, SGLang launched through the stat-logger hook (push over the socket);
 * `proxy.yaml`: one pod, an unmodified SGLang, the sidecar reading its /metrics (the proxy);
 * `lws.yaml`: one server over two pods (LeaderWorkerSet), a proxy sidecar in each pod;
+* `vllm-lmcache.yaml`: one pod, vLLM + LMCache, LMCache's metrics pushed through the vLLM plugin;
+* `vllm-lmcache-proxy.yaml`: one pod, vLLM + LMCache unmodified, the sidecar reading vLLM's /metrics
+  with the `lmcache` profile and the engine's world;
 * `annotations-scrape.yaml`, `proxy-multiprocess-dir.yaml`: small strategic-merge patches of the
   single-pod examples (scrape by annotations; read the engine's multiprocess directory).
 """
@@ -46,6 +49,17 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 SIDECAR_MEMORY_LIMIT = "320Mi"
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 LWS_GROUP_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
+
+# vLLM + LMCache (the `lmcache` profile): LMCache's own release image, vLLM and LMCache in one.
+VLLM_IMAGE = "lmcache/vllm-openai:v0.5.6"
+VLLM_APP = "vllm-lmcache"  # the name label of the vLLM pods, which the PodMonitor selects too
+VLLM_PORT = 8000  # vllm serve's default
+VLLM_UPSTREAM_URL = f"http://127.0.0.1:{VLLM_PORT}/metrics"
+VLLM_TP = 2
+VLLM_PLUGIN = "hicache_exporter_lmcache"  # pyproject's vllm.general_plugins entry point
+LMCACHE_PROFILE = "lmcache"
+# vLLM's KV connector for LMCache, saving and loading (vllm/distributed/kv_transfer/kv_connector/factory.py).
+KV_TRANSFER_CONFIG = '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}'
 
 MODEL = "Qwen/Qwen3-8B"
 LWS_MODEL = "Qwen/Qwen3-235B-A22B"
@@ -89,13 +103,13 @@ def sidecar_config(ns: str, proxy: bool, upstreams: list[dict[str, Any]] | None 
 
 
 def config_map(name: str, instance: str, ns: str, proxy: bool, extra: dict[str, str] | None = None,
-               upstreams: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+               upstreams: list[dict[str, Any]] | None = None, app: str = APP) -> dict[str, Any]:
     data = {"sidecar.yaml": dump_mapping(sidecar_config(ns, proxy, upstreams))}
     data.update(extra or {})
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {"name": name, "labels": {NAME_LABEL: APP, INSTANCE_LABEL: instance,
+        "metadata": {"name": name, "labels": {NAME_LABEL: app, INSTANCE_LABEL: instance,
                                               "app.kubernetes.io/component": EXPORTER}},
         "data": data,
     }
@@ -169,11 +183,11 @@ def serve_args(*extra: str) -> list[str]:
 
 # --- the engine -------------------------------------------------------------------------------
 
-def engine_security() -> dict[str, Any]:
-    """The SGLang container's own context: the image runs as root, so the pod sets no uid for it."""
+def engine_security(image: str = "lmsysorg/sglang", caches: str = "Triton, FlashInfer, torch compile") -> dict[str, Any]:
+    """The engine container's own context: the image runs as root, so the pod sets no uid for it."""
     return {
-        Key("runAsUser", """
-            lmsysorg/sglang runs as root and writes its caches (Triton, FlashInfer, torch compile) under its
+        Key("runAsUser", f"""
+            {image} runs as root and writes its caches ({caches}) under its
             home; Pod Security "restricted" cannot hold it, "baseline" does. Nothing here is privileged, and
             it cannot gain privileges. Multi-node NCCL over RDMA (InfiniBand, RoCE) also needs IPC_LOCK and
             the RDMA device plugin's resource; add them here when the nodes have such NICs.
@@ -202,10 +216,13 @@ def launch_args(tp: int, model: str, *extra: str) -> list[str]:
 
 
 def engine(command: list[str], args: list[str], gpus: int, env: list[dict[str, Any]] | None = None,
-           mounts: list[dict[str, Any]] | None = None, comment: str = "", probes: bool = True) -> dict[str, Any]:
+           mounts: list[dict[str, Any]] | None = None, comment: str = "", probes: bool = True,
+           name: str = "sglang", image: str = SGLANG_IMAGE,
+           image_comment: str = "The SGLang 0.5.23 release image (CUDA 13); pin its digest in production.",
+           port: int = ENGINE_PORT, security: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
-        Key("name", comment): "sglang",
-        Key("image", "The SGLang 0.5.23 release image (CUDA 13); pin its digest in production."): SGLANG_IMAGE,
+        Key("name", comment): name,
+        Key("image", image_comment): image,
         "command": command,
         "args": args,
         "env": [
@@ -215,11 +232,11 @@ def engine(command: list[str], args: list[str], gpus: int, env: list[dict[str, A
              "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token", "optional": True}}},
             *(env or []),
         ],
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         **(engine_probes() if probes else {}),
         Key("resources", "GPUs only: the engine sizes its own memory. A memory-backed /dev/shm counts against a "
                          "memory limit, if you set one."): {"limits": {"nvidia.com/gpu": gpus}},
-        Key("securityContext", ""): engine_security(),
+        Key("securityContext", ""): security or engine_security(),
         "volumeMounts": [
             {Key("name", "NCCL and torch's worker processes share memory through /dev/shm; a container's "
                          "default is 64 MiB."): "dshm", "mountPath": "/dev/shm"},
@@ -270,8 +287,8 @@ def pod_spec(init: list[dict[str, Any]], containers: list[dict[str, Any]], vols:
     }
 
 
-def deployment(name: str, instance: str, spec: dict[str, Any], comment: str = "") -> dict[str, Any]:
-    labels = {NAME_LABEL: APP, INSTANCE_LABEL: instance}
+def deployment(name: str, instance: str, spec: dict[str, Any], comment: str = "", app: str = APP) -> dict[str, Any]:
+    labels = {NAME_LABEL: app, INSTANCE_LABEL: instance}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -461,6 +478,140 @@ def lws_example(ns: str) -> list[dict[str, Any]]:
     return [config_map("sglang-lws-exporter", "sglang-lws", ns, proxy=True, upstreams=[upstream]), lws]
 
 
+# --- vLLM + LMCache ---------------------------------------------------------------------------
+
+def vllm_args(tp: int, model: str) -> list[str]:
+    """`vllm serve`'s arguments: LMCache as the KV connector, the API on all addresses (its /metrics on by default)."""
+    return [model, "--tensor-parallel-size", str(tp), "--kv-transfer-config", KV_TRANSFER_CONFIG,
+            "--host", "0.0.0.0", "--port", str(VLLM_PORT)]
+
+
+def lmcache_env() -> list[dict[str, Any]]:
+    """LMCache's configuration, as environment variables (LMCACHE_ + a key of lmcache/v1/config.py)."""
+    return [
+        {Key("name", "LMCache's chunk of tokens, the unit it stores and retrieves (its default)."):
+         "LMCACHE_CHUNK_SIZE", "value": "256"},
+        {Key("name", "The CPU offload tier: pinned host memory."): "LMCACHE_LOCAL_CPU", "value": "True"},
+        {Key("name", """
+            GB of pinned host memory per worker (one per GPU: 40 GB for TP=2). The container sets no
+            memory limit; if you set one, leave room for this.
+            """): "LMCACHE_MAX_LOCAL_CPU_SIZE", "value": "20"},
+    ]
+
+
+def vllm_engine(command: list[str], env: list[dict[str, Any]], mounts: list[dict[str, Any]],
+                comment: str) -> dict[str, Any]:
+    return engine(
+        command, vllm_args(VLLM_TP, MODEL), gpus=VLLM_TP, env=[*lmcache_env(), *env], mounts=mounts,
+        comment=comment, name="vllm", image=VLLM_IMAGE, port=VLLM_PORT,
+        image_comment="""
+            LMCache's release image for 0.5.6: vLLM with LMCache installed (check the vLLM it carries: this
+            project reads LMCache 0.5.6 under vLLM 0.31.0). Or your own, FROM vllm/vllm-openai with
+            `pip install lmcache`. Pin its digest in production.
+            """,
+        security=engine_security("The vLLM image", "torch compile, Triton, FlashInfer"))
+
+
+# Copies the exporter package and its distribution metadata from the sidecar's image into an emptyDir on
+# the engine's PYTHONPATH. The metadata (METADATA and entry_points.txt, in a *.dist-info directory) is what
+# vLLM finds the plugin by: importlib.metadata looks for distributions on sys.path, and vLLM loads the
+# entry points of the group vllm.general_plugins from there.
+INSTALL_PLUGIN = f"""\
+import importlib.metadata, pathlib, shutil, exporter
+target = pathlib.Path('{CLIENT_DIR}')
+shutil.copytree(pathlib.Path(exporter.__file__).parent, target / 'exporter',
+                ignore=shutil.ignore_patterns('__pycache__'), dirs_exist_ok=True)
+dist = importlib.metadata.distribution('hicache-exporter')
+info = target / f'hicache_exporter-{{dist.version}}.dist-info'
+info.mkdir(exist_ok=True)
+for name in ('METADATA', 'entry_points.txt'):
+    (info / name).write_text(dist.read_text(name))
+"""
+
+
+def vllm_push_example(ns: str) -> list[dict[str, Any]]:
+    """One pod: vLLM + LMCache, LMCache's metrics pushed through the vLLM plugin to the sidecar."""
+    install = {
+        Key("name", f"""
+            Runs once, first: installs the exporter's Python package (the client and the LMCache hook, no
+            torch) from the sidecar image into the emptyDir on the engine's PYTHONPATH, with its
+            distribution metadata: its entry point {VLLM_PLUGIN} (group vllm.general_plugins) is how vLLM
+            finds the plugin. Its imports (prometheus_client, msgspec, pydantic, PyYAML) are vLLM's own
+            dependencies.
+            """): "install-hicache-plugin",
+        "image": EXPORTER_IMAGE,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["python", "-c", INSTALL_PLUGIN],
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
+        "securityContext": restricted(),
+        "volumeMounts": [{"name": "hicache-client", "mountPath": CLIENT_DIR}],
+    }
+    vllm = vllm_engine(
+        ["vllm", "serve"],
+        env=[
+            {Key("name", "The socket the plugin's clients push to (the sidecar's ingest.socket_path)."):
+             "HICACHE_EXPORTER_SOCKET", "value": SOCKET},
+            {Key("name", f"""
+                The installed package and its metadata. vLLM's processes (the API server, the engine core,
+                one worker per GPU) inherit it, and each loads the plugin. No VLLM_PLUGINS: unset, vLLM
+                loads every plugin it finds; set, it must name {VLLM_PLUGIN} too.
+                """): "PYTHONPATH", "value": CLIENT_DIR},
+        ],
+        mounts=[
+            {"name": "hicache-socket", "mountPath": SOCKET_DIR},
+            {"name": "hicache-client", "mountPath": CLIENT_DIR, "readOnly": True},
+        ],
+        comment="""
+            vLLM with LMCache as its KV connector, started as released (`vllm serve`). The plugin sets
+            LMCache's metric classes in every vLLM process before LMCache makes its loggers, so every
+            worker's and the scheduler's LMCache families are pushed over the socket: DP replicas apart,
+            the set_function gauges too, reset_counters() as a new epoch. The engine's own metrics stay
+            as they are.
+            """)
+    client_volume = {Key("name", "The exporter package and its metadata, installed by install-hicache-plugin."):
+                     "hicache-client", "emptyDir": {"sizeLimit": "64Mi"}}
+    sidecar_args = serve_args("--profile", LMCACHE_PROFILE)
+    spec = pod_spec([install, sidecar(sidecar_args)], [vllm], volumes("vllm-lmcache-exporter", client_volume))
+    return [config_map("vllm-lmcache-exporter", "vllm-lmcache", ns, proxy=False, app=VLLM_APP),
+            deployment("vllm-lmcache", "vllm-lmcache", spec, app=VLLM_APP)]
+
+
+# The engine's command in the proxy example: empty the multiprocess directory, then vLLM as released.
+WIPE_AND_SERVE = 'rm -rf "${PROMETHEUS_MULTIPROC_DIR:?}"/* && exec vllm serve "$@"'
+
+
+def vllm_proxy_example(ns: str) -> list[dict[str, Any]]:
+    """One pod: vLLM + LMCache unmodified, the sidecar reading vLLM's /metrics with the lmcache profile."""
+    mount = {"name": "prometheus-multiproc", "mountPath": MULTIPROC_DIR}
+    vllm = vllm_engine(
+        ["/bin/sh", "-c", WIPE_AND_SERVE, "vllm"],
+        env=[{Key("name", """
+            Set at start, so that every vLLM process (and LMCache in each) writes prometheus_client's
+            multiprocess files here, and vLLM's /metrics merges them all. Without it LMCache's series stay
+            in each worker's own registry, and vLLM's /metrics shows none of them (LMCache's own default
+            directory is set too late to take effect).
+            """): "PROMETHEUS_MULTIPROC_DIR", "value": MULTIPROC_DIR}],
+        mounts=[dict(mount)],
+        comment=f"""
+            vLLM with LMCache, unmodified. The command empties the multiprocess directory first, as vLLM
+            asks of a PROMETHEUS_MULTIPROC_DIR the operator sets (a restarted container must not add up
+            the files of the processes before it), then runs `vllm serve` with these args. Its /metrics on
+            port {VLLM_PORT} stays private to the pod: Prometheus scrapes the sidecar only (vLLM's own
+            vllm: families pass through it unchanged).
+            """)
+    multiproc_volume = {Key("name", """
+        vLLM's prometheus_client multiprocess files. On disk: they grow with processes and series. The
+        sidecar could read this directory itself instead of /metrics (--upstream-multiprocess-dir, mounted
+        read-only there); the URL is kept here because it needs nothing shared with the sidecar, and both
+        see the same merged families.
+        """): "prometheus-multiproc", "emptyDir": {"sizeLimit": "1Gi"}}
+    sidecar_args = serve_args("--upstream", VLLM_UPSTREAM_URL, "--upstream-profile", LMCACHE_PROFILE,
+                              "--upstream-world", f"tp={VLLM_TP}")
+    spec = pod_spec([sidecar(sidecar_args)], [vllm], volumes("vllm-lmcache-proxy-exporter", multiproc_volume))
+    return [config_map("vllm-lmcache-proxy-exporter", "vllm-lmcache-proxy", ns, proxy=True, app=VLLM_APP),
+            deployment("vllm-lmcache-proxy", "vllm-lmcache-proxy", spec, app=VLLM_APP)]
+
+
 def model_cache() -> list[dict[str, Any]]:
     return [{
         "apiVersion": "v1",
@@ -482,7 +633,8 @@ def pod_monitor() -> list[dict[str, Any]]:
         "kind": "PodMonitor",
         "metadata": {"name": EXPORTER, "labels": {NAME_LABEL: APP, "app.kubernetes.io/component": EXPORTER}},
         "spec": {
-            "selector": {"matchLabels": {NAME_LABEL: APP}},
+            Key("selector", "Every example pod: the SGLang ones and the vLLM + LMCache ones."):
+                {"matchExpressions": [{"key": NAME_LABEL, "operator": "In", "values": [APP, VLLM_APP]}]},
             "podMetricsEndpoints": [{
                 Key("port", "The sidecar's container port name (9400). Pod discovery lists init containers' "
                             "ports too, so the native sidecar's port matches; do not drop init containers."): "metrics",

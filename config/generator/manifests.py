@@ -515,7 +515,8 @@ def vllm_engine(command: list[str], env: list[dict[str, Any]], mounts: list[dict
 # Copies the exporter package and its distribution metadata from the sidecar's image into an emptyDir on
 # the engine's PYTHONPATH. The metadata (METADATA and entry_points.txt, in a *.dist-info directory) is what
 # vLLM finds the plugin by: importlib.metadata looks for distributions on sys.path, and vLLM loads the
-# entry points of the group vllm.general_plugins from there.
+# entry points of the group vllm.general_plugins from there. An installed wheel's metadata file is METADATA;
+# an egg-info's (a source checkout installed in place) is PKG-INFO, in the same format.
 INSTALL_PLUGIN = f"""\
 import importlib.metadata, pathlib, shutil, exporter
 target = pathlib.Path('{CLIENT_DIR}')
@@ -524,8 +525,8 @@ shutil.copytree(pathlib.Path(exporter.__file__).parent, target / 'exporter',
 dist = importlib.metadata.distribution('hicache-exporter')
 info = target / f'hicache_exporter-{{dist.version}}.dist-info'
 info.mkdir(exist_ok=True)
-for name in ('METADATA', 'entry_points.txt'):
-    (info / name).write_text(dist.read_text(name))
+(info / 'METADATA').write_text(dist.read_text('METADATA') or dist.read_text('PKG-INFO'))
+(info / 'entry_points.txt').write_text(dist.read_text('entry_points.txt'))
 """
 
 

@@ -203,7 +203,8 @@ def prefill_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
         unit="percentunit", stacked=True, width=24)
     shares["fieldConfig"]["defaults"]["max"] = 1
     shares.update({"repeat": "server", "repeatDirection": "h", "maxPerRow": 4})
-    moved, timed = [], []
+    moved: list[tuple[str, str]] = []
+    timed: list[tuple[str, str]] = []
     for cost in rules.tier_costs(catalog, spec):
         hits = "+".join(cost.returned)
         for what, transfer, into in (("bytes", cost.read, moved), ("seconds", cost.read, timed),

@@ -13,6 +13,9 @@ file could not be used, starts its rollups over. Which of the two it was, the si
 (`hicache_exporter_persistence_loaded_identities` above 0), so one dashboard serves both kinds of
 deployment, with no variable to set (docs/kubernetes.md, "Rules, alerts and the dashboard").
 
+The first row answers where prefill tokens come from (PREFILL_ROW): each tier's share of prefill tokens
+and what a hit costs, per server, from the `cluster:` recording rules only, as a fleet row reads.
+
 Every profile in use gets its rows: the default profile's (HiCache tiers) first, then a fleet row and
 a pod row for each other profile that has a row builder here (PROFILE_ROWS: lmcache), under the
 same rule and each under its own namespace.
@@ -174,6 +177,56 @@ def fleet_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
          ("count(up == 0 and on (job, instance) max_over_time(hicache_exporter_build_info[1h]))", "sidecars down"),
          ("sum by (state) (hicache_exporter_ranks)", "streams {{state}}"),
          ("sum(hicache_exporter_ranks_missing)", "ranks missing")]))
+    return panels
+
+
+PREFILL_ROW = "Where prefill tokens come from"
+SERVER = 'server=~"$server"'
+
+
+def prefill_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
+    """The first row: each tier's share of prefill tokens over time, stacked, one panel per server (`$server`,
+    repeated), and what a hit costs per tier, per server; recording rules only, like the fleet rows. None
+    where the profile has no per-tier prefill counter."""
+    spec = rules.prefill_spec(catalog)
+    if spec is None:
+        return []
+    recorded = set(rules.record_names(ns, catalog))
+    shares = _timeseries(
+        "Share of prefill tokens by tier: $server",
+        f"{rules.prefill_hit_ratio(ns)} by tier and {rules.prefill_computed_ratio(ns)}: each tier's prefill "
+        "hits over all prefill tokens of the server in the rate window (one replica per dp group, groups summed; "
+        "the engine's final per-tier count, retracted re-counts excluded), stacked so the tiers and what was "
+        "computed fill 100 %. One panel per server ($server); no line while the server has no prefill.",
+        [(f"{rules.prefill_hit_ratio(ns)}{{{SERVER}}}", "{{tier}}"),
+         (f"{rules.prefill_computed_ratio(ns)}{{{SERVER}}}", "computed")],
+        unit="percentunit", stacked=True, width=24)
+    shares["fieldConfig"]["defaults"]["max"] = 1
+    shares.update({"repeat": "server", "repeatDirection": "h", "maxPerRow": 4})
+    moved: list[tuple[str, str]] = []
+    timed: list[tuple[str, str]] = []
+    for cost in rules.tier_costs(catalog, spec):
+        hits = "+".join(cost.returned)
+        for what, transfer, into in (("bytes", cost.read, moved), ("seconds", cost.read, timed),
+                                     ("backup_bytes", cost.write, moved)):
+            record = rules.cost_ratio(ns, cost.tier, what)
+            if transfer is not None and record in recorded:
+                into.append((f"{record}{{{SERVER}}}", f"{{{{server}}}} {cost.tier}: {tier_label(transfer)} per {hits} token"))
+    panels = [_row(f"{PREFILL_ROW}, and what a hit costs: per server, from the cluster: recording rules"), shares]
+    note = ("A tier returns its own hits and those of the tiers below it, staged through it (a storage hit is "
+            "loaded back from host memory), so the host tier's costs are per host_hit+storage_hit token. ")
+    if moved:
+        panels.append(_timeseries(
+            "Bytes moved per hit token, by tier",
+            "What a hit costs: the bytes of the transfer that reads a tier back (L2→L1 load-back, L3→L2 prefetch), "
+            "and of the one that fills it (backup), per prefill token the tier returned; bytes every rank summed, "
+            "tokens one replica per dp group. " + note + "A tier that writes gigabytes per token it returns does not "
+            "pay (HiCacheTierNotPaying).", moved, unit="bytes"))
+    if timed:
+        panels.append(_timeseries(
+            "Transfer seconds per hit token, by tier",
+            "Seconds spent in the transfer that reads a tier back, every rank summed, per prefill token the tier "
+            "returned. " + note, timed, unit="s"))
     return panels
 
 
@@ -418,7 +471,8 @@ def build(ns: str, catalog: Catalog, uid: str, title: str) -> dict[str, Any]:
             "sidecar's rollups and ranks. Never sum sidecar rollups across pods."
             + "".join(f" Rows for the {name} profile ({catalog.profiles[name].namespace}) follow." for name in others)),
         "editable": True, "fiscalYearStartMonth": 0, "graphTooltip": 1, "id": None, "links": [],
-        "panels": _layout(fleet_rows(ns, default) + pod_rows(ns, default) + profile_rows(catalog)),
+        "panels": _layout(prefill_rows(ns, default) + fleet_rows(ns, default) + pod_rows(ns, default)
+                          + profile_rows(catalog)),
         "refresh": "30s", "schemaVersion": 39,
         "tags": ["hicache", "sglang", *others, "kv-cache", "llm-inference"],
         "templating": {"list": [
@@ -429,6 +483,10 @@ def build(ns: str, catalog: Catalog, uid: str, title: str) -> dict[str, Any]:
             _query_variable("instance", "Pod (sidecar instance)", "label_values(hicache_exporter_build_info, instance)",
                             multi=False),
             _query_variable("dp_rank", "dp_rank", 'label_values(hicache_exporter_rank_up{instance="$instance"}, dp_rank)',
+                            multi=True),
+            # The first row's servers: one panel of tier shares each.
+            _query_variable("server", "Server (prefill shares)",
+                            f"label_values({rules.cluster_rate(ns, default.get('prefill_effective_tokens_total'))}, server)",
                             multi=True),
         ]},
         "time": {"from": "now-1h", "to": "now"}, "timepicker": {}, "timezone": "browser",

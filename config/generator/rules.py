@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import re
 import textwrap
+from dataclasses import dataclass
 from typing import Any
 
-from exporter.catalog import Catalog, FamilySpec, MetricType, ProfileSpec, Semantics
+from exporter.catalog import Catalog, FamilySpec, MetricType, ProfileSpec, Semantics, TransferSpec
 
 from .yamltext import Folded, Key
 
@@ -32,6 +33,7 @@ RATE_WINDOW = "5m"
 
 GROUP_PER_SHARD = "hicache-per-shard"
 GROUP_REPLICATED = "hicache-replicated"
+GROUP_PREFILL = "hicache-prefill-tiers"
 GROUP_ALERTS = "hicache-exporter"
 
 # A profile's hit ratios, each named after the engine's own ratio gauge and computed from the two
@@ -43,6 +45,199 @@ HIT_RATIOS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "lmcache": (("retrieve_hit_rate", "num_hit_tokens_total", "num_requested_tokens_total"),
                 ("lookup_hit_rate", "num_lookup_hits_total", "num_lookup_tokens_total")),
 }
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """Where a profile's prefill tokens come from: its final per-tier prefill counter, the label that
+    names the tier, the value that counts computed tokens, and each cache tier (its name, the tier
+    level it is) whose hits the label value `<name><suffix>` counts, nearest the device first."""
+
+    family: str
+    label: str
+    computed: str
+    suffix: str
+    tiers: tuple[tuple[str, str], ...]
+
+    def value(self, tier: str) -> str:
+        return tier + self.suffix
+
+
+# SGLang 0.5.23: prefill_effective_tokens_total{mode} (metrics_collector.py:1040-1053), `input` the
+# computed extend tokens, `<tier>_hit` the cached prefix split by tier (schedule_policy.py:975-983),
+# retracted re-counts excluded (metrics_reporter.py:826-847). The engine's own help: a tier's share is
+# rate(<tier>_hit) over the rate of all modes.
+PREFILL: dict[str, PrefillSpec] = {
+    "sglang": PrefillSpec("prefill_effective_tokens_total", "mode", "input", "_hit",
+                          (("device", "L1"), ("host", "L2"), ("storage", "L3"))),
+}
+# HiCacheTierNotPaying: below this share of prefill tokens, a tier that keeps writing does not pay.
+NOT_PAYING_SHARE = 0.01
+NOT_PAYING_FOR = "1h"
+
+
+@dataclass(frozen=True)
+class TierCost:
+    """One offload tier's cost: `returned`, the tier values of the hits it returned toward the device (its
+    own and those of every tier below, which are staged through it); `read`, the transfer that brings them
+    up; `write`, the transfer that fills it from the tier above."""
+
+    tier: str
+    returned: tuple[str, ...]
+    read: TransferSpec | None
+    write: TransferSpec | None
+
+
+def prefill_spec(catalog: Catalog) -> PrefillSpec | None:
+    """The default profile's PrefillSpec, or None where its counter is missing (a trimmed catalog)."""
+    spec = PREFILL.get(catalog.default_profile.name)
+    if spec is None:
+        return None
+    fam = catalog.find(spec.family)
+    if fam is None or not fam.replicated_counter:
+        return None
+    preset = fam.preset.get(spec.label, ())
+    missing = [v for v in (spec.computed, *(spec.value(t) for t, _ in spec.tiers)) if v not in preset]
+    if missing:
+        raise ValueError(f"{spec.family}: its {spec.label} preset lacks {missing}")
+    return spec
+
+
+def tier_costs(catalog: Catalog, spec: PrefillSpec) -> list[TierCost]:
+    """Every tier past the device's, with the transfers the default profile declares to and from it."""
+    levels = [level for _, level in spec.tiers]
+    transfers = [t for t in catalog.default_profile.transfers
+                 if t.bytes is None or t.bytes in catalog]
+    costs = []
+    for i, (tier, level) in enumerate(spec.tiers):
+        if i == 0:
+            continue
+        above = levels[i - 1]
+        read = next((t for t in transfers if t.source == level and t.target == above), None)
+        write = next((t for t in transfers if t.source == above and t.target == level), None)
+        costs.append(TierCost(tier, tuple(spec.value(t) for t, _ in spec.tiers[i:]), read, write))
+    return costs
+
+
+def prefill_hit_ratio(ns: str) -> str:
+    """`cluster:<ns>prefill_hit_ratio:ratio_rate5m{tier}`: each tier's share of prefill tokens."""
+    return f"cluster:{ns}prefill_hit_ratio:ratio_rate{RATE_WINDOW}"
+
+
+def prefill_computed_ratio(ns: str) -> str:
+    """`cluster:<ns>prefill_computed_ratio:ratio_rate5m`: the share of prefill tokens computed."""
+    return f"cluster:{ns}prefill_computed_ratio:ratio_rate{RATE_WINDOW}"
+
+
+def cost_ratio(ns: str, tier: str, what: str) -> str:
+    """`cluster:<ns><tier>_<what>_per_hit_token:ratio_rate5m` (what: bytes, seconds, backup_bytes)."""
+    return f"cluster:{ns}{tier}_{what}_per_hit_token:ratio_rate{RATE_WINDOW}"
+
+
+def stream_labels(catalog: Catalog) -> tuple[str, ...]:
+    """The labels only one collector's streams carry: left out where two collectors' rates are divided, so
+    that what remains is the server's labels (job, namespace, server and the operator's static labels)."""
+    seen: list[str] = []
+    for stream in catalog.streams.values():
+        seen += [label for label in stream.labels if label not in seen]
+    return tuple(seen)
+
+
+def per_server(catalog: Catalog, expr: str, *own: str) -> str:
+    """`expr` summed to the server's labels."""
+    return f"sum {without(*stream_labels(catalog), *own)} ({expr})"
+
+
+def tokens_of(ns: str, catalog: Catalog, spec: PrefillSpec, values: tuple[str, ...] | None = None) -> str:
+    """The cluster rate of prefill tokens of `values` (every value: None), summed to the server's labels."""
+    rate = cluster_rate(ns, catalog.get(spec.family))
+    if values is not None:
+        rate += f'{{{spec.label}{"=" if len(values) == 1 else "=~"}"{"|".join(values)}"}}'
+    return per_server(catalog, rate, spec.label)
+
+
+def cost_rules(ns: str, catalog: Catalog, spec: PrefillSpec) -> list[tuple[str, str, str]]:
+    """(record, numerator, denominator) of every cost ratio the catalog's transfers allow, each side summed
+    to the server's labels."""
+    summed = {f.name for f in summed_counters(catalog)}
+    timed = {hist.name for _, hist in catalog.bandwidth_pairs()}
+    found = []
+    for cost in tier_costs(catalog, spec):
+        hits = tokens_of(ns, catalog, spec, cost.returned)
+        read, write = cost.read, cost.write
+        if read is not None and read.bytes in summed:
+            fam = catalog.get(read.bytes)
+            found.append((cost_ratio(ns, cost.tier, "bytes"), per_server(catalog, bytes_rate(ns, fam), *fam.labels), hits))
+        if read is not None and read.seconds in timed:
+            hist = catalog.get(read.seconds)
+            found.append((cost_ratio(ns, cost.tier, "seconds"),
+                          per_server(catalog, duration_sum_rate(ns, hist), *hist.labels), hits))
+        if write is not None and write.bytes in summed:
+            fam = catalog.get(write.bytes)
+            found.append((cost_ratio(ns, cost.tier, "backup_bytes"),
+                          per_server(catalog, bytes_rate(ns, fam), *fam.labels), hits))
+    return found
+
+
+def not_paying(ns: str, catalog: Catalog) -> list[tuple[TierCost, str]]:
+    """(tier, alert expression) of each tier that a transfer fills: its share of prefill tokens below
+    NOT_PAYING_SHARE while that transfer writes."""
+    spec = prefill_spec(catalog)
+    if spec is None:
+        return []
+    summed = {f.name for f in summed_counters(catalog)}
+    found = []
+    for cost in tier_costs(catalog, spec):
+        if cost.write is None or cost.write.bytes not in summed:
+            continue
+        fam = catalog.get(cost.write.bytes)
+        found.append((cost, (
+            f"(\n  {tokens_of(ns, catalog, spec, cost.returned)}\n  /\n  ({tokens_of(ns, catalog, spec)} > 0)\n"
+            f") < {NOT_PAYING_SHARE:g}\nand\n{per_server(catalog, bytes_rate(ns, fam), *fam.labels)} > 0\n")))
+    return found
+
+
+def prefill_group(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
+    """The group of where prefill tokens come from and what a hit costs (none without the prefill counter)."""
+    spec = prefill_spec(catalog)
+    if spec is None:
+        return []
+    rate = cluster_rate(ns, catalog.get(spec.family))
+    tiers = [tier for tier, _ in spec.tiers]
+    all_modes = f"sum without ({spec.label}) ({rate})"
+    rules = [
+        _rule(prefill_hit_ratio(ns),
+              f"sum without ({spec.label}) (label_replace(\n"
+              f'  {rate}{{{spec.label}=~"{"|".join(spec.value(t) for t in tiers)}"}},\n'
+              f'  "tier", "$1", "{spec.label}", "({"|".join(tiers)}){re.escape(spec.suffix)}"))\n'
+              f"/ ignoring (tier) group_left ()\n({all_modes} > 0)\n", f"""
+            Each tier's share of prefill tokens per server, {spec.label}={"|".join(spec.value(t) for t in tiers)} as
+            tier={"|".join(tiers)}: the tier's cluster rate (one replica per dp group, groups summed) over the rate of
+            all modes, computed ({spec.label}="{spec.computed}") included, so the shares and the computed ratio add up
+            to 1. Every label of {rate} but {spec.label} is kept (server among them). `> 0` drops idle windows.
+            """),
+        _rule(prefill_computed_ratio(ns),
+              f'sum without ({spec.label}) ({rate}{{{spec.label}="{spec.computed}"}}) / ({all_modes} > 0)', """
+            What remained computed: the share of prefill tokens no cache tier served.
+            """),
+    ]
+    for i, (record, numerator, hits) in enumerate(cost_rules(ns, catalog, spec)):
+        rules.append(_rule(record, f"{numerator}\n/\n({hits} > 0)\n", "" if i else f"""
+            What a hit costs, per server: a tier's transfer bytes (or seconds) per prefill token it returned.
+            Bytes and seconds are per_shard (every rank summed), tokens replicated (one replica per dp group),
+            each from its own cluster: rule; both are summed to the server's labels (the streams' own labels,
+            {", ".join(stream_labels(catalog))}, and the families' own go) so that they meet. A tier returns
+            its own hits and those of the tiers below it, which are staged through it: a storage hit is
+            prefetched into host memory and loaded back from there (sglang 0.5.23 schedule_batch.py:231-265,
+            the materialized host hit holds the storage hit), so host_* divides by host_hit and storage_hit
+            tokens, storage_* by storage_hit tokens. <tier>_bytes and <tier>_seconds: the transfer that reads
+            the tier back (L2→L1 load-back, L3→L2 prefetch); <tier>_backup_bytes: the one that fills it (L1→L2
+            backup, L2→L3 storage backup), bytes written per token read back. No sample while the tier returns
+            nothing (`> 0`): HiCacheTierNotPaying watches that case.
+            """))
+    return [{Key("name", """
+        ---- prefill tiers: where prefill tokens come from, and what a hit costs (per server) --
+        """): GROUP_PREFILL, "rules": rules}]
 
 
 # What a profile besides the default one adds to its groups' comments: (per_shard, replicated).
@@ -214,7 +409,7 @@ def profile_groups(ns: str, catalog: Catalog, other: ProfileSpec | None = None) 
             requests. storage_prefetch_unfulfilled_tokens_total is an attempt-level diagnostic (by
             reason), not a final prefill cache-miss count.
             """): GROUP_REPLICATED, "rules": replicated},
-    ]
+    ] + prefill_group(ns, catalog)
 
 
 def recording_header(ns: str, others: tuple[ProfileSpec, ...] = ()) -> str:
@@ -254,6 +449,10 @@ def _header_text(ns: str) -> str:
           cluster:{ns}<x>_active_bandwidth_bytes_per_second:ratio_rate5m
           dp_group:{ns}<x>_tokens:rate5m                    one replica per data-parallel group
           cluster:{ns}<x>_tokens:rate5m                     the dp groups summed
+          cluster:{ns}prefill_hit_ratio:ratio_rate5m{{tier}}  each tier's share of prefill tokens
+          cluster:{ns}prefill_computed_ratio:ratio_rate5m   the share computed
+          cluster:{ns}<tier>_<bytes|seconds|backup_bytes>_per_hit_token:ratio_rate5m
+                                                            what a hit costs (group {GROUP_PREFILL})
         The set is derived from the catalog by config/generate.py, which wrote this file.
 
         Every `without` clause removes only the per-pod target labels `instance` and `pod` (plus
@@ -433,8 +632,47 @@ def alerting_groups(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
                         "the file and the error, once a minute."),
                 },
             },
-        ],
+        ] + tier_alerts(ns, catalog),
     }]
+
+
+def tier_alerts(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
+    """HiCacheTierNotPaying, once per tier that a transfer fills (the default profile's)."""
+    own = catalog.of_profile(catalog.default_profile.name) if len(catalog.profiles) > 1 else catalog
+    alerts = []
+    for i, (cost, expr) in enumerate(not_paying(ns, own)):
+        write = cost.write
+        assert write is not None
+        alerts.append({
+            Key("alert", "" if i else f"""
+                A cache tier that does not pay: for {NOT_PAYING_FOR} it kept being written (its backup bytes
+                rising) while the prefill tokens it returned stayed below {NOT_PAYING_SHARE:.0%} of the server's
+                prefill tokens. A tier returns its own hits and those of the tiers below it, which are staged
+                through it (a storage hit is loaded back from host memory), so tier="host" fires only when
+                neither host nor storage hits come back. Read per server from the recording rules (load both
+                files): the share from cluster:{ns}prefill_effective_tokens:rate5m, the bytes from the
+                tier's backup transfer; a server with no prefill in the window (idle, or its scheduler's
+                series not scraped) has no share and stays quiet. Severity info: a cost finding, not an
+                outage. The value is the tier's share.
+                """): "HiCacheTierNotPaying",
+            "expr": expr,
+            "for": NOT_PAYING_FOR,
+            "labels": {"severity": "info", "tier": cost.tier},
+            "annotations": {
+                "summary": f"The {cost.tier} tier of {{{{ $labels.server }}}} writes but returns "
+                           "{{ $value | humanizePercentage }} of prefill tokens",
+                "description": Folded(
+                    f"For {NOT_PAYING_FOR}, server {{{{ $labels.server }}}} (namespace {{{{ $labels.namespace }}}}) "
+                    f"has written to its {cost.tier} tier ({write.tiers} {write.title}, "
+                    f"{ns}{write.bytes}) while the tier returned {{{{ $value | humanizePercentage }}}} of its "
+                    f"prefill tokens (below {NOT_PAYING_SHARE:.0%}). The tier costs bandwidth and capacity and "
+                    "saves almost no prefill compute: check that requests share prefixes long enough to hit, "
+                    "that the tier is large enough to keep them until they come back, or turn the tier off. "
+                    f"The dashboard's first row shows each tier's share and its cost per hit token "
+                    f"({cost_ratio(ns, cost.tier, 'backup_bytes')})."),
+            },
+        })
+    return alerts
 
 
 ALERTING_HEADER = """

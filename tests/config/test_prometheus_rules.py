@@ -30,7 +30,8 @@ RECORDING = RULES_DIR / "recording_rules.yml"
 ALERTING = RULES_DIR / "alerting_rules.yml"
 TEST_FILES = [RULES_DIR / "tests" / "recording_rules_test.yml", RULES_DIR / "tests" / "alerting_rules_test.yml",
               RULES_DIR / "tests" / "sidecar_restart_test.yml",  # increase() of a rollup across a sidecar restart
-              RULES_DIR / "tests" / "lmcache_rules_test.yml"]  # the lmcache profile's groups
+              RULES_DIR / "tests" / "lmcache_rules_test.yml",  # the lmcache profile's groups
+              RULES_DIR / "tests" / "prefill_tiers_test.yml"]  # tier shares, cost per hit token, HiCacheTierNotPaying
 
 NAMESPACES = [DEFAULT_NAMESPACE, "sglang:"]
 SELF_PREFIX = "hicache_exporter_"
@@ -41,6 +42,16 @@ LMCACHE_NS = "lmcache_"
 OTHER_NAMESPACES = {"lmcache": LMCACHE_NS}
 HIT_RATIOS = {"lmcache": [("retrieve_hit_rate", "num_hit_tokens_total", "num_requested_tokens_total"),
                           ("lookup_hit_rate", "num_lookup_hits_total", "num_lookup_tokens_total")]}
+# Where a profile's prefill tokens come from (issue 32), written here from SGLang 0.5.23
+# (metrics_collector.py:1040-1053: input computed, <tier>_hit by tier): its per-tier counter, the label, and
+# each mode's tier (None: computed). A tier returns its own hits and those of the tiers below it, staged
+# through it (schedule_batch.py:231-265): the cost of each tier, (record part, what it divides).
+PREFILL = {"sglang": ("prefill_effective_tokens_total", "mode",
+                      {"input": None, "device_hit": "device", "host_hit": "host", "storage_hit": "storage"})}
+TIER_RETURNS = {"host": ("host_hit", "storage_hit"), "storage": ("storage_hit",)}
+# (tier, cost): the numerator, a bytes counter ("bytes") or a duration histogram's _sum ("seconds").
+TIER_COSTS = [("host", "bytes", "bytes"), ("host", "seconds", "seconds"), ("host", "backup_bytes", "bytes"),
+              ("storage", "bytes", "bytes"), ("storage", "seconds", "seconds"), ("storage", "backup_bytes", "bytes")]
 
 
 def profiles_in_use() -> list[tuple[Catalog, str | None]]:
@@ -122,6 +133,9 @@ def expected_records(catalog: Catalog, ns: str = DEFAULT_NAMESPACE, profile: str
         names.add(f"cluster:{ns}{bytes_fam.bandwidth_name}:ratio_rate5m")
     for gauge, _, _ in HIT_RATIOS.get(profile or "", []):
         names.add(f"cluster:{ns}{gauge}:ratio_rate5m")
+    if profile in PREFILL and PREFILL[profile][0] in {f.name for f in catalog}:
+        names |= {f"cluster:{ns}prefill_hit_ratio:ratio_rate5m", f"cluster:{ns}prefill_computed_ratio:ratio_rate5m"}
+        names |= {f"cluster:{ns}{tier}_{cost}_per_hit_token:ratio_rate5m" for tier, cost, _ in TIER_COSTS}
     return names
 
 
@@ -399,16 +413,27 @@ def generated_tests(catalog: Catalog, ns: str = DEFAULT_NAMESPACE, recording: Pa
         checks.append({"expr": record, "eval_time": "10m", "exp_samples": samples})
 
     pace: dict[str, int] = {}
+    prefill_family, mode_label, modes = PREFILL.get(profile, ("", "", {}))
+    mode_pace: dict[str, int] = {}
     for i, fam in enumerate(counters(catalog, Semantics.REPLICATED)):
-        own = _own_labels(fam)
         pace[fam.name] = m = 1 + i % 3
-        for pod, instance, tp, dp in LAYOUT:
-            inputs.append({"series": _series(ns + fam.name, rank_labels(fam, pod, instance, tp, dp)),
-                           "values": f"0+{60 * m * (dp + 1)}x10"})
+        # The prefill counter counts every mode, each at its own pace (the computed one at m).
+        owns = [_own_labels(fam)]
+        if fam.name == prefill_family:
+            mode_pace = {mode: (m if tier is None else 1 + j) for j, (mode, tier) in enumerate(modes.items())}
+            owns = [{**_own_labels(fam), mode_label: mode} for mode in modes]
         dp_group = f"dp_group:{ns}{fam.base_name}:rate5m"
-        check(dp_group, [sample(dp_group, m, **own, dp_rank="0"), sample(dp_group, 2 * m, **own, dp_rank="1")])
         cluster = f"cluster:{ns}{fam.base_name}:rate5m"
-        check(cluster, [sample(cluster, 3 * m, **own)])
+        groups, clusters = [], []
+        for own in owns:
+            k = mode_pace.get(own.get(mode_label, ""), m) if fam.name == prefill_family else m
+            for pod, instance, tp, dp in LAYOUT:
+                inputs.append({"series": _series(ns + fam.name, {**rank_labels(fam, pod, instance, tp, dp), **own}),
+                               "values": f"0+{60 * k * (dp + 1)}x10"})
+            groups += [sample(dp_group, k, **own, dp_rank="0"), sample(dp_group, 2 * k, **own, dp_rank="1")]
+            clusters.append(sample(cluster, 3 * k, **own))
+        check(dp_group, groups)
+        check(cluster, clusters)
     for gauge, hits, asked in HIT_RATIOS.get(profile, []):
         record = f"cluster:{ns}{gauge}:ratio_rate5m"
         check(record, [sample(record, pace[hits] / pace[asked])])
@@ -432,6 +457,22 @@ def generated_tests(catalog: Catalog, ns: str = DEFAULT_NAMESPACE, recording: Pa
     for bytes_fam, _ in catalog.bandwidth_pairs():
         record = f"cluster:{ns}{bytes_fam.bandwidth_name}:ratio_rate5m"
         check(record, [sample(record, 18, **_own_labels(bytes_fam))])
+
+    if mode_pace:
+        # Shares of every mode's cluster rate (3 x its pace); costs: a summed family's cluster rate (36) or
+        # a duration's (2) over the cluster rate of the modes the tier returns.
+        total = 3 * sum(mode_pace.values())
+        server = {k: v for k, v in kept.items() if k in ("job", "namespace")}
+        record = f"cluster:{ns}prefill_hit_ratio:ratio_rate5m"
+        check(record, [{"labels": _series(record, {**kept, "tier": tier}), "value": 3 * mode_pace[mode] / total}
+                       for mode, tier in modes.items() if tier is not None])
+        record = f"cluster:{ns}prefill_computed_ratio:ratio_rate5m"
+        computed = next(mode for mode, tier in modes.items() if tier is None)
+        check(record, [sample(record, 3 * mode_pace[computed] / total)])
+        for tier, cost, kind in TIER_COSTS:
+            record = f"cluster:{ns}{tier}_{cost}_per_hit_token:ratio_rate5m"
+            returned = 3 * sum(mode_pace[mode] for mode in TIER_RETURNS[tier])
+            check(record, [{"labels": _series(record, server), "value": (36 if kind == "bytes" else 2) / returned}])
 
     return {
         "rule_files": [str(recording)],

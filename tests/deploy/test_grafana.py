@@ -40,8 +40,10 @@ VARIABLE_VALUES = {
     "__range": "1h",
     "instance": "127.0.0.1:9400",
     "dp_rank": ".*",
+    "server": ".*",
 }
 RECORD_LEVELS = ("cluster:", "dp_group:")
+PREFILL_ROW = "Where prefill tokens come from"
 # Series Prometheus itself writes for every target.
 PROMETHEUS_SERIES = {"up"}
 
@@ -414,7 +416,8 @@ def test_fleet_rows_read_recording_rules_and_pod_rows_one_pod(ns: str) -> None:
     problems = []
     seen = {"fleet": 0, "pod": 0}
     for row, panel in sections(ns):
-        kind = "fleet" if row.startswith("Fleet") else "pod" if row.startswith("Pod") else None
+        # The prefill row reads recording rules only, as the fleet rows do.
+        kind = "fleet" if row.startswith(("Fleet", PREFILL_ROW)) else "pod" if row.startswith("Pod") else None
         assert kind, f"{panel['title']!r} sits under {row!r}, neither a fleet nor a pod row"
         seen[kind] += 1
         for target in panel["targets"]:
@@ -425,7 +428,34 @@ def test_fleet_rows_read_recording_rules_and_pod_rows_one_pod(ns: str) -> None:
     assert not problems, "\n".join(problems)
     assert seen["fleet"] >= 5 and seen["pod"] >= 5
     rows = [p["title"] for p in dashboard(ns)["panels"] if p["type"] == "row"]
-    assert rows[0].startswith("Fleet"), "the fleet view comes first"
+    assert rows[0].startswith(PREFILL_ROW), "where prefill tokens come from comes first"
+    assert rows[1].startswith("Fleet"), "then the fleet view"
+
+
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_the_first_row_is_where_prefill_tokens_come_from(ns: str) -> None:
+    """Each tier's share over time, stacked, one panel per server, and what a hit costs per tier, per server,
+    from the recording rules (issue 32)."""
+    board = dashboard(ns)
+    assert board["panels"][0]["type"] == "row" and board["panels"][0]["title"].startswith(PREFILL_ROW)
+    panels = [panel for row, panel in sections(ns) if row.startswith(PREFILL_ROW)]
+    shares, moved, timed = panels
+    assert [t["expr"] for t in shares["targets"]] == [f'cluster:{ns}prefill_hit_ratio:ratio_rate5m{{server=~"$server"}}',
+                                                    f'cluster:{ns}prefill_computed_ratio:ratio_rate5m{{server=~"$server"}}']
+    assert [t["legendFormat"] for t in shares["targets"]] == ["{{tier}}", "computed"]
+    assert shares["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    assert shares["fieldConfig"]["defaults"]["unit"] == "percentunit" and shares["fieldConfig"]["defaults"]["max"] == 1
+    assert shares["repeat"] == "server", "stacked per server: one panel each"
+    server = {v["name"]: v for v in board["templating"]["list"]}["server"]
+    assert server["multi"] and server["includeAll"] and server["allValue"] == ".*"
+    assert server["query"]["query"] == f"label_values(cluster:{ns}prefill_effective_tokens:rate5m, server)"
+    costs = {t["expr"].split("{")[0]: t["legendFormat"] for panel in (moved, timed) for t in panel["targets"]}
+    assert set(costs) == {f"cluster:{ns}{tier}_{what}_per_hit_token:ratio_rate5m"
+                          for tier in ("host", "storage") for what in ("bytes", "seconds", "backup_bytes")}
+    assert all(legend.startswith("{{server}} ") for legend in costs.values()), "per server"
+    assert {t["expr"].split("{")[0] for t in timed["targets"]} == {f"cluster:{ns}host_seconds_per_hit_token:ratio_rate5m",
+                                                                   f"cluster:{ns}storage_seconds_per_hit_token:ratio_rate5m"}
+    assert moved["fieldConfig"]["defaults"]["unit"] == "bytes" and timed["fieldConfig"]["defaults"]["unit"] == "s"
 
 
 def summed_over_replicas(expr: str, names: set[str]) -> set[str]:

@@ -1,0 +1,226 @@
+"""The status document's `prefill` (issue 32, DESIGN section 18): each tier's share of prefill tokens and
+what a hit cost, since start (rollups) and over the window (positions), whole, per server and per dp group.
+
+Exact values at settled points on the harness's fake clocks: a replicated family counts one replica per
+group (never TP times), a per_shard one every shard.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from exporter.api.v1 import PREFILL_SCOPES_LISTED
+from exporter.catalog import SGLANG_PREFILL, load_profiles
+from exporter.protocol.messages import Sample, ScalarSample
+from exporter.sidecar.core.health import SidecarHealth
+from exporter.sidecar.core.ranks import RankState
+from exporter.sidecar.expose.collector import SidecarCollector
+from exporter.sidecar.expose.render import TextRenderer
+from tests.exporter.sidecar.expose.test_status import assert_valid, doc_of, view_of
+from tests.exporter.sidecar.harness import Harness, hist, one_hot
+
+PREFILL = SGLANG_PREFILL.family
+MODES = SGLANG_PREFILL.modes()  # computed, device, host, storage -> the engine's mode values
+KINDS = ("computed", "device", "host", "storage")
+# Per dp group: the tokens its scheduler counted (every replica counts the same: replicated).
+GROUP_TOKENS = {0: {"computed": 100, "device": 610, "host": 220, "storage": 70},
+                1: {"computed": 300, "device": 100, "host": 80, "storage": 20}}
+# Per rank (each tp shard moves its own bytes): load-back, backup, prefetch, storage backup bytes; seconds.
+SHARD = {"load_back_bytes_total": 1000, "hicache_backup_bytes_total": 4000, "storage_prefetch_bytes_total": 300,
+         "storage_backup_bytes_total": 9000}
+LOAD_BACK_SECONDS, PREFETCH_SECONDS = 0.25, 0.5
+
+
+def prefill(tokens: dict[str, float]) -> list[Sample]:
+    return [ScalarSample(family=PREFILL, labels={"mode": MODES[kind]}, value=value) for kind, value in tokens.items()]
+
+
+def shard(scale: int = 1) -> list[Sample]:
+    return [*(ScalarSample(family=name, labels={}, value=value * scale) for name, value in SHARD.items()),
+            hist("load_back_duration_seconds", one_hot("load_back_duration_seconds", 3, scale), LOAD_BACK_SECONDS * scale),
+            hist("storage_prefetch_duration_seconds", one_hot("storage_prefetch_duration_seconds", 3, scale),
+                 PREFETCH_SECONDS * scale)]
+
+
+def two_by_two(h: Harness) -> dict[tuple[int, int], tuple[object, RankState]]:
+    """2 dp groups x 2 tp replicas, each pushing its group's prefill tokens and its own shard's bytes."""
+    ranks = {}
+    for dp in (0, 1):
+        for tp in (0, 1):
+            conn, rank = h.hello(tp=tp, dp=dp)
+            h.push(rank, *prefill(GROUP_TOKENS[dp]), *shard())
+            ranks[(dp, tp)] = (conn, rank)
+    return ranks
+
+
+def shares(tokens: dict[str, float]) -> tuple[dict[str, float], float]:
+    total = sum(tokens.values())
+    return {kind: tokens[kind] / total for kind in ("device", "host", "storage")}, tokens["computed"] / total
+
+
+def check_figures(figures: dict[str, Any], tokens: dict[str, float], shards: int, scale: float = 1) -> None:
+    """A scope's tokens and shares exactly; its costs from `shards` ranks' bytes and seconds (times `scale`)."""
+    total = sum(tokens.values())
+    assert figures["tokens"] == {**tokens, "total": total}
+    hit_ratio, computed = shares(tokens)
+    assert figures["hit_ratio"] == hit_ratio and figures["computed_ratio"] == computed
+    host, storage = figures["cost"]["host"], figures["cost"]["storage"]
+    assert host["read_bytes"] == shards * SHARD["load_back_bytes_total"] * scale
+    assert host["bytes_per_hit_token"] == shards * SHARD["load_back_bytes_total"] * scale / tokens["host"]
+    assert host["read_seconds"] == shards * LOAD_BACK_SECONDS * scale
+    assert host["seconds_per_hit_token"] == shards * LOAD_BACK_SECONDS * scale / tokens["host"]
+    assert host["fill_bytes_per_hit_token"] == shards * SHARD["hicache_backup_bytes_total"] * scale / tokens["host"]
+    assert storage["bytes_per_hit_token"] == shards * SHARD["storage_prefetch_bytes_total"] * scale / tokens["storage"]
+    assert storage["seconds_per_hit_token"] == shards * PREFETCH_SECONDS * scale / tokens["storage"]
+    assert storage["fill_bytes"] == shards * SHARD["storage_backup_bytes_total"] * scale
+    assert storage["fill_bytes_per_hit_token"] == (
+        shards * SHARD["storage_backup_bytes_total"] * scale / tokens["storage"])
+
+
+def summed(*groups: dict[str, float]) -> dict[str, float]:
+    return {kind: float(sum(g[kind] for g in groups)) for kind in KINDS}
+
+
+def test_two_dp_groups_of_two_replicas_give_exact_shares_not_tp_times() -> None:
+    h = Harness()
+    two_by_two(h)
+    doc = doc_of(view_of(h))
+    assert_valid("status", doc)
+    report = doc["prefill"]
+    assert (report["profile"], report["family"], report["label"], report["modes"]) == (
+        "sglang", PREFILL, "mode", MODES)
+    assert report["exported"] == "sglang_rollup_prefill_effective_tokens"
+    # The costs' transfers, from the profile's tiers: L2 hits are read back L2->L1 and filled L1->L2, L3 hits
+    # are read L3->L2 and filled L2->L3.
+    assert report["tiers"] == {
+        "host": {"level": "L2", "read_transfer": "load_back", "fill_transfer": "backup"},
+        "storage": {"level": "L3", "read_transfer": "prefetch", "fill_transfer": "storage_backup"}}
+    whole = summed(GROUP_TOKENS[0], GROUP_TOKENS[1])
+    assert whole == {"computed": 400, "device": 710, "host": 300, "storage": 90}  # one replica per group, not 2x
+    for period in ("since_start", "window"):  # everything happened inside the window
+        figures = report[period]
+        check_figures(figures, whole, shards=4)
+        (server,) = figures["servers"]
+        assert server["server"] == "v0" and figures["servers_count"] == 1 and figures["dp_groups_count"] == 2
+        check_figures(server, whole, shards=4)
+        groups = {(g["server"], g["dp_rank"]): g for g in figures["dp_groups"]}
+        assert list(groups) == [("v0", 0), ("v0", 1)]
+        for dp in (0, 1):
+            check_figures(groups[("v0", dp)], summed(GROUP_TOKENS[dp]), shards=2)
+    assert report["since_start"]["hit_ratio"] == {"device": 710 / 1500, "host": 300 / 1500, "storage": 90 / 1500}
+
+
+def test_a_lagging_replica_leaves_its_group_at_the_furthest_one() -> None:
+    h = Harness()
+    ranks = two_by_two(h)
+    ahead = {kind: 2 * value for kind, value in GROUP_TOKENS[0].items()}
+    h.push(ranks[(0, 1)][1], *prefill(ahead), *shard())  # tp 1 of group 0 counted a second batch, tp 0 not yet
+    doc = doc_of(view_of(h))
+    for period in ("since_start", "window"):
+        groups = {g["dp_rank"]: g for g in doc["prefill"][period]["dp_groups"]}
+        assert groups[0]["tokens"] == {**summed(ahead), "total": float(sum(ahead.values()))}
+        assert doc["prefill"][period]["tokens"]["total"] == sum(ahead.values()) + sum(GROUP_TOKENS[1].values())
+
+
+def test_since_start_continues_through_a_rank_restart() -> None:
+    h = Harness()
+    ranks = two_by_two(h)
+    for (dp, tp), (conn, rank) in ranks.items():  # every rank restarts: its counters start over from zero
+        h.state.disconnect(conn, rank)
+        _, again = h.hello(tp=tp, dp=dp, epoch="epoch-b")
+        assert again is rank
+        h.push(again, *prefill(GROUP_TOKENS[dp]), *shard())
+    doc = doc_of(view_of(h))
+    assert_valid("status", doc)
+    twice = {kind: 2 * value for kind, value in summed(GROUP_TOKENS[0], GROUP_TOKENS[1]).items()}
+    check_figures(doc["prefill"]["since_start"], twice, shards=4, scale=2)
+    check_figures(doc["prefill"]["window"], twice, shards=4, scale=2)
+    for group in doc["prefill"]["since_start"]["dp_groups"]:
+        assert group["tokens"]["total"] == 2 * sum(GROUP_TOKENS[group["dp_rank"]].values())
+
+
+def test_the_window_is_the_increase_of_the_positions_and_since_start_everything() -> None:
+    h = Harness(window_seconds=60.0)
+    ranks = two_by_two(h)
+    h.clock.advance(61.0)  # the first pushes fall before the window
+    more = {0: {"computed": 10, "device": 30, "host": 0, "storage": 0},
+            1: {"computed": 5, "device": 5, "host": 5, "storage": 5}}
+    for (dp, _), (_, rank) in ranks.items():
+        h.push(rank, *prefill({kind: GROUP_TOKENS[dp][kind] + more[dp][kind] for kind in KINDS}), *shard(2))
+    doc = doc_of(view_of(h))
+    assert_valid("status", doc)
+    window = doc["prefill"]["window"]
+    check_figures(window, summed(more[0], more[1]), shards=4)  # the bytes and seconds moved once more
+    groups = {g["dp_rank"]: g for g in window["dp_groups"]}
+    assert groups[0]["hit_ratio"] == {"device": 0.75, "host": 0.0, "storage": 0.0}
+    assert groups[0]["computed_ratio"] == 0.25
+    assert groups[0]["cost"]["host"]["bytes_per_hit_token"] is None  # no host hit in the window: no quotient
+    assert groups[0]["cost"]["host"]["read_bytes"] == 2 * SHARD["load_back_bytes_total"]
+    assert groups[1]["hit_ratio"] == {"device": 0.25, "host": 0.25, "storage": 0.25}
+    since = doc["prefill"]["since_start"]
+    check_figures(since, summed(*(GROUP_TOKENS[dp] for dp in (0, 1)), *more.values()), shards=4, scale=2)
+
+
+def test_a_tier_that_fills_and_never_hits_shows_its_bytes_and_no_quotient() -> None:
+    h = Harness()
+    _, rank = h.hello()
+    h.push(rank, *prefill({"computed": 50, "device": 50, "host": 0, "storage": 0}), *shard())
+    storage = doc_of(view_of(h))["prefill"]["since_start"]["cost"]["storage"]
+    assert storage["fill_bytes"] == SHARD["storage_backup_bytes_total"]
+    assert storage["fill_bytes_per_hit_token"] is None and storage["bytes_per_hit_token"] is None
+
+
+def test_no_prefill_token_yet_gives_null_shares_and_lists_no_group() -> None:
+    h = Harness()
+    h.hello()
+    doc = doc_of(view_of(h))
+    assert_valid("status", doc)
+    since = doc["prefill"]["since_start"]
+    assert since["hit_ratio"] == {"device": None, "host": None, "storage": None} and since["computed_ratio"] is None
+    assert since["tokens"]["total"] == 0 and since["servers"] == since["dp_groups"] == []
+
+
+def test_a_sidecar_of_a_profile_without_tier_counts_has_no_prefill() -> None:
+    catalog = load_profiles(None, ["lmcache"]).of_profile("lmcache")
+    doc = doc_of(view_of(Harness(catalog=catalog)))
+    assert doc["prefill"] is None
+    assert_valid("status", doc)
+
+
+def test_the_shares_are_the_rollups_on_metrics_which_gains_no_ratio_gauges() -> None:
+    """Each tier's since-start share is its share of the rollup counter /metrics shows; ratios belong in
+    PromQL, so /metrics has no share and no cost per hit token."""
+    h = Harness()
+    two_by_two(h)
+    text = TextRenderer(SidecarCollector(h.state, SidecarHealth(), "sglang_")).render().decode()
+    rolled = {}
+    for line in text.splitlines():
+        if line.startswith("sglang_rollup_prefill_effective_tokens_total{"):
+            mode = re.search(r'mode="([a-z_]+)"', line)
+            assert mode is not None
+            rolled[mode.group(1)] = float(line.rsplit(" ", 1)[1])
+    total = sum(rolled.values())
+    report = doc_of(view_of(h))["prefill"]["since_start"]
+    assert report["hit_ratio"] == {kind: rolled[MODES[kind]] / total for kind in ("device", "host", "storage")}
+    assert report["computed_ratio"] == rolled[MODES["computed"]] / total
+    assert not any(word in text for word in ("hit_ratio", "per_hit", "prefill_share", "computed_ratio"))
+
+
+def test_the_breakdowns_list_the_scopes_with_the_most_tokens_and_count_them_all() -> None:
+    """One server per rank (a static label of its own), more than the listing holds: the largest are listed,
+    in document order, and the whole and the counts stay exact."""
+    h = Harness()
+    servers = PREFILL_SCOPES_LISTED + 6
+    for n in range(servers):
+        _, rank = h.hello(labels={"cache_type": "UnifiedRadixCache", "model": f"m{n:03d}"})
+        h.push(rank, *prefill({"computed": n, "device": 1, "host": 0, "storage": 0}))
+    doc = doc_of(view_of(h))
+    assert_valid("status", doc)
+    for period in ("since_start", "window"):
+        figures = doc["prefill"][period]
+        assert figures["servers_count"] == figures["dp_groups_count"] == servers
+        assert len(figures["servers"]) == len(figures["dp_groups"]) == PREFILL_SCOPES_LISTED
+        assert [s["tokens"]["computed"] for s in figures["servers"]] == list(range(6, servers))
+        assert [g["server"] for g in figures["dp_groups"]] == [s["server"] for s in figures["servers"]]
+        assert figures["tokens"]["total"] == sum(n + 1 for n in range(servers))

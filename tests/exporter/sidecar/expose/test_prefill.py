@@ -10,14 +10,16 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from exporter.api import view
 from exporter.api.v1 import PREFILL_SCOPES_LISTED
 from exporter.catalog import SGLANG_PREFILL, load_profiles
 from exporter.protocol.messages import Sample, ScalarSample
 from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.ranks import RankState
 from exporter.sidecar.expose.collector import SidecarCollector
+from exporter.sidecar.expose.page import render_page
 from exporter.sidecar.expose.render import TextRenderer
-from tests.exporter.sidecar.expose.test_status import assert_valid, doc_of, view_of
+from tests.exporter.sidecar.expose.test_status import assert_valid, doc_of, typed, view_of
 from tests.exporter.sidecar.harness import Harness, hist, one_hot
 
 PREFILL = SGLANG_PREFILL.family
@@ -224,3 +226,44 @@ def test_the_breakdowns_list_the_scopes_with_the_most_tokens_and_count_them_all(
         assert [s["tokens"]["computed"] for s in figures["servers"]] == list(range(6, servers))
         assert [g["server"] for g in figures["dp_groups"]] == [s["server"] for s in figures["servers"]]
         assert figures["tokens"]["total"] == sum(n + 1 for n in range(servers))
+
+
+def test_the_page_opens_with_the_shares_as_text_and_a_stacked_bar_with_the_cost_beside_each_tier() -> None:
+    h = Harness()
+    two_by_two(h)
+    body = render_page(typed(doc_of(view_of(h))))
+    first = body.index("<section")
+    assert body.index('<section id="prefill">') == first  # the page's first section
+    section = body[first:body.index("</section>", first)]
+    assert "<h2>Where prefill tokens come from</h2>" in section
+    assert '<p class="shares-text">device 47 % · host 20 % · storage 6 % · computed 27 %</p>' in section
+    # The bar: one rect per kind, widths in proportion to the shares (360 wide), the nearest tier first.
+    assert re.findall(r'<rect class="tier-(\w+)" x="([\d.]+)" y="0" width="([\d.]+)"', section) == [
+        ("device", "0.0", "170.4"), ("host", "170.4", "72.0"), ("storage", "242.4", "21.6"), ("computed", "264.0", "96.0")]
+    assert ("<tr><td><span class=\"swatch tier-host\">host</span></td><td>20 %</td><td>300</td>"
+            "<td>load back 13.3 B · 3.33 ms; backup writes 53.3 B per hit token</td></tr>") in section
+    assert "<td>prefetch 13.3 B · 22.2 ms; storage backup writes 400 B per hit token</td>" in section
+    # Each dp group's shares, which differ.
+    assert "<td>0</td><td>device 61 % · host 22 % · storage 7 % · computed 10 %</td><td>1,000</td>" in section
+    assert "<td>1</td><td>device 20 % · host 16 % · storage 4 % · computed 60 %</td><td>500</td>" in section
+
+
+def test_the_page_says_when_there_is_no_prefill_token_or_no_profile_counts_them() -> None:
+    h = Harness()
+    h.hello()
+    assert '<p class="empty">no prefill token counted yet.</p>' in render_page(typed(doc_of(view_of(h))))
+    catalog = load_profiles(None, ["lmcache"]).of_profile("lmcache")
+    body = render_page(typed(doc_of(view_of(Harness(catalog=catalog)))))
+    assert "No profile in use counts prefill tokens by tier." in body
+
+
+def test_a_tier_written_and_never_hit_says_so() -> None:
+    h = Harness()
+    _, rank = h.hello()
+    h.push(rank, *prefill({"computed": 500, "device": 500, "host": 1, "storage": 0}), *shard())
+    doc = typed(doc_of(view_of(h)))
+    assert doc.prefill is not None
+    storage = view.prefill_segments(doc.prefill.since_start, doc.prefill.tiers)[2]
+    assert (storage.kind, storage.percent, storage.cost) == ("storage", "0 %", "storage backup wrote 8.79 KiB, no hit")
+    host = view.prefill_segments(doc.prefill.since_start, doc.prefill.tiers)[1]
+    assert host.percent == "<1 %"

@@ -360,7 +360,7 @@ class _Page(HTMLParser):
 
 PAGE_TAGS = {"html", "head", "meta", "title", "link", "script", "noscript", "body", "header", "h1", "h2", "h3", "p",
              "span", "nav", "a", "main", "section", "div", "table", "caption", "thead", "tbody", "tr", "th", "td",
-             "svg", "path", "meter"}
+             "svg", "path", "rect", "meter"}
 LABEL_VALUES = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=128)
 
 

@@ -19,8 +19,11 @@ from exporter.sidecar.core.ranks import RankState
 from exporter.sidecar.expose.collector import SidecarCollector
 from exporter.sidecar.expose.page import render_page
 from exporter.sidecar.expose.render import TextRenderer
+from exporter.top.render import render_frame, share_bar
 from tests.exporter.sidecar.expose.test_status import assert_valid, doc_of, typed, view_of
 from tests.exporter.sidecar.harness import Harness, hist, one_hot
+from tests.exporter.test_top import NOW, screen_text
+from tests.exporter.test_top import view_of as top_view
 
 PREFILL = SGLANG_PREFILL.family
 MODES = SGLANG_PREFILL.modes()  # computed, device, host, storage -> the engine's mode values
@@ -267,3 +270,31 @@ def test_a_tier_written_and_never_hit_says_so() -> None:
     assert (storage.kind, storage.percent, storage.cost) == ("storage", "0 %", "storage backup wrote 8.79 KiB, no hit")
     host = view.prefill_segments(doc.prefill.since_start, doc.prefill.tiers)[1]
     assert host.percent == "<1 %"
+
+
+def test_top_opens_with_the_shares_a_bar_and_the_cost_beside_each_tier() -> None:
+    h = Harness()
+    two_by_two(h)
+    lines = screen_text(render_frame(top_view(doc_of(view_of(h))), now=NOW)).splitlines()
+    assert lines[2] == "Where prefill tokens come from   since the sidecar started: 1,500 tokens"
+    bar, shares = lines[3].split("  ", 1)
+    assert bar == "█" * 40 and shares == "device 47 % · host 20 % · storage 6 % · computed 27 %"
+    rows = [line.split() for line in lines[4:8]]
+    assert [row[:4] for row in rows] == [["device", "47", "%", "710"], ["host", "20", "%", "300"],
+                                         ["storage", "6", "%", "90"], ["computed", "27", "%", "400"]]
+    assert lines[5].rstrip().endswith("tokens    load back 13.3 B · 3.33 ms; backup writes 53.3 B per hit token")
+    assert lines[6].rstrip().endswith("tokens    prefetch 13.3 B · 22.2 ms; storage backup writes 400 B per hit token")
+    assert lines[8] == "over 1m00s: device 47 % · host 20 % · storage 6 % · computed 27 %"
+    assert lines[9:11] == ["dp0: device 61 % · host 22 % · storage 7 % · computed 10 %",
+                           "dp1: device 20 % · host 16 % · storage 4 % · computed 60 %"]
+    assert lines[12].startswith("Ranks ")
+
+
+def test_the_bar_gives_each_tier_its_rounded_cells() -> None:
+    segments = [view.ShareSegment(kind, share, view.percent(share), 0.0, "")
+                for kind, share in (("device", 0.61), ("host", 0.22), ("storage", 0.07), ("computed", 0.10))]
+    bar = share_bar(segments, width=40)
+    assert bar.plain == "█" * 40
+    assert [(span.end - span.start, span.style) for span in bar.spans] == [
+        (24, "blue"), (9, "green"), (3, "yellow"), (4, "bright_black")]
+    assert view.shares_text(segments) == "device 61 % · host 22 % · storage 7 % · computed 10 %"

@@ -10,12 +10,17 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import msgspec
+import pytest
+from pydantic import ValidationError
+
 from exporter.api import view
 from exporter.api.v1 import PREFILL_SCOPES_LISTED
-from exporter.catalog import SGLANG_PREFILL, load_profiles
+from exporter.catalog import SGLANG_PREFILL, SGLANG_PROFILE, Catalog, default_catalog, load_profiles
 from exporter.protocol.messages import Sample, ScalarSample
 from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.ranks import RankState
+from exporter.sidecar.core.saved import SavedCore, dump, restore
 from exporter.sidecar.expose.collector import SidecarCollector
 from exporter.sidecar.expose.page import render_page
 from exporter.sidecar.expose.render import TextRenderer
@@ -298,3 +303,35 @@ def test_the_bar_gives_each_tier_its_rounded_cells() -> None:
     assert [(span.end - span.start, span.style) for span in bar.spans] == [
         (24, "blue"), (9, "green"), (3, "yellow"), (4, "bright_black")]
     assert view.shares_text(segments) == "device 61 % · host 22 % · storage 7 % · computed 10 %"
+
+
+def test_since_start_continues_through_a_sidecar_restart_and_the_window_starts_from_what_it_loaded() -> None:
+    h = Harness()
+    for conn, rank in two_by_two(h).values():
+        h.state.disconnect(conn, rank)
+    restarted = Harness()
+    restore(restarted.state, msgspec.msgpack.decode(msgspec.msgpack.encode(dump(h.state)), type=SavedCore))
+    for dp in (0, 1):
+        for tp in (0, 1):  # the engine restarted too: its counters start over
+            _, rank = restarted.hello(tp=tp, dp=dp, epoch="epoch-b")
+            restarted.push(rank, *prefill(GROUP_TOKENS[dp]), *shard())
+    doc = doc_of(view_of(restarted))
+    assert_valid("status", doc)
+    once = summed(GROUP_TOKENS[0], GROUP_TOKENS[1])
+    check_figures(doc["prefill"]["since_start"], {kind: 2 * value for kind, value in once.items()}, shards=4, scale=2)
+    check_figures(doc["prefill"]["window"], once, shards=4)
+    groups = {g["dp_rank"]: g for g in doc["prefill"]["since_start"]["dp_groups"]}
+    check_figures(groups[1], {kind: 2.0 * value for kind, value in GROUP_TOKENS[1].items()}, shards=2, scale=2)
+
+
+def test_the_profile_says_which_transfers_serve_and_fill_each_tier_and_its_prefill_family_is_checked() -> None:
+    lmcache = load_profiles(None, ["lmcache"]).profiles["lmcache"]
+    read, fill = lmcache.tier_transfers("L2")
+    assert (read and read.name, fill and fill.name) == ("retrieve", "store")
+    read, fill = lmcache.tier_transfers("L3")
+    assert (read and read.name, fill and fill.name) == ("remote_read", "remote_write")
+    assert lmcache.tier_transfers("L1") == (None, None) and lmcache.prefill is None
+    catalog = default_catalog()
+    bad = SGLANG_PREFILL.model_copy(update={"family": "load_back_bytes_total"})  # a counter without the label
+    with pytest.raises(ValidationError, match="must be a counter labelled 'mode'"):
+        Catalog(families=catalog.families, profiles={"sglang": SGLANG_PROFILE.model_copy(update={"prefill": bad})})

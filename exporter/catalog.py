@@ -214,6 +214,30 @@ class TransferSpec(BaseModel):
         return tuple(name for name in (self.tokens, self.bytes, self.seconds) if name is not None)
 
 
+# Where each cache tier of a hierarchy sits: hits served from device memory, host memory or storage.
+PREFILL_TIERS: tuple[tuple[Literal["device", "host", "storage"], Tier], ...] = (
+    ("device", "L1"), ("host", "L2"), ("storage", "L3"))
+
+
+class PrefillSpec(BaseModel):
+    """Where a profile counts its prefill tokens by the tier that served them (DESIGN section 18): one
+    counter family, the label naming the tier, and that label's value for each tier and for the tokens
+    computed (no tier held them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    family: str
+    label: str = Field(pattern=LABEL_NAME_RE.pattern)
+    computed: str
+    device: str
+    host: str
+    storage: str
+
+    def modes(self) -> dict[str, str]:
+        """The label's value by what it counts: `computed`, then each tier's hits, device first."""
+        return {"computed": self.computed, "device": self.device, "host": self.host, "storage": self.storage}
+
+
 SPREAD_THRESHOLD = 0.2  # the default: a replica group whose spread ratio is above it is diverging
 
 
@@ -254,6 +278,19 @@ class ProfileSpec(BaseModel):
     # engine's tp size spans every dp group's attention ranks (SGLang: tp = dp x cp x attention tp);
     # "never", for an engine whose data-parallel replicas each have their own tp group (vLLM).
     dp_attention: Literal["sizes", "never"] = "sizes"
+    # Where its prefill tokens are counted by the tier that served them; None: its families cannot say.
+    prefill: PrefillSpec | None = None
+
+    def tier_transfers(self, tier: Tier) -> tuple[TransferSpec | None, TransferSpec | None]:
+        """The transfers that serve a hit in `tier` and that keep it filled: a hit in L<k> is read to the tier
+        above it (L<k> to L<k-1>), and the tier is filled from that one (L<k-1> to L<k>). (None, None) for L1."""
+        level = int(tier[1])
+        if level == 1:
+            return None, None
+        above = f"L{level - 1}"
+        read = next((t for t in self.transfers if t.source == tier and t.target == above), None)
+        fill = next((t for t in self.transfers if t.source == above and t.target == tier), None)
+        return read, fill
 
     def runs_dp_attention(self, tp_size: int, dp_size: int, attn_cp_size: int, attn_tp_size: int) -> bool:
         """Whether a world of these sizes runs DP attention under this profile's rule."""
@@ -293,8 +330,11 @@ SGLANG_TRANSFERS = (
     TransferSpec(name="storage_backup", source="L2", target="L3", tokens="backuped_tokens_total",
                  bytes="storage_backup_bytes_total", seconds="storage_backup_duration_seconds", label="backup"),
 )
+# The scheduler's final per-tier count (schedule_policy.py:975-983): `input` is what was computed.
+SGLANG_PREFILL = PrefillSpec(family="prefill_effective_tokens_total", label="mode", computed="input",
+                             device="device_hit", host="host_hit", storage="storage_hit")
 SGLANG_PROFILE = ProfileSpec(name=DEFAULT_PROFILE, namespace="sglang_", upstream_prefix="sglang:",
-                             derived_labels=("moe_ep_rank",), transfers=SGLANG_TRANSFERS)
+                             derived_labels=("moe_ep_rank",), transfers=SGLANG_TRANSFERS, prefill=SGLANG_PREFILL)
 
 
 class Catalog(BaseModel, FamilyLookup[FamilySpec]):
@@ -335,6 +375,11 @@ class Catalog(BaseModel, FamilyLookup[FamilySpec]):
                     named = by_name.get(name) if name is not None else None
                     if named is not None and named.type is not kind:  # absent: a trimmed profile file
                         raise ValueError(f"transfer {transfer.name!r}: {name!r} is a {named.type.value}, not a {kind.value}")
+            prefill = profile.prefill
+            named = None if prefill is None else by_name.get(prefill.family)
+            if prefill is not None and named is not None and (
+                    named.type is not MetricType.COUNTER or prefill.label not in named.labels):
+                raise ValueError(f"prefill: {prefill.family!r} must be a counter labelled {prefill.label!r}")
         for fam in self.families:
             if fam.duration_histogram is None:
                 continue
@@ -430,6 +475,13 @@ class Catalog(BaseModel, FamilyLookup[FamilySpec]):
         """Every profile's tier transfers that have a family in the catalog, by profile, each with its profile."""
         return [(profile, transfer) for profile in self.profiles.values() for transfer in profile.transfers
                 if transfer.tokens in self or transfer.bytes in self]
+
+    def prefill(self) -> tuple[ProfileSpec, PrefillSpec, FamilySpec] | None:
+        """The first profile in use that counts prefill tokens by tier, its spec and its family; None if none does."""
+        for profile in self.profiles.values():
+            if profile.prefill is not None and profile.prefill.family in self:
+                return profile, profile.prefill, self.get(profile.prefill.family)
+        return None
 
     def bandwidth_pairs(self) -> list[tuple[FamilySpec, FamilySpec]]:
         """(bytes counter, duration histogram) pairs that get active-bandwidth gauges."""

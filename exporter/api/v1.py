@@ -25,6 +25,7 @@ SCHEMA_PATH = Path("docs/api/v1.schema.json")
 WRITE_COMMAND = f"python -m exporter.api.v1 --write-schema {SCHEMA_PATH}"
 BANDWIDTH_SERIES_LISTED = 20  # per bytes family, the fastest (the rest only counted)
 SPREAD_SERIES_LISTED = 5  # per replica group, the widest (the rest only counted)
+PREFILL_SCOPES_LISTED = 64  # prefill's servers and dp groups, those with the most tokens (the rest only counted)
 
 Count = Annotated[int, Meta(ge=0)]
 Seconds = Annotated[float, Meta(ge=0)]
@@ -344,6 +345,107 @@ class Transfer(Model):
         "the engine profile that declares it; absent from a sidecar before profiles declared their transfers"))] = None
 
 
+# --- prefill: where prefill tokens come from, and what a hit costs (DESIGN section 18) -------------------
+
+Tokens = Annotated[float, Meta(ge=0)]
+NonNegative = Annotated[float, Meta(ge=0)]
+PerHitToken = Annotated[NonNegative | None, Meta(description=(
+    "per hit token; null: no hit token, or the transfer (or its family) is not in the catalog"))]
+
+
+class PrefillTokens(Model):
+    """Prefill tokens by where they came from (the profile's modes: `prefill.modes`), and their sum."""
+
+    computed: Tokens
+    device: Tokens
+    host: Tokens
+    storage: Tokens
+    total: Tokens
+
+
+class HitRatio(Model):
+    """Each tier's share of all prefill tokens, 0-1; null: no prefill token at all."""
+
+    device: Ratio | None
+    host: Ratio | None
+    storage: Ratio | None
+
+
+class TierCost(Model):
+    """What one tier's hits cost in one scope (the transfers: `prefill.tiers`): bytes and seconds read back to
+    the tier above, and bytes written to keep the tier filled; each also per hit token of the tier. Bytes:
+    sum of shards; seconds: summed over the ranks that moved them. Null: the family is not in the catalog."""
+
+    read_bytes: NonNegative | None
+    read_seconds: NonNegative | None
+    fill_bytes: NonNegative | None
+    bytes_per_hit_token: PerHitToken
+    seconds_per_hit_token: PerHitToken
+    fill_bytes_per_hit_token: PerHitToken
+
+
+class TierCosts(Model):
+    host: TierCost
+    storage: TierCost
+
+
+class PrefillFigures(Model):
+    """One scope's figures: its tokens, each tier's share and what each tier's hits cost."""
+
+    tokens: PrefillTokens
+    hit_ratio: HitRatio
+    computed_ratio: Annotated[Ratio | None, Meta(description="share computed (no tier held it); null: no token")]
+    cost: TierCosts
+
+
+class PrefillServer(PrefillFigures):
+    server: Annotated[str, Meta(description="id of the server in `servers`")]
+
+
+class PrefillGroup(PrefillFigures):
+    server: Annotated[str, Meta(description="id of the server in `servers`")]
+    dp_rank: Count
+
+
+class PrefillPeriod(PrefillFigures):
+    """The whole sidecar over one period, and its breakdowns: per server and per dp group of a server (the
+    ones with the most prefill tokens since start, in document order; the counts say how many there are)."""
+
+    servers: Annotated[list[PrefillServer], Meta(max_length=PREFILL_SCOPES_LISTED)]
+    servers_count: Count
+    dp_groups: Annotated[list[PrefillGroup], Meta(max_length=PREFILL_SCOPES_LISTED)]
+    dp_groups_count: Count
+
+
+class TierTransfers(Model):
+    """Which transfers a tier's costs count, from its profile's catalog (DESIGN section 17): a hit in L<k> is
+    read back to L<k-1>, and the tier is filled from it. Null: the profile declares no such transfer."""
+
+    level: Tier
+    read_transfer: Annotated[str | None, Meta(description="`transfers[].name` of the transfer serving a hit")]
+    fill_transfer: Annotated[str | None, Meta(description="`transfers[].name` of the transfer filling the tier")]
+
+
+class TiersTransfers(Model):
+    host: TierTransfers
+    storage: TierTransfers
+
+
+class Prefill(Model):
+    """Where prefill tokens come from and what a hit costs: exact since the sidecar started (the rollups) and
+    over the window (the ranks' positions, as the bandwidth is)."""
+
+    profile: str
+    family: str
+    exported: Annotated[str, Meta(description="its rollup family on /metrics")]
+    label: str
+    modes: Annotated[dict[str, str], Meta(description="the label's value for `computed` and each tier")]
+    tiers: TiersTransfers
+    window_seconds: Seconds
+    since_start: PrefillPeriod
+    window: PrefillPeriod
+
+
 BandwidthPoint = Annotated[tuple[UnixTime, float | None], Meta(
     description="[sample time, bytes per second]; null: no transfer in the window ending then")]
 
@@ -473,6 +575,8 @@ class StatusDocument(Model):
     reasons: list[ReasonFamily]
     spread: Spread
     upstreams: list[Upstream]
+    prefill: Annotated[Prefill | None, Meta(description=(
+        "null: no profile in use counts prefill tokens by tier; absent from a sidecar before it did"))] = None
 
 
 class RankRow(Model):

@@ -3,15 +3,17 @@
 The sidecar's page (exporter.sidecar.expose.page) and `hicache-exporter top` (exporter.top.render)
 draw the same document; what they show of it is decided here, and each medium only writes it in
 its own form: the order of the states, a stream's identity text, what references by id resolve to,
-the grid's caps and what a cut grid leaves out, the rejections in order, and the tier transfers
-with their bandwidth. The sidecar builds the document with the same pieces (`cell_id`, the caps,
-`identity_text`). Only the model (exporter.api.v1) and the standard library are imported, so `top`
-reads it without the sidecar's runtime.
+the grid's caps and what a cut grid leaves out, the rejections in order, the tier transfers
+with their bandwidth, and the prefill shares with the cost per hit token. The sidecar builds the
+document with the same pieces (`cell_id`, the caps, `identity_text`). Only the model
+(exporter.api.v1) and the standard library are imported, so `top` reads it without the sidecar's
+runtime.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import get_args
 
@@ -163,3 +165,94 @@ def transfer_rows(doc: v1.StatusDocument) -> list[TransferRow]:
         source=t.source, target=t.target, tokens=t.tokens, bytes=t.bytes, bytes_per_second=t.bytes_per_second,
         history=[point[1] for point in history.get(t.name, ())],
     ) for t in doc.transfers]
+
+
+# --- prefill: where prefill tokens come from, and what a hit costs (DESIGN section 18) ---
+
+PREFILL_KINDS = ("device", "host", "storage", "computed")  # the bar's order: the nearest tier first
+
+
+def percent(share: float) -> str:
+    """A share as people read it: whole percents, half up; `<1 %` for a share that is not 0 but rounds to it."""
+    value = share * 100
+    if 0 < value < 0.5:
+        return "<1 %"
+    return f"{math.floor(value + 0.5)} %"
+
+
+def _significant(value: float, units: Sequence[tuple[float, str]]) -> str:
+    """`value` in the largest unit it reaches (the first unit otherwise), three significant digits."""
+    size, unit = units[0]
+    for size_, unit_ in units:
+        if abs(value) >= size_:
+            size, unit = size_, unit_
+    scaled = value / size
+    digits = 0 if abs(scaled) >= 100 else 1 if abs(scaled) >= 10 else 2
+    return f"{scaled:.{digits}f} {unit}"
+
+
+def bytes_text(value: float) -> str:
+    """Bytes in binary units, three significant digits: `13.3 B`, `160 KiB`."""
+    return _significant(value, ((1, "B"), (1 << 10, "KiB"), (1 << 20, "MiB"), (1 << 30, "GiB"), (1 << 40, "TiB")))
+
+
+def seconds_text(value: float) -> str:
+    """A short duration, three significant digits: `3.33 µs`, `12.0 ms`, `1.50 s`."""
+    return _significant(value, ((1e-9, "ns"), (1e-6, "µs"), (1e-3, "ms"), (1.0, "s")))
+
+
+def transfer_words(name: str | None) -> str:
+    """A transfer's name as words: `load back`, `storage backup`."""
+    return "–" if name is None else name.replace("_", " ")
+
+
+def tier_cost_text(cost: v1.TierCost, transfers: v1.TierTransfers) -> str:
+    """What a tier's hits cost, per hit token: what its read transfer moved and took, and what its fill
+    transfer wrote; a tier that was written and never hit says so. Empty when there is nothing to say."""
+    parts = []
+    read = [text for value, fmt in ((cost.bytes_per_hit_token, bytes_text), (cost.seconds_per_hit_token, seconds_text))
+            if value is not None for text in (fmt(value),)]
+    if transfers.read_transfer is not None and read:
+        parts.append(f"{transfer_words(transfers.read_transfer)} {' · '.join(read)}")
+    if transfers.fill_transfer is not None:
+        if cost.fill_bytes_per_hit_token is not None:
+            parts.append(f"{transfer_words(transfers.fill_transfer)} writes {bytes_text(cost.fill_bytes_per_hit_token)}")
+        elif cost.fill_bytes:
+            parts.append(f"{transfer_words(transfers.fill_transfer)} wrote {bytes_text(cost.fill_bytes)}, no hit")
+    if not parts:
+        return ""
+    return "; ".join(parts) + (" per hit token" if read or cost.fill_bytes_per_hit_token is not None else "")
+
+
+@dataclass(frozen=True, slots=True)
+class ShareSegment:
+    """One kind of prefill token as the views show it: its share of all, that share as text, its tokens and
+    (for a tier with transfers) what a hit cost."""
+
+    kind: str
+    share: float
+    percent: str
+    tokens: float
+    cost: str
+
+
+def prefill_segments(figures: v1.PrefillFigures, tiers: v1.TiersTransfers) -> list[ShareSegment]:
+    """The bar of one scope: device, host, storage hits, then what was computed; [] with no prefill token."""
+    tokens = figures.tokens
+    if tokens.total <= 0:
+        return []
+    ratio = figures.hit_ratio
+    shares = {"device": ratio.device, "host": ratio.host, "storage": ratio.storage, "computed": figures.computed_ratio}
+    costs = {"host": tier_cost_text(figures.cost.host, tiers.host),
+             "storage": tier_cost_text(figures.cost.storage, tiers.storage)}
+    return [ShareSegment(kind=kind, share=share, percent=percent(share), tokens=getattr(tokens, kind),
+                         cost=costs.get(kind, ""))
+            for kind in PREFILL_KINDS for share in (shares[kind] or 0.0,)]
+
+
+NO_PREFILL = "no prefill token counted yet"
+
+
+def shares_text(segments: Sequence[ShareSegment]) -> str:
+    """`device 61 % · host 22 % · storage 7 % · computed 10 %`."""
+    return " · ".join(f"{s.kind} {s.percent}" for s in segments) or NO_PREFILL

@@ -2,7 +2,7 @@
 
 Everything from the document is put on screen as `Text`, never as markup, so a label value such
 as `[bold]x[/bold]` shows as written. No value of the document reaches a `Text` but through one of
-the accessors at the end: `literal` for what is shown as written (control characters escaped, so a
+the accessors of exporter.top.text: `literal` for what is shown as written (control characters escaped, so a
 label cannot move the cursor, retitle the window or recolour the terminal), and `count`,
 `integer`, `duration`, `size` for numbers, which refuse anything that is not a finite number in
 range. The document's types are the model's (exporter.api.v1): fetch.received refuses a body of
@@ -26,6 +26,7 @@ from rich.text import Text
 
 from exporter.api import v1, view
 from exporter.api.view import GRID_CELLS, GRID_CELLS_PER_GROUP, KIND_ORDER, MISSING, STREAM_STATES
+from exporter.top.text import count, duration, integer, labels_text, literal, number, shows_as_number, size, speed
 from exporter.top.view import View
 
 STATE_STYLE = {"live": "black on green", "stale": "black on yellow", "departed": "white on blue",
@@ -103,8 +104,10 @@ def render_body(view: View) -> list[RenderableType]:
         return []
     body: list[RenderableType] = []
     for name, section in SECTIONS:
-        body.append(Text(""))
-        body.extend(section_or_problem(name, section, doc))
+        shown = section_or_problem(name, section, doc)
+        if shown:  # a section with nothing to say takes no line (prefill, from a sidecar without the field)
+            body.append(Text(""))
+            body.extend(shown)
     return body if view.failure is None else [Styled(Group(*body), "dim")]
 
 
@@ -212,8 +215,8 @@ def lettered(cells: Sequence[v1.RankCell], names: Names) -> bool:
 def world_text(world: v1.WorldSizes, engine_tp: bool = False) -> str:
     """`dp 2 × pp 2 × tp 2` (v1.world_name), every size checked as an integer first; with `engine_tp`, the
     engine's tp size after it where it is not the attention tp size (two worlds may differ only there)."""
-    for size in (world.tp_size, world.pp_size, world.dp_size, world.attn_tp_size, world.attn_cp_size):
-        integer(size)
+    for axis in (world.tp_size, world.pp_size, world.dp_size, world.attn_tp_size, world.attn_cp_size):
+        integer(axis)
     engine = f" (engine tp {world.tp_size})" if engine_tp and world.tp_size != world.attn_tp_size else ""
     return v1.world_name(world) + engine
 
@@ -440,6 +443,76 @@ class CellRow:
         per_line = max(1, (options.max_width + 1) // (self.width + 1))
         for start in range(0, len(self.cells), per_line):
             yield Text(" ", no_wrap=True, overflow="crop").join(self.cells[start:start + per_line])
+
+
+# --- where prefill tokens come from ----------------------------------------------------------
+
+SHARES_WIDTH = 40  # the stacked bar, in cells
+TIER_STYLE = {"device": "blue", "host": "green", "storage": "yellow", "computed": "bright_black"}
+GROUPS_SHOWN = 4  # dp groups given a line of their own shares; the rest are counted
+
+
+def share_bar(segments: Sequence[view.ShareSegment], width: int = SHARES_WIDTH) -> Text:
+    """The shares as one stacked bar of `width` cells, the nearest tier first (each segment ends where the
+    running share rounds to, so the cells add up to `width`)."""
+    bar, running, drawn = Text(), 0.0, 0
+    for segment in segments:
+        running += number(segment.share)
+        end = min(width, math.floor(running * width + 0.5))
+        bar.append("█" * (end - drawn), style=TIER_STYLE.get(segment.kind, ""))
+        drawn = max(drawn, end)
+    return bar
+
+
+def shares_line(segments: Sequence[view.ShareSegment]) -> Text:
+    """`device 61 % · host 22 % · ...` (view.shares_text), each tier's name in its bar's colour."""
+    if not segments:
+        return Text(view.NO_PREFILL, style="dim")
+    line = Text()
+    for i, segment in enumerate(segments):
+        if i:
+            line.append(" · ")
+        line.append(segment.kind, style=f"bold {TIER_STYLE.get(segment.kind, '')}")
+        line.append(f" {segment.percent}")
+    return line
+
+
+def prefill_section(doc: v1.StatusDocument) -> list[RenderableType]:
+    """Where prefill tokens come from since the sidecar started (view.prefill_segments): the bar and the shares,
+    a line per tier with its tokens and the cost per hit token, the window's shares and each dp group's."""
+    report = doc.prefill
+    if report is None:  # no profile in use counts them (or a sidecar from before the field): no section
+        return []
+    head = Text("Where prefill tokens come from", style=SECTION)
+    segments = view.prefill_segments(report.since_start, report.tiers)
+    head.append(f"   since the sidecar started: {count(report.since_start.tokens.total)} tokens", style="dim")
+    if not segments:
+        return [head, Text(view.NO_PREFILL, style="dim")]
+    out: list[RenderableType] = [head, Text.assemble(share_bar(segments), "  ", shares_line(segments))]
+    table = Table(box=None, padding=(0, 2), show_edge=False, show_header=False)
+    for justify in ("left", "right", "right", "left"):
+        table.add_column(justify=justify, no_wrap=True)
+    for segment in segments:
+        table.add_row(Text(segment.kind, style=TIER_STYLE.get(segment.kind, "")), Text(segment.percent),
+                      Text(f"{count(segment.tokens)} tokens"), literal(segment.cost))
+    out.append(table)
+    window = Text(f"over {duration(report.window_seconds)}: ", style="dim")
+    out.append(window.append_text(shares_line(view.prefill_segments(report.window, report.tiers))))
+    groups = report.since_start.dp_groups
+    if len(groups) > 1:
+        servers = {server.id: server for server in doc.servers}
+        names = Names(doc) if len(servers) > 1 else None
+        for group in groups[:GROUPS_SHOWN]:
+            line = Text(style="dim")
+            if names is not None and group.server in servers:  # one server: its dp rank says which group
+                line.append_text(labels_text(names.server_labels(servers[group.server])))
+                line.append(" ")
+            line.append(f"dp{integer(group.dp_rank)}: ")
+            out.append(line.append_text(shares_line(view.prefill_segments(group, report.tiers))))
+        more = integer(report.since_start.dp_groups_count) - min(len(groups), GROUPS_SHOWN)
+        if more > 0:
+            out.append(Text(f"and {count(more)} more dp group{plural(more)}", style="dim"))
+    return out
 
 
 # --- transfers and bandwidth ----------------------------------------------------------------
@@ -675,106 +748,6 @@ def sidecar_section(doc: v1.StatusDocument) -> list[RenderableType]:
 
 
 SECTIONS: tuple[tuple[str, Callable[[v1.StatusDocument], list[RenderableType]]], ...] = (
-    ("Ranks", ranks_section), ("Transfers", transfers_section), ("Reasons", reasons_section),
+    ("Prefill", prefill_section), ("Ranks", ranks_section), ("Transfers", transfers_section), ("Reasons", reasons_section),
     ("Replica spread", spread_section), ("Upstreams", upstreams_section), ("Sidecar", sidecar_section),
 )
-
-
-# --- text and numbers -----------------------------------------------------------------------
-
-
-def literal(value: object, style: str = "") -> Text:
-    """`value` as plain text: no markup, control characters shown as escapes (\\x1b), never sent to the terminal."""
-    text = str(value)
-    if not text.isprintable():
-        text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
-    return Text(text, style=style)
-
-
-def labels_text(labels: Mapping[str, str]) -> Text:
-    """`name=value, ...` with every name and value literal."""
-    out = Text()
-    for i, (name, value) in enumerate(labels.items()):
-        if i:
-            out.append(", ")
-        out.append_text(literal(name))
-        out.append("=")
-        out.append_text(literal(value))
-    return out
-
-
-LARGEST = 1e24  # past any real count, byte total or duration; its digits still fit on a line
-
-
-class Unshowable(ValueError):
-    """A document value that cannot be shown where the schema puts a number: wrong type, not finite, out of range."""
-
-
-def number(value: object) -> float:
-    """`value` if it is a finite number within ±LARGEST (not a bool); else Unshowable, quoting it escaped."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise Unshowable(f"{glimpse(value)} where a number belongs")
-    if not -LARGEST <= value <= LARGEST:  # an int compares exactly, NaN compares False: both land here
-        raise Unshowable(f"{glimpse(value)} is out of range")
-    return value
-
-
-def integer(value: object) -> int:
-    """`value` if it is an integer within ±LARGEST (a rank, a size); else Unshowable."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise Unshowable(f"{glimpse(value)} where an integer belongs")
-    number(value)
-    return value
-
-
-def shows_as_number(value: object) -> bool:
-    """Whether `number(value)` would take it."""
-    try:
-        number(value)
-    except Unshowable:
-        return False
-    return True
-
-
-def glimpse(value: object) -> str:
-    """A short, escaped quotation of a value for a one-line complaint."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > LARGEST:
-        return f"an integer of {len(str(abs(value)))} digits"
-    text = literal(repr(value)).plain
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def count(value: object) -> str:
-    """12,080; a fraction keeps two places."""
-    shown = number(value)
-    return f"{shown:,}" if isinstance(shown, int) else f"{int(shown):,}" if shown.is_integer() else f"{shown:,.2f}"
-
-
-def size(value: object) -> str:
-    """Bytes in binary units: 118.0 MiB."""
-    shown = number(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(shown) < 1024 or unit == "TiB":
-            return f"{shown:.0f} B" if unit == "B" else f"{shown:.1f} {unit}"
-        shown /= 1024
-    raise AssertionError("unreachable")
-
-
-def speed(bytes_per_second: object) -> str:
-    """An active bandwidth, or `idle` when the window saw no transfer."""
-    return "idle" if bytes_per_second is None else size(bytes_per_second) + "/s"
-
-
-def duration(value: object) -> str:
-    """45s, 3m12s, 2h05m, 1d02h."""
-    seconds = number(value)
-    whole = int(seconds)
-    if seconds < 10 and not float(seconds).is_integer():
-        return f"{seconds:.1f}s"
-    if whole < 60:
-        return f"{whole}s"
-    if whole < 3600:
-        return f"{whole // 60}m{whole % 60:02d}s"
-    if whole < 86400:
-        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
-    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"

@@ -156,6 +156,8 @@ DEMO_WORLD = {"tp_size": 4, "pp_size": 2, "dp_size": 2, "attn_tp_size": 2, "attn
 DEMO_POSITIONS = [(dp, pp, tp) for dp in range(2) for pp in range(2) for tp in range(2)]
 STORAGE = {"storage_backend": "file", "pp_size": "2", "attn_cp_size": "1"}
 SCHEDULER = {"model_name": "demo-model", "engine_type": "unified", "moe_ep_rank": "0"}
+DEMO_PREFILL = {"device_hit": 96, "host_hit": 48, "storage_hit": 16, "input": 32}  # tokens per unit of load
+DEMO_SHARES = "device 50 % · host 25 % · storage 8 % · computed 17 %"
 
 
 def demo_cell(dp: int, pp: int, tp: int) -> str:
@@ -222,10 +224,13 @@ class Demo:
             scheduler = self._client({"tp_rank": dp * DEMO_WORLD["attn_tp_size"] + tp, "pp_rank": pp, "dp_rank": dp},
                                      SCHEDULER)
             scheduler.gauge("hicache_host_total_tokens").set(65536)
-            used, prefilled = scheduler.gauge("hicache_host_used_tokens"), scheduler.counter(
-                "prefill_effective_tokens_total", mode="host_hit")
+            used = scheduler.gauge("hicache_host_used_tokens")
+            # Tokens by tier in fixed proportions: device 50 %, host 25 %, storage 8 %, computed 17 %.
+            prefilled = [(scheduler.counter("prefill_effective_tokens_total", mode=mode), per_load)
+                         for mode, per_load in DEMO_PREFILL.items()]
             clients.append(scheduler)
-            steps.append(lambda load: (used.set(4096 + 64 * load), prefilled.inc(48 * load)))
+            steps.append(lambda load: (used.set(4096 + 64 * load),
+                                       [counter.inc(per_load * load) for counter, per_load in prefilled]))
         for client in clients:
             client.start()
         with self.lock:
@@ -383,6 +388,14 @@ def test_the_demo_server_is_8_rank_cells_each_listing_its_streams(demo: tuple[Si
         assert "20 live" in watched.page.locator("#health-body").inner_text()
         wait_until(lambda: "L" in (watched.page.locator("#bandwidth svg.spark path").first.get_attribute("d") or ""),
                    timeout=20)
+        # The first section: each tier's share beside its name, a stacked bar, the cost per hit token.
+        assert watched.page.locator("main section").first.get_attribute("id") == "prefill"
+        shares = watched.page.locator("#prefill .shares-text")
+        wait_until(lambda: shares.inner_text() == DEMO_SHARES, timeout=20)
+        assert watched.page.locator("#prefill svg.shares rect").count() == 4
+        rows = watched.page.locator("#prefill-body table").first.locator("tbody tr")
+        assert rows.nth(0).locator("td").all_inner_texts()[:2] == ["device", "50 %"]
+        assert rows.nth(1).locator("td").nth(3).inner_text().startswith("load back ")  # the demo loads back
         watched.screenshot("demo")
         target = os.environ.get(SCREENSHOT_ENV)
         if target:  # the README's screenshot: the first screen as a person opens it, sparklines drawn out

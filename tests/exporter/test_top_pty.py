@@ -48,6 +48,9 @@ WORLD = {"tp_size": DP * ATTN_TP, "pp_size": PP, "dp_size": DP, "attn_tp_size": 
 RADIX = {"cache_type": "HiRadixCache"}
 STORAGE = {"storage_backend": "file", "pp_size": str(PP), "attn_cp_size": "1"}
 SCHEDULER = {"model_name": "m", "engine_type": "unified"}
+# The scheduler's prefill tokens per step, by mode: device 50 %, host 25 %, storage 8 %, computed 17 %.
+PREFILL = {"device_hit": 96, "host_hit": 48, "storage_hit": 16, "input": 32}
+SHARES = "device 50 % · host 25 % · storage 8 % · computed 17 %"
 PYTE_COLOURS = {"brown": "yellow"}  # pyte names SGR 43 by the VT100's palette
 
 
@@ -68,12 +71,17 @@ def rank_process(socket_path: str, dp: int, pp: int, tp: int) -> None:
     moved = clients["radix"].counter("load_back_bytes_total")
     took = clients["radix"].histogram("load_back_duration_seconds")
     prefetched = clients["storage"].counter("prefetched_tokens_total")
+    prefilled = []
     if "scheduler" in clients:
         clients["scheduler"].gauge("hicache_host_total_tokens").set(4096)
         clients["scheduler"].gauge("hicache_host_used_tokens").set(1024)
+        prefilled = [(clients["scheduler"].counter("prefill_effective_tokens_total", mode=mode), n)
+                     for mode, n in PREFILL.items()]
     for client in clients.values():
         client.start()
     while True:
+        for counter, n in prefilled:
+            counter.inc(n)
         tokens.inc(64)
         moved.inc(64 * 4096)
         took.observe(0.002)
@@ -282,6 +290,12 @@ def test_top_shows_one_cell_per_rank_its_streams_turn_stale_departed_expired_mis
                  f"--web.user prom --web.password-file {password_file}")
         term.wait_for(lambda text: "Ranks   8 ranks, 20 streams" in text and "dp1  4/4 live" in text, 30,
                       "8 ranks of 20 streams in two dp groups")
+        # The first lines: where prefill tokens come from, a bar and the shares beside it.
+        term.wait_for(lambda text: text.splitlines()[3].endswith("  " + SHARES), 30, "the prefill shares")
+        lines = term.text.splitlines()
+        assert lines[2].startswith("Where prefill tokens come from   since the sidecar started: ")
+        assert lines[3] == "█" * 40 + "  " + SHARES
+        assert lines[5].split()[:3] == ["host", "25", "%"] and "load back " in lines[5]
         text = term.text
         assert text.splitlines()[0].startswith(f"hicache-exporter top  {sidecar.url}  sidecar ")
         assert "  ready  8 ranks, 20 streams  read " in text.splitlines()[0]

@@ -14,7 +14,15 @@ from exporter.config import RanksConfig
 from exporter.errors import ErrorCode
 from exporter.protocol.messages import Hello, Sample, Snapshot, World
 from exporter.sidecar.core.history import Increases
-from exporter.sidecar.core.keys import GroupKey, HistAccumulator, LabelValues, RollupKey, SeriesBudget
+from exporter.sidecar.core.keys import (
+    GroupKey,
+    HistAccumulator,
+    LabelValues,
+    RollupCounter,
+    RollupKey,
+    SeriesBudget,
+    SeriesKey,
+)
 from exporter.sidecar.core.ranks import (
     PUSH_SOURCE,
     Clock,
@@ -223,6 +231,11 @@ class SidecarState:
     def show_rollups(self, rollups: Rollups) -> None:
         """Show `rollups` (a `rollup_snapshot` the durable state has saved) in place of the live values."""
         self._shown = rollups
+
+    def group_watermarks(self, group: GroupKey) -> dict[SeriesKey, RollupCounter | HistAccumulator]:
+        """One replica group's watermarks: how far its furthest replica got in each replicated series, its part
+        of the rollups (live values; read them, never change them)."""
+        return self.ledger.watermarks.get(group, {})
 
     def rollup_created(self) -> dict[RollupKey, float]:
         """When each rollup counter and histogram began (wall clock; OpenMetrics' `_created`)."""

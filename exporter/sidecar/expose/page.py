@@ -20,11 +20,15 @@ from exporter.api import v1
 from exporter.api.view import (
     CELL_STATES,
     MISSING,
+    NO_PREFILL,
     Names,
+    ShareSegment,
     cells_by_group,
     grid_cut,
     label_text,
+    prefill_segments,
     rejections,
+    shares_text,
     streams_by_state,
     transfer_rows,
 )
@@ -33,6 +37,7 @@ REFRESH_MS = 2000  # how often the script fetches the page again
 NOSCRIPT_REFRESH_SECONDS = 15  # without JavaScript, the browser reloads the page this often
 UNEXPECTED = "outside world"  # a rank or dp group that its server's expected world does not hold
 SPARK_WIDTH, SPARK_HEIGHT = 120, 24
+SHARES_WIDTH, SHARES_HEIGHT = 360, 18  # the stacked bar of prefill shares
 
 
 def esc(value: object) -> str:
@@ -311,6 +316,50 @@ def totals(doc: v1.StatusDocument) -> str:
     return _table(("transfer", "tiers", "tokens", "bytes", "active bandwidth"), rows, "no transfer families in the catalog", 5)
 
 
+def share_bar(segments: Sequence[ShareSegment]) -> str:
+    """The shares as one stacked bar (SVG: the page allows no inline style), the nearest tier first."""
+    rects, x = [], 0.0
+    for segment in segments:
+        width = segment.share * SHARES_WIDTH
+        if width > 0:
+            rects.append(f'<rect class="tier-{esc(segment.kind)}" x="{fixed(x, 1)}" y="0" width="{fixed(width, 1)}" '
+                         f'height="{SHARES_HEIGHT}"/>')
+        x += width
+    return (f'<svg class="shares" width="{SHARES_WIDTH}" height="{SHARES_HEIGHT}" '
+            f'viewBox="0 0 {SHARES_WIDTH} {SHARES_HEIGHT}" role="img" aria-label="{esc(shares_text(segments))}">'
+            f'{"".join(rects)}</svg>')
+
+
+def prefill(doc: v1.StatusDocument) -> str:
+    """Where prefill tokens come from (view.prefill_segments): each tier's share since start as text and as a
+    stacked bar, a row per tier with its tokens and the cost per hit token, the window's shares, and each
+    dp group's shares."""
+    report = doc.prefill
+    if report is None:
+        return '<p class="empty">No profile in use counts prefill tokens by tier.</p>'
+    since = report.since_start
+    segments = prefill_segments(since, report.tiers)
+    if not segments:
+        return f'<p class="empty">{esc(NO_PREFILL)}.</p>'
+    rows = (f'<tr><td><span class="swatch tier-{esc(s.kind)}">{esc(s.kind)}</span></td><td>{esc(s.percent)}</td>'
+            f"<td>{esc(fmt_number(s.tokens))}</td><td>{esc(s.cost or '–')}</td></tr>" for s in segments)
+    window = shares_text(prefill_segments(report.window, report.tiers))
+    parts = [f'<p class="shares-text">{esc(shares_text(segments))}</p>', share_bar(segments),
+             f'<p class="note">Since the sidecar started: {esc(fmt_number(since.tokens.total))} prefill tokens. '
+             f"Over the last {esc(fmt_seconds(report.window_seconds))}: {esc(window)}.</p>",
+             _table(("tier", "share", "tokens", "cost per hit token"), rows, "", 4)]
+    if len(since.dp_groups) > 1:
+        names = Names(doc)
+        servers = {server.id: server for server in doc.servers}
+        groups = (_row(server_name(names, servers[g.server]) if g.server in servers else g.server, g.dp_rank,
+                       shares_text(prefill_segments(g, report.tiers)), fmt_number(g.tokens.total))
+                  for g in since.dp_groups)
+        more = since.dp_groups_count - len(since.dp_groups)
+        parts.append(_table(("server", "dp", "shares since start", "tokens"), groups, "", 4)
+                     + (f'<p class="note">and {esc(plural(more, "more dp group"))}</p>' if more else ""))
+    return "".join(parts)
+
+
 def sparkline(history: Sequence[Sequence[float | None]], points: int) -> str:
     return (f'<svg class="spark" width="{SPARK_WIDTH}" height="{SPARK_HEIGHT}" viewBox="0 0 {SPARK_WIDTH} {SPARK_HEIGHT}" '
             f'role="img" aria-label="bandwidth history"><path d="{esc(sparkline_path(history, points))}"/></svg>')
@@ -426,6 +475,7 @@ def upstreams(doc: v1.StatusDocument) -> str:
 
 
 SECTIONS = (
+    ("prefill", "Where prefill tokens come from", prefill),
     ("grid", "Ranks", lambda doc: legend() + grid(doc)),
     ("totals", "Totals per tier", totals),
     ("bandwidth", "Active bandwidth", bandwidth),

@@ -35,6 +35,7 @@ from exporter.sidecar.core.state import SidecarState
 from exporter.sidecar.core.window import Bandwidth
 from exporter.sidecar.expose.collector import build_revision, rollup_cells, window_increases
 from exporter.sidecar.expose.families import ExposedFamilies
+from exporter.sidecar.expose.prefill import PrefillView
 
 HISTORY_INTERVAL_SECONDS = 5.0  # bandwidth history: one point per interval, sampled by housekeeping
 BANDWIDTH_HISTORY_POINTS = 60  # five minutes of points at 5 s: a few KiB whatever the number of ranks
@@ -271,6 +272,7 @@ class StatusView:
         self.spread_threshold = {name: profile.spread_threshold for name, profile in catalog.profiles.items()}
         self.reason_specs = [spec for spec in catalog if "reason" in spec.labels]
         self.specs = {spec.name: spec for spec in catalog}
+        self.prefill = PrefillView(catalog, self.families)
         self.revision = build_revision()
 
     def document(self) -> v1.StatusDocument:
@@ -302,6 +304,7 @@ class StatusView:
             reasons=self._reasons(rolled),
             spread=self._spread(registry_groups, increases, ids),
             upstreams=upstream_rows(self.stats),
+            prefill=self.prefill.report(state, known, increases, built, registry_groups),
         )
 
     def encode(self) -> bytes:

@@ -31,7 +31,7 @@ SCHEDULER = {"model_name": "m", "engine_type": "unified", "moe_ep_rank": "0"}
 DEMO = World(tp_size=4, pp_size=2, dp_size=2, attn_tp_size=2)  # `make demo`: DP attention, tp 2 per dp group
 PAGE_TAGS = {"html", "head", "meta", "title", "link", "script", "noscript", "body", "header", "h1", "h2", "h3", "p",
              "span", "nav", "a", "main", "section", "div", "table", "caption", "thead", "tbody", "tfoot", "tr", "th",
-             "td", "svg", "path", "meter"}
+             "td", "svg", "path", "rect", "meter"}
 
 
 @dataclass
@@ -345,7 +345,9 @@ def test_upstreams_show_their_world_and_a_line_per_problem() -> None:
 def test_an_empty_sidecar_draws_no_server() -> None:
     doc = document(Harness())
     shown = Drawn(page.render_page(doc))
-    assert shown.texts["empty"][0] == "No rank has connected yet." and shown.cells == []
+    # The prefill section first, then the grid's.
+    assert shown.texts["empty"][:2] == ["no prefill token counted yet.", "No rank has connected yet."]
+    assert shown.cells == []
     assert page.summary(doc).startswith("NOT READY · 0 ranks, 0 streams · up ")
 
 

@@ -219,6 +219,13 @@ def test_every_number_equals_the_metrics_rollups(proxied: tuple[SidecarThread, E
     preset = default_catalog().get("storage_prefetch_unfulfilled_tokens_total").preset["reason"]
     assert [r["reason"] for r in unfulfilled["by_reason"]] == list(preset)  # catalog order, zeros included
     assert {r["reason"]: r["value"] for r in unfulfilled["by_reason"]}["host_capacity"] == 2000
+    # The shares' tokens: the rollup of the prefill family, mode by mode, as /metrics shows it.
+    prefill = doc["prefill"]
+    for kind, mode in prefill["modes"].items():
+        on_metrics = sum(s.value for s in scrape.find(prefill["exported"] + "_total", mode=mode))
+        assert prefill["since_start"]["tokens"][kind] == on_metrics, kind
+    assert prefill["since_start"]["tokens"]["computed"] == 2000  # the pushed replicas' `input`: the furthest one
+    assert prefill["since_start"]["computed_ratio"] == 1.0
 
 
 def test_a_silent_rank_is_stale_in_the_api_and_on_the_page(proxied: tuple[SidecarThread, EngineHTTP]) -> None:
@@ -353,7 +360,7 @@ class _Page(HTMLParser):
 
 PAGE_TAGS = {"html", "head", "meta", "title", "link", "script", "noscript", "body", "header", "h1", "h2", "h3", "p",
              "span", "nav", "a", "main", "section", "div", "table", "caption", "thead", "tbody", "tr", "th", "td",
-             "svg", "path", "meter"}
+             "svg", "path", "rect", "meter"}
 LABEL_VALUES = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=128)
 
 

@@ -1,0 +1,261 @@
+"""The status document's `prefill` (DESIGN section 18): each tier's share of prefill tokens and what a hit
+cost, since the sidecar started and over the window, for the whole sidecar, per server and per dp group.
+
+The profile says where (the catalog: `ProfileSpec.prefill`, its tier transfers); nothing here names a
+family. The rules are the rollups' (core/rollups.py): a replicated family is one replica per replica group
+(its watermark since start; over the window its furthest replica's increase), a per_shard family the sum of
+its ranks. Since start, the whole sidecar and each server read the rollups as /metrics shows them; a dp
+group reads its replica groups' watermarks and its ranks' positions (the rollups keep no dp rank). The
+window reads the ranks' positions as the bandwidth does. Ratios are computed here, never exported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TypedDict, TypeVar
+
+from exporter.api import v1
+from exporter.catalog import PREFILL_TIERS, Catalog, MetricType, Tier
+from exporter.sidecar.core.history import Increases
+from exporter.sidecar.core.keys import GroupKey, HistAccumulator, RollupCounter, StaticKey
+from exporter.sidecar.core.ranks import RankState
+from exporter.sidecar.core.servers import Server
+from exporter.sidecar.core.state import SidecarState
+from exporter.sidecar.expose.families import ExposedFamilies
+
+ScopeT = TypeVar("ScopeT")
+Scope = tuple[str, int]  # (server id, dp rank): one dp group of one server
+Totals = dict[str, float]  # by what it counts: a mode's kind (computed, device, host, storage) or a family's name
+
+
+class Figures(TypedDict):
+    """The fields of v1.PrefillFigures, typed for `**` into it or the scopes that extend it."""
+
+    tokens: v1.PrefillTokens
+    hit_ratio: v1.HitRatio
+    computed_ratio: float | None
+    cost: v1.TierCosts
+
+
+@dataclass(frozen=True, slots=True)
+class TierFamilies:
+    """A hit tier's cost families, as far as its profile's transfers name them and the catalog holds them."""
+
+    tier: str
+    level: Tier
+    read: str | None  # the transfer's name
+    read_bytes: str | None
+    read_seconds: str | None
+    fill: str | None
+    fill_bytes: str | None
+
+
+class PrefillView:
+    """Builds `prefill` from the state; what depends only on the catalog is worked out once."""
+
+    def __init__(self, catalog: Catalog, families: ExposedFamilies) -> None:
+        found = catalog.prefill()
+        self.enabled = found is not None
+        if found is None:
+            return
+        profile, spec, family = found
+        self.profile, self.spec = profile.name, spec
+        self.family = family.name
+        self.exported = families.rollup[family.name].name
+        self.at = family.labels.index(spec.label)
+        self.kind_of = {value: kind for kind, value in spec.modes().items()}
+
+        def present(name: str | None) -> str | None:
+            return name if name is not None and name in catalog else None
+
+        tiers = []
+        for tier, level in PREFILL_TIERS:
+            if level == "L1":
+                continue
+            read, fill = profile.tier_transfers(level)
+            tiers.append(TierFamilies(
+                tier=tier, level=level, read=None if read is None else read.name,
+                read_bytes=None if read is None else present(read.bytes),
+                read_seconds=None if read is None else present(read.seconds),
+                fill=None if fill is None else fill.name, fill_bytes=None if fill is None else present(fill.bytes)))
+        self.tiers = tiers
+        described = {t.tier: v1.TierTransfers(level=t.level, read_transfer=t.read, fill_transfer=t.fill) for t in tiers}
+        self.transfers = v1.TiersTransfers(host=described["host"], storage=described["storage"])
+        cost_families = {name for t in tiers for name in (t.read_bytes, t.read_seconds, t.fill_bytes) if name}
+        self.wanted = frozenset(cost_families | {family.name})
+        self.replicated = {name: catalog.get(name).replicated for name in self.wanted}
+        self.histograms = frozenset(name for name in self.wanted if catalog.get(name).type is MetricType.HISTOGRAM)
+
+    def _add(self, into: Totals, family: str, values: tuple[str, ...], amount: float) -> None:
+        if family == self.family:
+            kind = self.kind_of.get(values[self.at])
+            if kind is None:  # a value the profile gives no tier
+                return
+            into[kind] = into.get(kind, 0.0) + amount
+        else:
+            into[family] = into.get(family, 0.0) + amount
+
+    def report(self, state: SidecarState, known: list[RankState], increases: dict[int, Increases],
+               servers: list[Server], groups: dict[GroupKey, list[RankState]]) -> v1.Prefill | None:
+        """`prefill` as of now; None when no profile in use counts prefill tokens by tier."""
+        if not self.enabled:
+            return None
+        server_ids = [f"v{n}" for n in range(len(servers))]  # as the document numbers them
+        scope_of: dict[int, Scope] = {}  # id(rank) -> its dp group
+        server_of_shared: dict[StaticKey, str] = {}
+        for sid, server in zip(server_ids, servers):
+            for cell in server.cells.values():
+                for stream in cell.streams:
+                    scope_of[id(stream.rank)] = (sid, cell.position[0])
+                    server_of_shared[stream.rank.shared] = sid
+        group_scope = {key: scope_of[id(members[0])] for key, members in groups.items()
+                       if members and id(members[0]) in scope_of}
+        listed: set[Scope] = set()  # dp groups with a series of the prefill family
+        started_whole, started_servers = self._rollups(state, server_of_shared)
+        started_groups = self._started_groups(state, groups, group_scope, listed)
+        window_groups = self._window_groups(groups, group_scope, increases)
+        window_whole: Totals = {}
+        window_servers: dict[str, Totals] = {}
+        for scope, totals in window_groups.items():
+            for into in (window_whole, window_servers.setdefault(scope[0], {})):
+                for name, amount in totals.items():
+                    into[name] = into.get(name, 0.0) + amount
+        order = {sid: n for n, sid in enumerate(server_ids)}
+        with_tokens = [sid for sid in server_ids if any(scope[0] == sid for scope in listed)
+                       or self.family_in(started_servers.get(sid, {}))]
+        shown_servers = sorted(_largest(with_tokens, lambda sid: self.tokens(started_servers.get(sid, {}))),
+                               key=order.__getitem__)
+        in_order = sorted(listed, key=lambda scope: (order[scope[0]], scope[1]))
+        shown_groups = sorted(_largest(in_order, lambda scope: self.tokens(started_groups.get(scope, {}))),
+                              key=lambda scope: (order[scope[0]], scope[1]))
+        counts = len(with_tokens), len(listed)
+        return v1.Prefill(
+            profile=self.profile, family=self.family, exported=self.exported, label=self.spec.label,
+            modes=self.spec.modes(), tiers=self.transfers, window_seconds=state.window_seconds,
+            since_start=self._period(started_whole, started_servers, started_groups, shown_servers, shown_groups,
+                                     counts),
+            window=self._period(window_whole, window_servers, window_groups, shown_servers, shown_groups, counts),
+        )
+
+    def tokens(self, totals: Totals) -> float:
+        """All prefill tokens of a scope."""
+        return sum(totals.get(kind, 0.0) for kind in self.kind_of.values())
+
+    def family_in(self, totals: Totals) -> bool:
+        return any(kind in totals for kind in self.kind_of.values())
+
+    def _rollups(self, state: SidecarState, server_of_shared: dict[StaticKey, str]) -> tuple[Totals, dict[str, Totals]]:
+        """Since start, from the rollups as /metrics shows them: the whole sidecar and each server. A rollup no
+        known rank's server stands for any longer counts in the whole only."""
+        whole: Totals = {}
+        by_server: dict[str, Totals] = {}
+        wanted = self.wanted
+        cells: list[tuple[tuple[str, StaticKey, tuple[str, ...]], float]] = [
+            (key, value) for key, value in state.rollup_counters().items() if key[0] in wanted]
+        cells += [(key, acc.sum) for key, acc in state.rollup_histograms().items() if key[0] in self.histograms]
+        for (family, shared, values), amount in cells:
+            self._add(whole, family, values, amount)
+            sid = server_of_shared.get(shared)
+            if sid is not None:
+                self._add(by_server.setdefault(sid, {}), family, values, amount)
+        return whole, by_server
+
+    def _started_groups(self, state: SidecarState, groups: dict[GroupKey, list[RankState]],
+                        group_scope: dict[GroupKey, Scope], listed: set[Scope]) -> dict[Scope, Totals]:
+        """Since start, per dp group: each replica group's watermark of a replicated family (its part of the
+        rollup), the sum of its ranks' positions of a per_shard one."""
+        out: dict[Scope, Totals] = {}
+        wanted, replicated = self.wanted, self.replicated
+        for key, members in groups.items():
+            scope = group_scope.get(key)
+            if scope is None:
+                continue
+            into = out.setdefault(scope, {})
+            mark: RollupCounter | HistAccumulator
+            for (family, values), mark in state.group_watermarks(key).items():
+                if family in wanted and replicated[family]:
+                    self._add(into, family, values, mark.value if isinstance(mark, RollupCounter) else mark.sum)
+                    if family == self.family:
+                        listed.add(scope)
+            for rank in members:
+                for (family, values), position in rank.positions.items():
+                    if family in wanted and not replicated[family]:
+                        self._add(into, family, values, position)
+                        if family == self.family:
+                            listed.add(scope)
+        return out
+
+    def _window_groups(self, groups: dict[GroupKey, list[RankState]], group_scope: dict[GroupKey, Scope],
+                       increases: dict[int, Increases]) -> dict[Scope, Totals]:
+        """Over the window, per dp group: a replicated series' furthest replica, a per_shard one's sum."""
+        out: dict[Scope, Totals] = {}
+        wanted, replicated = self.wanted, self.replicated
+        for key, members in groups.items():
+            scope = group_scope.get(key)
+            if scope is None:
+                continue
+            furthest: dict[tuple[str, tuple[str, ...]], float] = {}
+            into = out.setdefault(scope, {})
+            for rank in members:
+                for (family, values), amount in increases.get(id(rank), {}).items():
+                    if family not in wanted:
+                        continue
+                    amount = max(amount, 0.0)
+                    if replicated[family]:
+                        series = (family, values)
+                        furthest[series] = max(furthest.get(series, 0.0), amount)
+                    else:
+                        self._add(into, family, values, amount)
+            for (family, values), amount in furthest.items():
+                self._add(into, family, values, amount)
+        return out
+
+    def _period(self, whole: Totals, servers: dict[str, Totals], groups: dict[Scope, Totals],
+                shown_servers: Iterable[str], shown_groups: Iterable[Scope], counts: tuple[int, int]
+                ) -> v1.PrefillPeriod:
+        return v1.PrefillPeriod(
+            **self._figures(whole),
+            servers=[v1.PrefillServer(server=sid, **self._figures(servers.get(sid, {}))) for sid in shown_servers],
+            servers_count=counts[0],
+            dp_groups=[v1.PrefillGroup(server=sid, dp_rank=dp, **self._figures(groups.get((sid, dp), {})))
+                       for sid, dp in shown_groups],
+            dp_groups_count=counts[1],
+        )
+
+    def _figures(self, totals: Totals) -> Figures:
+        """One scope's tokens, shares and costs, as the fields of v1.PrefillFigures."""
+        computed, device, host, storage = (totals.get(kind, 0.0) for kind in ("computed", "device", "host", "storage"))
+        total = computed + device + host + storage
+
+        def share(part: float) -> float | None:
+            return min(part / total, 1.0) if total > 0 else None
+
+        hits = {"host": host, "storage": storage}
+        costs = {}
+        for tier in self.tiers:
+            hit = hits[tier.tier]
+
+            def amount(family: str | None) -> float | None:
+                return None if family is None else totals.get(family, 0.0)
+
+            def per_hit(value: float | None, hit: float = hit) -> float | None:
+                return None if value is None or hit <= 0 else value / hit
+
+            read_bytes, read_seconds, fill_bytes = amount(tier.read_bytes), amount(tier.read_seconds), amount(tier.fill_bytes)
+            costs[tier.tier] = v1.TierCost(
+                read_bytes=read_bytes, read_seconds=read_seconds, fill_bytes=fill_bytes,
+                bytes_per_hit_token=per_hit(read_bytes), seconds_per_hit_token=per_hit(read_seconds),
+                fill_bytes_per_hit_token=per_hit(fill_bytes))
+        return {
+            "tokens": v1.PrefillTokens(computed=computed, device=device, host=host, storage=storage, total=total),
+            "hit_ratio": v1.HitRatio(device=share(device), host=share(host), storage=share(storage)),
+            "computed_ratio": share(computed),
+            "cost": v1.TierCosts(host=costs["host"], storage=costs["storage"]),
+        }
+
+
+def _largest(scopes: Iterable[ScopeT], tokens: Callable[[ScopeT], float]) -> list[ScopeT]:
+    """The scopes with the most prefill tokens, at most v1.PREFILL_SCOPES_LISTED (ties: the first listed)."""
+    ranked = sorted(enumerate(scopes), key=lambda item: (-tokens(item[1]), item[0]))
+    return [scope for _, scope in ranked[:v1.PREFILL_SCOPES_LISTED]]

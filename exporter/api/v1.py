@@ -373,8 +373,9 @@ class HitRatio(Model):
 
 class TierCost(Model):
     """What one tier's hits cost in one scope (the transfers: `prefill.tiers`): bytes and seconds read back to
-    the tier above, and bytes written to keep the tier filled; each also per hit token of the tier. Bytes:
-    sum of shards; seconds: summed over the ranks that moved them. Null: the family is not in the catalog."""
+    the tier above, and bytes written to keep the tier filled; each also per hit token of the tier (the host
+    tier's: host and storage hits, both loaded back from host memory). Bytes: sum of shards; seconds: summed
+    over the ranks that moved them. Null: the family is not in the catalog."""
 
     read_bytes: NonNegative | None
     read_seconds: NonNegative | None

@@ -231,7 +231,10 @@ class PrefillView:
         def share(part: float) -> float | None:
             return min(part / total, 1.0) if total > 0 else None
 
-        hits = {"host": host, "storage": storage}
+        # A storage hit is prefetched into host memory and loaded back from there (L2 -> L1) as a host hit is
+        # (sglang 0.5.23 schedule_batch.py:231-265): the host tier's reads and fills serve both, so they are
+        # paid per host and storage hit token, as the recording rules divide them (config/generator/rules.py).
+        hits = {"host": host + storage, "storage": storage}
         costs = {}
         for tier in self.tiers:
             hit = hits[tier.tier]

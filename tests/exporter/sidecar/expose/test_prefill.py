@@ -76,11 +76,13 @@ def check_figures(figures: dict[str, Any], tokens: dict[str, float], shards: int
     hit_ratio, computed = shares(tokens)
     assert figures["hit_ratio"] == hit_ratio and figures["computed_ratio"] == computed
     host, storage = figures["cost"]["host"], figures["cost"]["storage"]
+    # A storage hit is loaded back from host memory too: the host tier is paid per host and storage hit token.
+    host_read = tokens["host"] + tokens["storage"]
     assert host["read_bytes"] == shards * SHARD["load_back_bytes_total"] * scale
-    assert host["bytes_per_hit_token"] == shards * SHARD["load_back_bytes_total"] * scale / tokens["host"]
+    assert host["bytes_per_hit_token"] == shards * SHARD["load_back_bytes_total"] * scale / host_read
     assert host["read_seconds"] == shards * LOAD_BACK_SECONDS * scale
-    assert host["seconds_per_hit_token"] == shards * LOAD_BACK_SECONDS * scale / tokens["host"]
-    assert host["fill_bytes_per_hit_token"] == shards * SHARD["hicache_backup_bytes_total"] * scale / tokens["host"]
+    assert host["seconds_per_hit_token"] == shards * LOAD_BACK_SECONDS * scale / host_read
+    assert host["fill_bytes_per_hit_token"] == shards * SHARD["hicache_backup_bytes_total"] * scale / host_read
     assert storage["bytes_per_hit_token"] == shards * SHARD["storage_prefetch_bytes_total"] * scale / tokens["storage"]
     assert storage["seconds_per_hit_token"] == shards * PREFETCH_SECONDS * scale / tokens["storage"]
     assert storage["fill_bytes"] == shards * SHARD["storage_backup_bytes_total"] * scale
@@ -249,7 +251,7 @@ def test_the_page_opens_with_the_shares_as_text_and_a_stacked_bar_with_the_cost_
     assert re.findall(r'<rect class="tier-(\w+)" x="([\d.]+)" y="0" width="([\d.]+)"', section) == [
         ("device", "0.0", "170.4"), ("host", "170.4", "72.0"), ("storage", "242.4", "21.6"), ("computed", "264.0", "96.0")]
     assert ("<tr><td><span class=\"swatch tier-host\">host</span></td><td>20 %</td><td>300</td>"
-            "<td>load back 13.3 B · 3.33 ms; backup writes 53.3 B per hit token</td></tr>") in section
+            "<td>load back 10.3 B · 2.56 ms; backup writes 41.0 B per hit token</td></tr>") in section
     assert "<td>prefetch 13.3 B · 22.2 ms; storage backup writes 400 B per hit token</td>" in section
     # Each dp group's shares, which differ.
     assert "<td>0</td><td>device 61 % · host 22 % · storage 7 % · computed 10 %</td><td>1,000</td>" in section
@@ -287,7 +289,7 @@ def test_top_opens_with_the_shares_a_bar_and_the_cost_beside_each_tier() -> None
     rows = [line.split() for line in lines[4:8]]
     assert [row[:4] for row in rows] == [["device", "47", "%", "710"], ["host", "20", "%", "300"],
                                          ["storage", "6", "%", "90"], ["computed", "27", "%", "400"]]
-    assert lines[5].rstrip().endswith("tokens    load back 13.3 B · 3.33 ms; backup writes 53.3 B per hit token")
+    assert lines[5].rstrip().endswith("tokens    load back 10.3 B · 2.56 ms; backup writes 41.0 B per hit token")
     assert lines[6].rstrip().endswith("tokens    prefetch 13.3 B · 22.2 ms; storage backup writes 400 B per hit token")
     assert lines[8] == "over 1m00s: device 47 % · host 20 % · storage 6 % · computed 27 %"
     assert lines[9:11] == ["dp0: device 61 % · host 22 % · storage 7 % · computed 10 %",

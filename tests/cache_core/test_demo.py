@@ -3,6 +3,7 @@ and dp (`--tp` as the alias of `--attn-tp`), once with context parallelism and D
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,8 @@ COLLECTOR_LABELS = {
 }
 
 
-def run_demo(*layout: str) -> Scrape:
+def run_demo(*layout: str, while_up: Callable[[str], None] | None = None) -> Scrape:
+    """The demo's /metrics once its ranks finished; `while_up` is called with its URL before it stops."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "exporter.cli", "demo", *layout,
                              "--host", "127.0.0.1", "--port", str(port), "--requests", str(REQUESTS), "--interval", "0.2"],
@@ -44,6 +47,8 @@ def run_demo(*layout: str) -> Scrape:
         assert not any("ranks failed" in line for line in lines), lines
         assert any(line.startswith("[") and "requests dp0:" in line for line in lines), "progress is shown"
         scrape = Scrape(http_get(f"http://127.0.0.1:{port}/metrics")[1].decode())
+        if while_up is not None:
+            while_up(f"http://127.0.0.1:{port}")
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
@@ -116,8 +121,26 @@ def missing_by_dp(scrape: Scrape) -> dict[str, float]:
     return {s.labels["dp_rank"]: s.value for s in scrape.find("hicache_exporter_ranks_missing")}
 
 
+def prefill_shares_match_the_rollups(url: str) -> None:
+    """The status document's prefill shares since start are each tier's share in the sidecar's own rollup
+    on /metrics (the status document is encoded once a tick: wait for one made after the last push)."""
+    def agree() -> bool:
+        scrape = Scrape(http_get(url + "/metrics")[1].decode())
+        tokens = {s.labels["mode"]: s.value for s in scrape.find(name("rollup_prefill_effective_tokens_total"))}
+        total = sum(tokens.values())
+        shares = {tier: tokens[f"{tier}_hit"] / total for tier in ("device", "host", "storage")}
+        since = json.loads(http_get(url + "/api/v1/status")[1])["prefill"]["since_start"]
+        counted = {"computed": tokens["input"], "total": total,
+                   **{tier: tokens[f"{tier}_hit"] for tier in ("device", "host", "storage")}}
+        return (since["hit_ratio"] == shares and since["computed_ratio"] == tokens["input"] / total
+                and since["tokens"] == counted)  # the counts too: a share alone would not show tokens counted TP times
+    wait_until(agree, timeout=10)
+
+
 def test_demo_replicas_agree_and_rollups_follow_the_rules() -> None:
-    scrape = run_demo("--tp", "2", "--pp", "2", "--dp", "2")
+    scrape = run_demo("--tp", "2", "--pp", "2", "--dp", "2", while_up=prefill_shares_match_the_rollups)
+    assert all(scrape.value(name("rollup_prefill_effective_tokens_total"), mode=mode) > 0
+               for mode in ("input", "device_hit", "host_hit", "storage_hit")), "the workload hits every tier"
     # Every collector sent the one server world, and every rank of it reported (the scheduler's
     # streams under their global tp rank included): none missing in either dp group.
     assert missing_by_dp(scrape) == {"0": 0, "1": 0}

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tests.integrations.ranks import Server, publish_parallel, released
+from tests.integrations.ranks import CACHE_TYPE, Rank, Server, drive, publish_parallel, released, storage_labels
 
 SERVER = Server(tp_size=4, attn_dp_size=2)
 WORLD = "tp=4,dp=2,pp=1,cp=1,dp-attention"  # the same server, as `--upstream-world` states it
@@ -45,11 +45,33 @@ def scheduler_labels(parallel: Any) -> dict[str, Any]:
     return labels
 
 
+def cache_rank(tp_rank: int) -> Rank:
+    """The attention rank of the engine's tp rank `tp_rank`: whose radix and storage events it reports
+    (tests.integrations.ranks.events: tokens by dp group, bytes and seconds by shard)."""
+    attn_tp = SERVER.tp_size // SERVER.attn_dp_size
+    return Rank(tp_rank=tp_rank % attn_tp, dp_rank=tp_rank // attn_tp, tp_size=attn_tp, dp_size=SERVER.attn_dp_size)
+
+
 def count_prefill(loggers: Mapping[str, type] | None, tp_rank: int) -> None:
-    """A scheduler process at the engine's tp rank `tp_rank`: its runtime context published, its collector
-    (the stat-logger class, or the released one when None) built and its dp group's batches counted."""
+    """A scheduler process at the engine's tp rank `tp_rank`: its runtime context published; its radix and
+    storage collectors (the stat-logger classes, or the released ones when None) labelled as the engine labels
+    them and their events reported (what the tiers moved: the costs); its scheduler collector built and its dp
+    group's batches counted."""
     parallel = publish_parallel(SERVER, tp_rank)
-    cls = released.SchedulerMetricsCollector if loggers is None else loggers[released.STAT_LOGGER_ROLE_SCHEDULER]
+    rank = cache_rank(tp_rank)
+    assert (rank.tp_rank, rank.dp_rank) == (parallel.attn_tp_rank, parallel.attn_dp_rank)
+
+    def role(name: str, default: type) -> Any:
+        return default if loggers is None else loggers[name]
+
+    drive({
+        # The engine's call (mem_cache/base_prefix_cache.py:408), on the published context.
+        "radix": role(released.STAT_LOGGER_ROLE_RADIX_CACHE, released.RadixCacheMetricsCollector)(
+            labels=released.radix_cache_metric_labels(CACHE_TYPE, parallel, parallel.attn_dp_enabled)),
+        "storage": role(released.STAT_LOGGER_ROLE_STORAGE, released.StorageMetricsCollector)(
+            labels=storage_labels(rank)),
+    }, rank)
+    cls = role(released.STAT_LOGGER_ROLE_SCHEDULER, released.SchedulerMetricsCollector)
     collector = cls(labels=scheduler_labels(parallel), server_args=None, enable_hierarchical_cache=True)
     for batch in BATCHES[parallel.attn_dp_rank]:
         collector.increment_effective_prefill_tokens(

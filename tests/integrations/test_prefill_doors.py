@@ -13,6 +13,11 @@ same processes run twice, each time to a real `hicache-exporter serve`:
 Through each door, `/api/v1/status`'s `prefill.since_start` gives the hand-computed token counts and shares
 exactly, for the whole server and per dp group: one replica per dp group, summed over the groups, never TP×.
 They equal the shares computed from the sidecar's own `sglang_rollup_prefill_effective_tokens_total{mode}`.
+
+Each process also reports its radix and storage events (tests.integrations.ranks.events: bytes and seconds of
+its own shard), so the host tier's cost per hit token is known too and the same through every door. The
+released 0.5.23 collectors count no storage (L3) bytes or seconds (those families are beyond upstream): the
+storage tier's cost is only compared across the doors.
 """
 
 from __future__ import annotations
@@ -47,6 +52,31 @@ def expected(groups: tuple[int, ...] = DP_GROUPS) -> dict[str, Any]:
             "computed_ratio": tokens["computed"] / total}
 
 
+def expected_host_cost(groups: tuple[int, ...] = DP_GROUPS) -> dict[str, float]:
+    """The host tier's cost in `groups`, by hand: what every rank (each its own shard) loaded back and backed up,
+    paid per host and storage hit token (a storage hit is loaded back from host memory too)."""
+    from tests.integrations.prefill_ranks import cache_rank
+    from tests.integrations.ranks import events, total
+
+    shards = [cache_rank(tp) for tp in TP_RANKS if cache_rank(tp).dp_rank in groups]
+    read_bytes = float(sum(total(rank, "increment_load_back_num_bytes") for rank in shards))
+    read_seconds = sum(args[0] for rank in shards for _, name, args in events(rank) if name == "observe_load_back_duration")
+    fill_bytes = float(sum(total(rank, "increment_backup_num_bytes") for rank in shards))
+    tokens = expected(groups)["tokens"]
+    hits = tokens["host"] + tokens["storage"]
+    return {"read_bytes": read_bytes, "read_seconds": read_seconds, "fill_bytes": fill_bytes,
+            "bytes_per_hit_token": read_bytes / hits, "seconds_per_hit_token": read_seconds / hits,
+            "fill_bytes_per_hit_token": fill_bytes / hits}
+
+
+def host_cost(scope: dict[str, Any]) -> dict[str, Any]:
+    """A scope's host cost, its seconds (float sums, in whatever order a door adds the ranks) to 1e-9."""
+    cost = dict(scope["cost"]["host"])
+    for key in ("read_seconds", "seconds_per_hit_token"):
+        cost[key] = pytest.approx(cost[key], rel=1e-9)
+    return cost
+
+
 def figures(scope: dict[str, Any]) -> dict[str, Any]:
     """A scope of `prefill` without its costs and ids: what the doors must agree on."""
     return {key: scope[key] for key in ("tokens", "hit_ratio", "computed_ratio")}
@@ -77,7 +107,10 @@ def settled(sidecar: Serve) -> bool:
     per_rank = sidecar.scrape().find("sglang_prefill_effective_tokens_total")
     return (started.get("tokens") == expected()["tokens"]
             and groups == {g: expected((g,))["tokens"] for g in DP_GROUPS}
-            and len(per_rank) == len(TP_RANKS) * len(KINDS))
+            and len(per_rank) == len(TP_RANKS) * len(KINDS)
+            # Every rank's radix stream too (a stream of its own, pushed or read apart from the scheduler's).
+            and started["cost"]["host"]["read_bytes"] == expected_host_cost()["read_bytes"]
+            and started["cost"]["host"]["fill_bytes"] == expected_host_cost()["fill_bytes"])
 
 
 Seen = dict[str, dict[str, Any]]  # door -> {"status": ..., "scrape": ...}
@@ -135,11 +168,16 @@ def test_the_shares_are_the_hand_computed_ones_once_per_dp_group_not_tp_times(do
     assert started["dp_groups_count"] == 2
     assert {g["dp_rank"]: figures(g) for g in started["dp_groups"]} == {g: expected((g,)) for g in DP_GROUPS}
     assert {g["server"] for g in started["dp_groups"]} == {server["server"]}
+    # What the host tier cost per hit token, for the server and per dp group.
+    assert expected_host_cost() == host_cost(started) == host_cost(server)
+    assert {g["dp_rank"]: host_cost(g) for g in started["dp_groups"]} == {g: expected_host_cost((g,)) for g in DP_GROUPS}
     # Not TP×: every scheduler's own series holds its group's count, and summing them doubles it.
     scrape: Scrape = doors[door]["scrape"]
     for kind, mode in KINDS.items():
         per_rank = scrape.find("sglang_prefill_effective_tokens_total", mode=mode)
         assert sorted(s.labels["tp_rank"] for s in per_rank) == ["0", "1", "2", "3"]
+        assert {(s.labels["tp_rank"], s.labels["dp_rank"]): s.value for s in per_rank} == {
+            (str(tp), str(tp // 2)): expected((tp // 2,))["tokens"][kind] for tp in TP_RANKS}
         assert sum(s.value for s in per_rank) == 2 * truth["tokens"][kind]
 
 
@@ -155,7 +193,9 @@ def test_every_door_gives_the_same_prefill_figures(doors: Seen) -> None:
     for door in ("directory", "url"):
         assert figures(seen[door]) == figures(hook)
         assert [figures(g) for g in seen[door]["dp_groups"]] == [figures(g) for g in hook["dp_groups"]]
-        assert seen[door]["cost"] == hook["cost"]  # the schedulers moved nothing: no door invents a cost
+        assert host_cost(seen[door]) == host_cost(hook)
+        # The released collectors count no storage (L3) bytes (storage_prefetch_bytes_total is beyond upstream).
+        assert seen[door]["cost"]["storage"] == hook["cost"]["storage"]
     rollups = {door: sorted((s.labels["mode"], s.value) for s in doors[door]["scrape"].find(
         "sglang_rollup_prefill_effective_tokens_total")) for door in DOORS}
     assert rollups["directory"] == rollups["url"] == rollups["hook"]

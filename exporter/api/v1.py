@@ -350,7 +350,7 @@ class Transfer(Model):
 Tokens = Annotated[float, Meta(ge=0)]
 NonNegative = Annotated[float, Meta(ge=0)]
 PerHitToken = Annotated[NonNegative | None, Meta(description=(
-    "per hit token; null: no hit token, or the transfer (or its family) is not in the catalog"))]
+    "per hit token; null: no hit token, the transfer (or its family) is not in the catalog, or no rank reports it"))]
 
 
 class PrefillTokens(Model):
@@ -375,7 +375,7 @@ class TierCost(Model):
     """What one tier's hits cost in one scope (the transfers: `prefill.tiers`): bytes and seconds read back to
     the tier above, and bytes written to keep the tier filled; each also per hit token of the tier (the host
     tier's: host and storage hits, both loaded back from host memory). Bytes: sum of shards; seconds: summed
-    over the ranks that moved them. Null: the family is not in the catalog."""
+    over the ranks that moved them. Null: the family is not in the catalog, or no rank reports it."""
 
     read_bytes: NonNegative | None
     read_seconds: NonNegative | None

@@ -240,7 +240,9 @@ class PrefillView:
             hit = hits[tier.tier]
 
             def amount(family: str | None) -> float | None:
-                return None if family is None else totals.get(family, 0.0)
+                # None where no rank reports the family (the released collectors count no L3 bytes): a cost
+                # nobody measured is unknown, not zero.
+                return None if family is None else totals.get(family)
 
             def per_hit(value: float | None, hit: float = hit) -> float | None:
                 return None if value is None or hit <= 0 else value / hit

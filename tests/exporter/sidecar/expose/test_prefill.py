@@ -337,3 +337,14 @@ def test_the_profile_says_which_transfers_serve_and_fill_each_tier_and_its_prefi
     bad = SGLANG_PREFILL.model_copy(update={"family": "load_back_bytes_total"})  # a counter without the label
     with pytest.raises(ValidationError, match="must be a counter labelled 'mode'"):
         Catalog(families=catalog.families, profiles={"sglang": SGLANG_PROFILE.model_copy(update={"prefill": bad})})
+
+
+def test_a_transfer_no_rank_reports_is_unknown_not_free() -> None:
+    """The released collectors count no L3 bytes: a storage hit's cost is then null, never 0 B per hit token."""
+    h = Harness()
+    _, rank = h.hello()
+    h.push(rank, *prefill({"computed": 50, "device": 30, "host": 10, "storage": 10}))  # hits, no transfer series
+    cost = doc_of(view_of(h))["prefill"]["since_start"]["cost"]
+    for tier in ("host", "storage"):
+        assert cost[tier]["read_bytes"] is None and cost[tier]["bytes_per_hit_token"] is None
+        assert cost[tier]["fill_bytes"] is None and cost[tier]["fill_bytes_per_hit_token"] is None

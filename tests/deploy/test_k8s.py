@@ -622,16 +622,23 @@ def test_the_launcher_uses_names_the_released_engine_has() -> None:
     assert env(engine)["PYTHONPATH"] == manifests.CLIENT_DIR
 
 
-def test_the_client_copy_gives_the_engine_an_importable_exporter(tmp_path: Path) -> None:
-    """The init container's own command, run here: the copy imports from where the engine looks."""
-    template, _ = hook_pod()
-    (copy_step,) = [c for c in template["spec"]["initContainers"] if c.get("restartPolicy") != "Always"]
-    command = copy_step["command"]
+def run_copy_step(template: dict[str, Any], tmp_path: Path) -> tuple[dict[str, Any], Path]:
+    """Run a pod's init container's own command (the copy into the emptyDir) here, into `tmp_path/opt`: the
+    container and where it copied to."""
+    (step,) = [c for c in template["spec"]["initContainers"] if c.get("restartPolicy") != "Always"]
+    command = step["command"]
     assert command[:2] == ["python", "-c"]
     target = tmp_path / "opt"
     code = command[2].replace(manifests.CLIENT_DIR, str(target))
     assert code != command[2], "the command writes into the emptyDir"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=60)
+    return step, target
+
+
+def test_the_client_copy_gives_the_engine_an_importable_exporter(tmp_path: Path) -> None:
+    """The init container's own command, run here: the copy imports from where the engine looks."""
+    template, _ = hook_pod()
+    copy_step, target = run_copy_step(template, tmp_path)
     assert (target / "exporter" / "defaults" / "catalog.yaml").is_file(), "the packaged catalog comes along"
     assert not list(target.rglob("__pycache__"))
     probe = ("import exporter, exporter.client, exporter.catalog; "
@@ -901,13 +908,7 @@ def test_the_plugin_install_gives_vllm_the_entry_point(tmp_path: Path) -> None:
     hicache_exporter_lmcache in the copied metadata and loads register() from the copied package."""
     template, _ = vllm_pod("vllm-lmcache.yaml")
     spec = template["spec"]
-    (install,) = [c for c in spec["initContainers"] if c.get("restartPolicy") != "Always"]
-    command = install["command"]
-    assert command[:2] == ["python", "-c"]
-    target = tmp_path / "opt"
-    code = command[2].replace(manifests.CLIENT_DIR, str(target))
-    assert code != command[2], "the command writes into the emptyDir"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=60)
+    install, target = run_copy_step(template, tmp_path)
     assert not list(target.rglob("__pycache__"))
     assert (target / "exporter" / "defaults" / "lmcache.yaml").is_file(), "the packaged profiles come along"
     engine = engine_container(spec)

@@ -11,7 +11,7 @@ window reads the ranks' positions as the bandwidth does. Ratios are computed her
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypedDict, TypeVar
 
@@ -167,10 +167,7 @@ class PrefillView:
         rollup), the sum of its ranks' positions of a per_shard one."""
         out: dict[Scope, Totals] = {}
         wanted, replicated = self.wanted, self.replicated
-        for key, members in groups.items():
-            scope = group_scope.get(key)
-            if scope is None:
-                continue
+        for key, scope, members in _scoped(groups, group_scope):
             into = out.setdefault(scope, {})
             mark: RollupCounter | HistAccumulator
             for (family, values), mark in state.group_watermarks(key).items():
@@ -191,10 +188,7 @@ class PrefillView:
         """Over the window, per dp group: a replicated series' furthest replica, a per_shard one's sum."""
         out: dict[Scope, Totals] = {}
         wanted, replicated = self.wanted, self.replicated
-        for key, members in groups.items():
-            scope = group_scope.get(key)
-            if scope is None:
-                continue
+        for _, scope, members in _scoped(groups, group_scope):
             furthest: dict[tuple[str, tuple[str, ...]], float] = {}
             into = out.setdefault(scope, {})
             for rank in members:
@@ -264,3 +258,12 @@ def _largest(scopes: Iterable[ScopeT], tokens: Callable[[ScopeT], float]) -> lis
     """The scopes with the most prefill tokens, at most v1.PREFILL_SCOPES_LISTED (ties: the first listed)."""
     ranked = sorted(enumerate(scopes), key=lambda item: (-tokens(item[1]), item[0]))
     return [scope for _, scope in ranked[:v1.PREFILL_SCOPES_LISTED]]
+
+
+def _scoped(groups: dict[GroupKey, list[RankState]], group_scope: dict[GroupKey, Scope]
+            ) -> Iterator[tuple[GroupKey, Scope, list[RankState]]]:
+    """The replica groups that have a scope (a server's dp group), with it."""
+    for key, members in groups.items():
+        scope = group_scope.get(key)
+        if scope is not None:
+            yield key, scope, members

@@ -223,6 +223,11 @@ class SidecarState:
         """Every rollup histogram, as shown (`show_rollups`)."""
         return self.ledger.histograms if self._shown is None else self._shown[1]
 
+    def live_rollups(self) -> Rollups:
+        """Every rollup as counted now, whatever is shown (`show_rollups`): read in place, not copied, so that
+        one view's figures (a server, its dp groups' watermarks, the window) agree with each other."""
+        return self.ledger.counters, self.ledger.histograms
+
     def rollup_snapshot(self) -> Rollups:
         """A copy of the rollup counters and histograms as they are now."""
         return self.ledger.counters, {key: HistAccumulator(acc.bounds, list(acc.counts), acc.sum)

@@ -4,9 +4,10 @@ cost, since the sidecar started and over the window, for the whole sidecar, per 
 The profile says where (the catalog: `ProfileSpec.prefill`, its tier transfers); nothing here names a
 family. The rules are the rollups' (core/rollups.py): a replicated family is one replica per replica group
 (its watermark since start; over the window its furthest replica's increase), a per_shard family the sum of
-its ranks. Since start, the whole sidecar and each server read the rollups as /metrics shows them; a dp
-group reads its replica groups' watermarks and its ranks' positions (the rollups keep no dp rank). The
-window reads the ranks' positions as the bandwidth does. Ratios are computed here, never exported.
+its ranks. Since start, the whole sidecar and each server read the rollups as counted now (with a state
+file /metrics shows them as last saved, at most persistence.interval behind); a dp group reads its replica
+groups' watermarks and its ranks' positions (the rollups keep no dp rank). The window reads the ranks'
+positions as the bandwidth does. Ratios are computed here, never exported.
 """
 
 from __future__ import annotations
@@ -146,14 +147,17 @@ class PrefillView:
         return any(kind in totals for kind in self.kind_of.values())
 
     def _rollups(self, state: SidecarState, server_of_shared: dict[StaticKey, str]) -> tuple[Totals, dict[str, Totals]]:
-        """Since start, from the rollups as /metrics shows them: the whole sidecar and each server. A rollup no
-        known rank's server stands for any longer counts in the whole only."""
+        """Since start, from the rollups as counted now: the whole sidecar and each server. With a state file
+        /metrics shows them as last saved (persistence.interval behind at most); here they agree with the dp
+        groups' live watermarks and the window. A rollup no known rank's server stands for any longer counts
+        in the whole only."""
         whole: Totals = {}
         by_server: dict[str, Totals] = {}
         wanted = self.wanted
+        counters, histograms = state.live_rollups()
         cells: list[tuple[tuple[str, StaticKey, tuple[str, ...]], float]] = [
-            (key, value) for key, value in state.rollup_counters().items() if key[0] in wanted]
-        cells += [(key, acc.sum) for key, acc in state.rollup_histograms().items() if key[0] in self.histograms]
+            (key, value) for key, value in counters.items() if key[0] in wanted]
+        cells += [(key, acc.sum) for key, acc in histograms.items() if key[0] in self.histograms]
         for (family, shared, values), amount in cells:
             self._add(whole, family, values, amount)
             sid = server_of_shared.get(shared)

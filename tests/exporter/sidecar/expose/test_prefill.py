@@ -348,3 +348,20 @@ def test_a_transfer_no_rank_reports_is_unknown_not_free() -> None:
     for tier in ("host", "storage"):
         assert cost[tier]["read_bytes"] is None and cost[tier]["bytes_per_hit_token"] is None
         assert cost[tier]["fill_bytes"] is None and cost[tier]["fill_bytes_per_hit_token"] is None
+
+
+def test_one_document_reads_one_moment_while_metrics_shows_the_last_save() -> None:
+    """With a state file /metrics shows the rollups as last saved; the document's whole and servers once read
+    them too while its dp groups and window read live values, so the groups added up to more than their server."""
+    h = Harness()
+    ranks = two_by_two(h)
+    h.state.show_rollups(h.state.rollup_snapshot())  # what the keeper does after a save
+    more = {kind: 2 * GROUP_TOKENS[0][kind] for kind in KINDS}
+    for tp in (0, 1):
+        h.push(ranks[(0, tp)][1], *prefill(more), *shard())
+    since, window = (doc_of(view_of(h))["prefill"][period] for period in ("since_start", "window"))
+    (server,) = since["servers"]
+    assert server["tokens"] == since["tokens"] == {
+        **summed(more, GROUP_TOKENS[1]), "total": sum(summed(more, GROUP_TOKENS[1]).values())}
+    assert sum(g["tokens"]["total"] for g in since["dp_groups"]) == server["tokens"]["total"]
+    assert window["tokens"]["total"] <= since["tokens"]["total"]

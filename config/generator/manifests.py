@@ -340,21 +340,27 @@ COPY_CLIENT = ("import pathlib, shutil, exporter; "
                "ignore=shutil.ignore_patterns('__pycache__'), dirs_exist_ok=True)")
 
 
-def hook_example(ns: str) -> list[dict[str, Any]]:
-    """One pod: SGLang launched through the stat-logger hook, pushing to the sidecar over the socket."""
-    copy = {
-        Key("name", """
-            Runs once, first: copies the exporter's Python package (the client and the stat-logger hook,
-            no torch) from the sidecar image into the emptyDir the engine imports it from. Its imports
-            (prometheus_client, msgspec, pydantic, PyYAML) are SGLang's own dependencies.
-            """): "install-hicache-client",
+def install_step(name: str, comment: str, code: str) -> dict[Any, Any]:
+    """An init container that runs `code` in the sidecar's image to put the exporter package into the
+    emptyDir the engine imports it from (`comment` says what it installs and why)."""
+    return {
+        Key("name", comment): name,
         "image": EXPORTER_IMAGE,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["python", "-c", COPY_CLIENT],
+        "command": ["python", "-c", code],
         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
         "securityContext": restricted(),
         "volumeMounts": [{"name": "hicache-client", "mountPath": CLIENT_DIR}],
     }
+
+
+def hook_example(ns: str) -> list[dict[str, Any]]:
+    """One pod: SGLang launched through the stat-logger hook, pushing to the sidecar over the socket."""
+    copy = install_step("install-hicache-client", """
+        Runs once, first: copies the exporter's Python package (the client and the stat-logger hook,
+        no torch) from the sidecar image into the emptyDir the engine imports it from. Its imports
+        (prometheus_client, msgspec, pydantic, PyYAML) are SGLang's own dependencies.
+        """, COPY_CLIENT)
     sglang = engine(
         ["python3", f"{CONFIG_DIR}/launch.py"], launch_args(2, MODEL), gpus=2,
         env=[
@@ -532,21 +538,13 @@ info.mkdir(exist_ok=True)
 
 def vllm_push_example(ns: str) -> list[dict[str, Any]]:
     """One pod: vLLM + LMCache, LMCache's metrics pushed through the vLLM plugin to the sidecar."""
-    install = {
-        Key("name", f"""
-            Runs once, first: installs the exporter's Python package (the client and the LMCache hook, no
-            torch) from the sidecar image into the emptyDir on the engine's PYTHONPATH, with its
-            distribution metadata: its entry point {VLLM_PLUGIN} (group vllm.general_plugins) is how vLLM
-            finds the plugin. Its imports (prometheus_client, msgspec, pydantic, PyYAML) are vLLM's own
-            dependencies.
-            """): "install-hicache-plugin",
-        "image": EXPORTER_IMAGE,
-        "imagePullPolicy": "IfNotPresent",
-        "command": ["python", "-c", INSTALL_PLUGIN],
-        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
-        "securityContext": restricted(),
-        "volumeMounts": [{"name": "hicache-client", "mountPath": CLIENT_DIR}],
-    }
+    install = install_step("install-hicache-plugin", f"""
+        Runs once, first: installs the exporter's Python package (the client and the LMCache hook, no
+        torch) from the sidecar image into the emptyDir on the engine's PYTHONPATH, with its
+        distribution metadata: its entry point {VLLM_PLUGIN} (group vllm.general_plugins) is how vLLM
+        finds the plugin. Its imports (prometheus_client, msgspec, pydantic, PyYAML) are vLLM's own
+        dependencies.
+        """, INSTALL_PLUGIN)
     vllm = vllm_engine(
         ["vllm", "serve"],
         env=[

@@ -292,10 +292,6 @@ class ProfileSpec(BaseModel):
         fill = next((t for t in self.transfers if t.source == above and t.target == tier), None)
         return read, fill
 
-    def runs_dp_attention(self, tp_size: int, dp_size: int, attn_cp_size: int, attn_tp_size: int) -> bool:
-        """Whether a world of these sizes runs DP attention under this profile's rule."""
-        return self.dp_attention == "sizes" and dp_attention_by_sizes(tp_size, dp_size, attn_cp_size, attn_tp_size)
-
     def world_problem(self, dp_size: int, dp_attention: bool = False) -> str | None:
         """Why an upstream of this profile cannot be given a world of `dp_size` replicas (with DP attention
         or not), or None: a profile whose series label no replica (a linear rank label) reads the replicas

@@ -55,6 +55,11 @@ def identity_text(tp_rank: int, pp_rank: int, dp_rank: int, attn_cp_rank: int | 
     return " ".join((f"tp={tp_rank}", f"pp={pp_rank}", f"dp={dp_rank}", *cp, *quoted_labels(static)))
 
 
+def server_id(index: int) -> str:
+    """A server's id in the document, by its place among the servers: `v0`, `v1`, ..."""
+    return f"v{index}"
+
+
 def cell_id(server: str, dp_rank: int, pp_rank: int, attn_cp_rank: int, tp_rank: int) -> str:
     """A rank cell's id in the document: `v0/dp=1,pp=0,cp=0,tp=1`."""
     return f"{server}/dp={dp_rank},pp={pp_rank},cp={attn_cp_rank},tp={tp_rank}"

@@ -16,6 +16,7 @@ from exporter.catalog import (
     Semantics,
     catalog_from_data,
     default_catalog,
+    dp_attention_by_sizes,
     load_profile,
     load_profiles,
 )
@@ -205,10 +206,12 @@ def test_spread_threshold_and_dp_attention_are_profile_facts(both: Catalog) -> N
     sglang, lmcache = both.profiles["sglang"], both.profiles["lmcache"]
     assert sglang.spread_threshold == lmcache.spread_threshold == 0.2
     # SGLang: the dp groups share one tp group when its size spans them (tp 4 = dp 2 x attention tp 2).
-    assert sglang.runs_dp_attention(tp_size=4, dp_size=2, attn_cp_size=1, attn_tp_size=2)
-    assert not sglang.runs_dp_attention(tp_size=2, dp_size=2, attn_cp_size=1, attn_tp_size=2)
+    assert sglang.dp_attention == "sizes"
+    assert dp_attention_by_sizes(tp_size=4, dp_size=2, attn_cp_size=1, attn_tp_size=2)
+    assert not dp_attention_by_sizes(tp_size=2, dp_size=2, attn_cp_size=1, attn_tp_size=2)
     # vLLM's data-parallel replicas each have their own tp group, whatever the sizes.
-    assert not lmcache.runs_dp_attention(tp_size=4, dp_size=2, attn_cp_size=1, attn_tp_size=2)
+    assert lmcache.dp_attention == "never"
+    assert lmcache.world_problem(1, dp_attention=True) is not None and sglang.world_problem(1, dp_attention=True) is None
 
 
 def test_replicated_counter_is_one_predicate(both: Catalog) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TypedDict, TypeVar
 
 from exporter.api import v1
+from exporter.api.view import server_id
 from exporter.catalog import PREFILL_TIERS, Catalog, MetricType, Tier
 from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import GroupKey, HistAccumulator, RollupCounter, StaticKey
@@ -102,7 +103,7 @@ class PrefillView:
         """`prefill` as of now; None when no profile in use counts prefill tokens by tier."""
         if not self.enabled:
             return None
-        server_ids = [f"v{n}" for n in range(len(servers))]  # as the document numbers them
+        server_ids = [server_id(n) for n in range(len(servers))]  # as the document numbers them
         scope_of: dict[int, Scope] = {}  # id(rank) -> its dp group
         server_of_shared: dict[StaticKey, str] = {}
         for sid, server in zip(server_ids, servers):

@@ -22,7 +22,7 @@ import msgspec
 from exporter import __version__
 from exporter.api import v1, view
 from exporter.api.v1 import API_VERSION, BANDWIDTH_SERIES_LISTED, SPREAD_SERIES_LISTED
-from exporter.api.view import GRID_CELLS, GRID_CELLS_PER_GROUP, cell_id
+from exporter.api.view import GRID_CELLS, GRID_CELLS_PER_GROUP, cell_id, server_id
 from exporter.catalog import Catalog
 from exporter.config import SidecarConfig
 from exporter.protocol.messages import World
@@ -376,7 +376,7 @@ class StatusView:
         """The servers with their dp groups' grids, the rank cells they draw, every stream and every replica
         group: ranks and streams counted apart (DESIGN section 13)."""
         state = self.state
-        server_ids = {server.labels: f"v{n}" for n, server in enumerate(servers)}
+        server_ids = {server.labels: server_id(n) for n, server in enumerate(servers)}
         now, wall = state.clock(), state.wall_time()
         cell_of: dict[int, str] = {}  # id(rank) -> its cell's id
         stream_kind: dict[int, str] = {}

@@ -153,6 +153,10 @@ class FamilyLookup(Generic[F]):
         """The family called `name`, or None."""
         return self.index.get(name)
 
+    def held(self, name: str | None) -> str | None:
+        """`name` where the catalog holds that family; None for no name or one a trimmed profile file leaves out."""
+        return name if name is not None and name in self.index else None
+
     def engine_family(self, name: str, prefix: str, kind: MetricType) -> F | None:
         """The family an engine's metric `name` (`prefix` + family, as the engine builds it; a counter's
         with or without `_total`, which prometheus_client adds) is, whatever its type; None outside both."""

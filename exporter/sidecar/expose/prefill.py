@@ -68,9 +68,6 @@ class PrefillView:
         self.at = family.labels.index(spec.label)
         self.kind_of = {value: kind for kind, value in spec.modes().items()}
 
-        def present(name: str | None) -> str | None:
-            return name if name is not None and name in catalog else None
-
         tiers = []
         for tier, level in PREFILL_TIERS:
             if level == "L1":
@@ -78,9 +75,9 @@ class PrefillView:
             read, fill = profile.tier_transfers(level)
             tiers.append(TierFamilies(
                 tier=tier, level=level, read=None if read is None else read.name,
-                read_bytes=None if read is None else present(read.bytes),
-                read_seconds=None if read is None else present(read.seconds),
-                fill=None if fill is None else fill.name, fill_bytes=None if fill is None else present(fill.bytes)))
+                read_bytes=None if read is None else catalog.held(read.bytes),
+                read_seconds=None if read is None else catalog.held(read.seconds),
+                fill=None if fill is None else fill.name, fill_bytes=None if fill is None else catalog.held(fill.bytes)))
         self.tiers = tiers
         described = {t.tier: v1.TierTransfers(level=t.level, read_transfer=t.read, fill_transfer=t.fill) for t in tiers}
         self.transfers = v1.TiersTransfers(host=described["host"], storage=described["storage"])

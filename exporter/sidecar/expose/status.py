@@ -481,13 +481,9 @@ class StatusView:
                    bw_totals: dict[str, Bandwidth]) -> list[v1.Transfer]:
         """Every profile's tier transfers (the catalog's), their rolled-up totals and active bandwidth."""
         catalog = self.catalog
-
-        def present(name: str | None) -> str | None:
-            return name if name is not None and name in catalog else None
-
         out = []
         for profile, transfer in self.transfers:
-            tokens, moved, seconds = present(transfer.tokens), present(transfer.bytes), present(transfer.seconds)
+            tokens, moved, seconds = catalog.held(transfer.tokens), catalog.held(transfer.bytes), catalog.held(transfer.seconds)
             out.append(v1.Transfer(
                 name=transfer.name,
                 profile=profile.name,

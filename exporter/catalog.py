@@ -214,28 +214,69 @@ class TransferSpec(BaseModel):
         return tuple(name for name in (self.tokens, self.bytes, self.seconds) if name is not None)
 
 
-# Where each cache tier of a hierarchy sits: hits served from device memory, host memory or storage.
+# Where each cache tier of a hierarchy sits: hits served from device memory, host memory or storage, and
+# `offload`, the hits of every tier past the device where a profile's families cannot tell host from storage.
 PREFILL_TIERS: tuple[tuple[Literal["device", "host", "storage"], Tier], ...] = (
     ("device", "L1"), ("host", "L2"), ("storage", "L3"))
+PrefillKind = Literal["prompt", "computed", "device", "host", "storage", "offload"]
 
 
-class PrefillSpec(BaseModel):
-    """Where a profile counts its prefill tokens by the tier that served them (DESIGN section 18): one
-    counter family, the label naming the tier, and that label's value for each tier and for the tokens
-    computed (no tier held them)."""
+class TokenCount(BaseModel):
+    """One kind of prefill token as a profile counts it: a counter family and, where one family counts
+    several kinds, the value of its label that counts this one."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     family: str
-    label: str = Field(pattern=LABEL_NAME_RE.pattern)
-    computed: str
-    device: str
-    host: str
-    storage: str
+    label: str | None = Field(None, pattern=LABEL_NAME_RE.pattern)
+    value: str | None = None
 
-    def modes(self) -> dict[str, str]:
-        """The label's value by what it counts: `computed`, then each tier's hits, device first."""
-        return {"computed": self.computed, "device": self.device, "host": self.host, "storage": self.storage}
+    @model_validator(mode="after")
+    def _label_with_value(self) -> TokenCount:
+        if (self.label is None) != (self.value is None):
+            raise ValueError(f"prefill count {self.family!r}: give both `label` and `value`, or neither")
+        return self
+
+
+class PrefillSpec(BaseModel):
+    """Where a profile counts its prefill tokens by the tier that served them (DESIGN section 18). Either
+    every kind is counted, computed among them (the prompt is their sum: SGLang), or the prompt is counted
+    apart and what it leaves after the hits was computed (LMCache). The tiers past the device are `host`
+    and `storage`, or `offload` where the families cannot tell them apart."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: TokenCount | None = None
+    computed: TokenCount | None = None
+    device: TokenCount
+    host: TokenCount | None = None
+    storage: TokenCount | None = None
+    offload: TokenCount | None = None
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> PrefillSpec:
+        if (self.prompt is None) == (self.computed is None):
+            raise ValueError("prefill: give `computed` (every kind counted) or `prompt` (computed is what it "
+                             "leaves after the hits), not both or neither")
+        if not ((self.host is not None and self.storage is not None and self.offload is None)
+                or (self.host is None and self.storage is None and self.offload is not None)):
+            raise ValueError("prefill: give `host` and `storage`, or `offload` where the engine cannot tell them apart")
+        return self
+
+    def counts(self) -> dict[PrefillKind, TokenCount]:
+        """Every kind it counts, by kind: the prompt or computed, then the tiers' hits, device first."""
+        kinds: tuple[PrefillKind, ...] = ("prompt", "computed", "device", "host", "storage", "offload")
+        return {kind: count for kind in kinds if (count := getattr(self, kind)) is not None}
+
+    def tiers(self) -> tuple[tuple[Literal["device", "host", "storage", "offload"], Tier], ...]:
+        """Its hit tiers and where each sits, device first: `offload` is read back from L2 (as a storage hit
+        is staged through host memory)."""
+        return PREFILL_TIERS if self.offload is None else (("device", "L1"), ("offload", "L2"))
+
+    @property
+    def apart(self) -> bool:
+        """Whether its families tell host hits from storage hits."""
+        return self.offload is None
 
 
 SPREAD_THRESHOLD = 0.2  # the default: a replica group whose spread ratio is above it is diverging
@@ -327,8 +368,9 @@ SGLANG_TRANSFERS = (
                  bytes="storage_backup_bytes_total", seconds="storage_backup_duration_seconds", label="backup"),
 )
 # The scheduler's final per-tier count (schedule_policy.py:975-983): `input` is what was computed.
-SGLANG_PREFILL = PrefillSpec(family="prefill_effective_tokens_total", label="mode", computed="input",
-                             device="device_hit", host="host_hit", storage="storage_hit")
+SGLANG_PREFILL = PrefillSpec(**{kind: TokenCount(family="prefill_effective_tokens_total", label="mode", value=value)
+                                for kind, value in (("computed", "input"), ("device", "device_hit"),
+                                                    ("host", "host_hit"), ("storage", "storage_hit"))})
 SGLANG_PROFILE = ProfileSpec(name=DEFAULT_PROFILE, namespace="sglang_", upstream_prefix="sglang:",
                              derived_labels=("moe_ep_rank",), transfers=SGLANG_TRANSFERS, prefill=SGLANG_PREFILL)
 
@@ -371,11 +413,12 @@ class Catalog(BaseModel, FamilyLookup[FamilySpec]):
                     named = by_name.get(name) if name is not None else None
                     if named is not None and named.type is not kind:  # absent: a trimmed profile file
                         raise ValueError(f"transfer {transfer.name!r}: {name!r} is a {named.type.value}, not a {kind.value}")
-            prefill = profile.prefill
-            named = None if prefill is None else by_name.get(prefill.family)
-            if prefill is not None and named is not None and (
-                    named.type is not MetricType.COUNTER or prefill.label not in named.labels):
-                raise ValueError(f"prefill: {prefill.family!r} must be a counter labelled {prefill.label!r}")
+            for count in () if profile.prefill is None else profile.prefill.counts().values():
+                named = by_name.get(count.family)  # absent: a trimmed profile file
+                if named is not None and (named.type is not MetricType.COUNTER
+                                          or (count.label is not None and count.label not in named.labels)):
+                    labelled = "" if count.label is None else f" labelled {count.label!r}"
+                    raise ValueError(f"prefill: {count.family!r} must be a counter{labelled}")
         for fam in self.families:
             if fam.duration_histogram is None:
                 continue
@@ -472,11 +515,13 @@ class Catalog(BaseModel, FamilyLookup[FamilySpec]):
         return [(profile, transfer) for profile in self.profiles.values() for transfer in profile.transfers
                 if transfer.tokens in self or transfer.bytes in self]
 
-    def prefill(self) -> tuple[ProfileSpec, PrefillSpec, FamilySpec] | None:
-        """The first profile in use that counts prefill tokens by tier, its spec and its family; None if none does."""
+    def prefill(self) -> tuple[ProfileSpec, PrefillSpec] | None:
+        """The first profile in use that counts prefill tokens by tier, with its spec; None if none does (or a
+        trimmed profile file leaves out one of its counts)."""
         for profile in self.profiles.values():
-            if profile.prefill is not None and profile.prefill.family in self:
-                return profile, profile.prefill, self.get(profile.prefill.family)
+            spec = profile.prefill
+            if spec is not None and all(count.family in self for count in spec.counts().values()):
+                return profile, spec
         return None
 
     def bandwidth_pairs(self) -> list[tuple[FamilySpec, FamilySpec]]:

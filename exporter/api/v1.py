@@ -354,21 +354,26 @@ PerHitToken = Annotated[NonNegative | None, Meta(description=(
 
 
 class PrefillTokens(Model):
-    """Prefill tokens by where they came from (the profile's modes: `prefill.modes`), and their sum."""
+    """Prefill tokens by where they came from (the profile's counts: `prefill.counts`), and their sum."""
 
-    computed: Tokens
+    computed: Annotated[Tokens, Meta(description=(
+        "computed, no tier held them: counted, or what the prompt leaves after the hits (never below 0)"))]
     device: Tokens
-    host: Tokens
-    storage: Tokens
-    total: Tokens
+    host: Annotated[Tokens | None, Meta(description=(
+        "null: the profile's families cannot tell host hits from storage hits (`offload` holds both)"))]
+    storage: Annotated[Tokens | None, Meta(description="null: as `host`")]
+    offload: Annotated[Tokens, Meta(description="every hit past the device: host and storage hits")]
+    total: Annotated[Tokens, Meta(description="every prefill token: counted apart (the prompt), or the kinds' sum")]
 
 
 class HitRatio(Model):
-    """Each tier's share of all prefill tokens, 0-1; null: no prefill token at all."""
+    """Each tier's share of all prefill tokens, 0-1; null: no prefill token at all, or (host, storage) the
+    profile cannot tell the two apart."""
 
     device: Ratio | None
     host: Ratio | None
     storage: Ratio | None
+    offload: Annotated[Ratio | None, Meta(description="host and storage hits together")]
 
 
 class TierCost(Model):
@@ -386,8 +391,12 @@ class TierCost(Model):
 
 
 class TierCosts(Model):
-    host: TierCost
-    storage: TierCost
+    """By tier; null: the profile has no such tier (`host` and `storage` where it cannot tell them apart,
+    `offload` where it can)."""
+
+    host: TierCost | None
+    storage: TierCost | None
+    offload: TierCost | None
 
 
 class PrefillFigures(Model):
@@ -428,8 +437,21 @@ class TierTransfers(Model):
 
 
 class TiersTransfers(Model):
-    host: TierTransfers
-    storage: TierTransfers
+    """By tier, as `TierCosts`."""
+
+    host: TierTransfers | None
+    storage: TierTransfers | None
+    offload: TierTransfers | None
+
+
+class PrefillCount(Model):
+    """Where the profile counts one kind of prefill token: a counter family and, where that family counts
+    several kinds, its label's value for this one."""
+
+    family: str
+    exported: Annotated[str, Meta(description="its rollup family on /metrics")]
+    label: str | None
+    value: str | None
 
 
 class Prefill(Model):
@@ -437,10 +459,9 @@ class Prefill(Model):
     over the window (the ranks' positions, as the bandwidth is)."""
 
     profile: str
-    family: str
-    exported: Annotated[str, Meta(description="its rollup family on /metrics")]
-    label: str
-    modes: Annotated[dict[str, str], Meta(description="the label's value for `computed` and each tier")]
+    counts: Annotated[dict[str, PrefillCount], Meta(description=(
+        "by kind: `computed` (or `prompt`, all prompt tokens, where computed is what they leave after the "
+        "hits), then each tier's hits: `device`, then `host` and `storage`, or `offload`"))]
     tiers: TiersTransfers
     window_seconds: Seconds
     since_start: PrefillPeriod

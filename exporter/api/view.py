@@ -174,7 +174,9 @@ def transfer_rows(doc: v1.StatusDocument) -> list[TransferRow]:
 
 # --- prefill: where prefill tokens come from, and what a hit costs (DESIGN section 18) ---
 
-PREFILL_KINDS = ("device", "host", "storage", "computed")  # the bar's order: the nearest tier first
+# The bar's order, the nearest tier first: a profile that tells host hits from storage hits, and one that cannot.
+PREFILL_KINDS = ("device", "host", "storage", "computed")
+PREFILL_KINDS_TOGETHER = ("device", "offload", "computed")
 
 
 def percent(share: float) -> str:
@@ -242,17 +244,23 @@ class ShareSegment:
 
 
 def prefill_segments(figures: v1.PrefillFigures, tiers: v1.TiersTransfers) -> list[ShareSegment]:
-    """The bar of one scope: device, host, storage hits, then what was computed; [] with no prefill token."""
+    """The bar of one scope: device, host, storage hits (or offload, where the profile cannot tell those two
+    apart), then what was computed; [] with no prefill token."""
     tokens = figures.tokens
     if tokens.total <= 0:
         return []
     ratio = figures.hit_ratio
-    shares = {"device": ratio.device, "host": ratio.host, "storage": ratio.storage, "computed": figures.computed_ratio}
-    costs = {"host": tier_cost_text(figures.cost.host, tiers.host),
-             "storage": tier_cost_text(figures.cost.storage, tiers.storage)}
-    return [ShareSegment(kind=kind, share=share, percent=percent(share), tokens=getattr(tokens, kind),
+    shares = {"device": ratio.device, "host": ratio.host, "storage": ratio.storage, "offload": ratio.offload,
+              "computed": figures.computed_ratio}
+    counted = {"device": tokens.device, "host": tokens.host, "storage": tokens.storage, "offload": tokens.offload,
+               "computed": tokens.computed}
+    costs = {kind: tier_cost_text(cost, transfers) for kind, cost, transfers in (
+        ("host", figures.cost.host, tiers.host), ("storage", figures.cost.storage, tiers.storage),
+        ("offload", figures.cost.offload, tiers.offload)) if cost is not None and transfers is not None}
+    kinds = PREFILL_KINDS if tokens.host is not None else PREFILL_KINDS_TOGETHER
+    return [ShareSegment(kind=kind, share=share, percent=percent(share), tokens=counted[kind] or 0.0,
                          cost=costs.get(kind, ""))
-            for kind in PREFILL_KINDS for share in (shares[kind] or 0.0,)]
+            for kind in kinds for share in (shares[kind] or 0.0,)]
 
 
 NO_PREFILL = "no prefill token counted yet"

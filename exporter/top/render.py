@@ -448,7 +448,7 @@ class CellRow:
 # --- where prefill tokens come from ----------------------------------------------------------
 
 SHARES_WIDTH = 40  # the stacked bar, in cells
-TIER_STYLE = {"device": "blue", "host": "green", "storage": "yellow", "computed": "bright_black"}
+TIER_STYLE = {"device": "blue", "host": "green", "storage": "yellow", "offload": "magenta", "computed": "bright_black"}
 GROUPS_SHOWN = 4  # dp groups given a line of their own shares; the rest are counted
 
 

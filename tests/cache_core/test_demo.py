@@ -128,9 +128,11 @@ def prefill_shares_match_the_rollups(url: str) -> None:
         scrape = Scrape(http_get(url + "/metrics")[1].decode())
         tokens = {s.labels["mode"]: s.value for s in scrape.find(name("rollup_prefill_effective_tokens_total"))}
         total = sum(tokens.values())
-        shares = {tier: tokens[f"{tier}_hit"] / total for tier in ("device", "host", "storage")}
+        offload = tokens["host_hit"] + tokens["storage_hit"]
+        shares = {**{tier: tokens[f"{tier}_hit"] / total for tier in ("device", "host", "storage")},
+                  "offload": offload / total}
         since = json.loads(http_get(url + "/api/v1/status")[1])["prefill"]["since_start"]
-        counted = {"computed": tokens["input"], "total": total,
+        counted = {"computed": tokens["input"], "total": total, "offload": offload,
                    **{tier: tokens[f"{tier}_hit"] for tier in ("device", "host", "storage")}}
         return (since["hit_ratio"] == shares and since["computed_ratio"] == tokens["input"] / total
                 and since["tokens"] == counted)  # the counts too: a share alone would not show tokens counted TP times

@@ -47,8 +47,10 @@ def expected(groups: tuple[int, ...] = DP_GROUPS) -> dict[str, Any]:
     by_mode = {mode: float(sum(group_tokens(g)[mode] for g in groups)) for mode in KINDS.values()}
     tokens = {kind: by_mode[mode] for kind, mode in KINDS.items()}
     total = tokens["computed"] + tokens["device"] + tokens["host"] + tokens["storage"]
-    return {"tokens": {**tokens, "total": total},
-            "hit_ratio": {tier: tokens[tier] / total for tier in ("device", "host", "storage")},
+    offload = tokens["host"] + tokens["storage"]
+    return {"tokens": {**tokens, "offload": offload, "total": total},
+            "hit_ratio": {**{tier: tokens[tier] / total for tier in ("device", "host", "storage")},
+                          "offload": offload / total},
             "computed_ratio": tokens["computed"] / total}
 
 
@@ -87,8 +89,10 @@ def from_rollups(scrape: Scrape) -> dict[str, Any]:
     rolled = {s.labels["mode"]: s.value for s in scrape.find("sglang_rollup_prefill_effective_tokens_total")}
     tokens = {kind: rolled[mode] for kind, mode in KINDS.items()}
     total = sum(tokens.values())
-    return {"tokens": {**tokens, "total": total},
-            "hit_ratio": {tier: tokens[tier] / total for tier in ("device", "host", "storage")},
+    offload = tokens["host"] + tokens["storage"]
+    return {"tokens": {**tokens, "offload": offload, "total": total},
+            "hit_ratio": {**{tier: tokens[tier] / total for tier in ("device", "host", "storage")},
+                          "offload": offload / total},
             "computed_ratio": tokens["computed"] / total}
 
 
@@ -159,9 +163,13 @@ def doors(ranks: ModuleType, integration: ModuleType, tmp_path_factory: pytest.T
 def test_the_shares_are_the_hand_computed_ones_once_per_dp_group_not_tp_times(doors: Seen, door: str) -> None:
     started = doors[door]["status"]["prefill"]["since_start"]
     truth = expected()
-    assert truth["tokens"] == {"computed": 1332.0, "device": 1460.0, "host": 384.0, "storage": 128.0, "total": 3304.0}
+    assert truth["tokens"] == {"computed": 1332.0, "device": 1460.0, "host": 384.0, "storage": 128.0, "offload": 512.0,
+                               "total": 3304.0}
     assert figures(started) == truth
-    assert started["hit_ratio"] == {"device": 1460 / 3304, "host": 384 / 3304, "storage": 128 / 3304}
+    # Everything was counted inside the window, so the window's figures (the positions' increases) are the same.
+    assert figures(doors[door]["status"]["prefill"]["window"]) == truth
+    assert started["hit_ratio"] == {"device": 1460 / 3304, "host": 384 / 3304, "storage": 128 / 3304,
+                                    "offload": 512 / 3304}
     (server,) = started["servers"]
     assert figures(server) == truth and started["servers_count"] == 1
     # Per dp group: each group's own traffic, its replicas counted once.

@@ -18,7 +18,7 @@ from typing import TypedDict, TypeVar
 
 from exporter.api import v1
 from exporter.api.view import server_id
-from exporter.catalog import PREFILL_TIERS, Catalog, MetricType, Tier
+from exporter.catalog import Catalog, MetricType, Tier
 from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import GroupKey, HistAccumulator, RollupCounter, StaticKey
 from exporter.sidecar.core.ranks import RankState
@@ -28,7 +28,7 @@ from exporter.sidecar.expose.families import ExposedFamilies
 
 ScopeT = TypeVar("ScopeT")
 Scope = tuple[str, int]  # (server id, dp rank): one dp group of one server
-Totals = dict[str, float]  # by what it counts: a mode's kind (computed, device, host, storage) or a family's name
+Totals = dict[str, float]  # by what it counts: a kind of prefill token (catalog.PrefillKind) or a cost family's name
 
 
 class Figures(TypedDict):
@@ -61,15 +61,20 @@ class PrefillView:
         self.enabled = found is not None
         if found is None:
             return
-        profile, spec, family = found
+        profile, spec = found
         self.profile, self.spec = profile.name, spec
-        self.family = family.name
-        self.exported = families.rollup[family.name].name
-        self.at = family.labels.index(spec.label)
-        self.kind_of = {value: kind for kind, value in spec.modes().items()}
+        # family -> (the index of its label, the label's value, the kind it counts) of each kind it counts
+        self.kinds: dict[str, list[tuple[int | None, str | None, str]]] = {}
+        for kind, count in spec.counts().items():
+            at = None if count.label is None else catalog.get(count.family).labels.index(count.label)
+            self.kinds.setdefault(count.family, []).append((at, count.value, kind))
+        self.counts: dict[str, v1.PrefillCount] = {
+            kind: v1.PrefillCount(family=count.family, exported=families.rollup[count.family].name,
+                                  label=count.label, value=count.value)
+            for kind, count in spec.counts().items()}
 
         tiers = []
-        for tier, level in PREFILL_TIERS:
+        for tier, level in spec.tiers():
             if level == "L1":
                 continue
             read, fill = profile.tier_transfers(level)
@@ -80,19 +85,19 @@ class PrefillView:
                 fill=None if fill is None else fill.name, fill_bytes=None if fill is None else catalog.held(fill.bytes)))
         self.tiers = tiers
         described = {t.tier: v1.TierTransfers(level=t.level, read_transfer=t.read, fill_transfer=t.fill) for t in tiers}
-        self.transfers = v1.TiersTransfers(host=described["host"], storage=described["storage"])
-        cost_families = {name for t in tiers for name in (t.read_bytes, t.read_seconds, t.fill_bytes) if name}
-        self.wanted = frozenset(cost_families | {family.name})
+        self.transfers = v1.TiersTransfers(host=described.get("host"), storage=described.get("storage"),
+                                           offload=described.get("offload"))
+        self.cost_families = frozenset(name for t in tiers for name in (t.read_bytes, t.read_seconds, t.fill_bytes)
+                                       if name)
+        self.wanted = self.cost_families | self.kinds.keys()
         self.replicated = {name: catalog.get(name).replicated for name in self.wanted}
         self.histograms = frozenset(name for name in self.wanted if catalog.get(name).type is MetricType.HISTOGRAM)
 
     def _add(self, into: Totals, family: str, values: tuple[str, ...], amount: float) -> None:
-        if family == self.family:
-            kind = self.kind_of.get(values[self.at])
-            if kind is None:  # a value the profile gives no tier
-                return
-            into[kind] = into.get(kind, 0.0) + amount
-        else:
+        for at, value, kind in self.kinds.get(family, ()):
+            if at is None or values[at] == value:  # a value the profile gives no kind counts nowhere
+                into[kind] = into.get(kind, 0.0) + amount
+        if family in self.cost_families:
             into[family] = into.get(family, 0.0) + amount
 
     def report(self, state: SidecarState, known: list[RankState], increases: dict[int, Increases],
@@ -130,19 +135,20 @@ class PrefillView:
                               key=lambda scope: (order[scope[0]], scope[1]))
         counts = len(with_tokens), len(listed)
         return v1.Prefill(
-            profile=self.profile, family=self.family, exported=self.exported, label=self.spec.label,
-            modes=self.spec.modes(), tiers=self.transfers, window_seconds=state.window_seconds,
+            profile=self.profile, counts=self.counts, tiers=self.transfers, window_seconds=state.window_seconds,
             since_start=self._period(started_whole, started_servers, started_groups, shown_servers, shown_groups,
                                      counts),
             window=self._period(window_whole, window_servers, window_groups, shown_servers, shown_groups, counts),
         )
 
     def tokens(self, totals: Totals) -> float:
-        """All prefill tokens of a scope."""
-        return sum(totals.get(kind, 0.0) for kind in self.kind_of.values())
+        """All prefill tokens of a scope: its prompt where counted apart, else the sum of every kind."""
+        if self.spec.prompt is not None:
+            return totals.get("prompt", 0.0)
+        return sum(totals.get(kind, 0.0) for kind in self.spec.counts())
 
     def family_in(self, totals: Totals) -> bool:
-        return any(kind in totals for kind in self.kind_of.values())
+        return any(kind in totals for kind in self.spec.counts())
 
     def _rollups(self, state: SidecarState, server_of_shared: dict[StaticKey, str]) -> tuple[Totals, dict[str, Totals]]:
         """Since start, from the rollups as counted now: the whole sidecar and each server. With a state file
@@ -175,13 +181,13 @@ class PrefillView:
             for (family, values), mark in state.group_watermarks(key).items():
                 if family in wanted and replicated[family]:
                     self._add(into, family, values, mark.value if isinstance(mark, RollupCounter) else mark.sum)
-                    if family == self.family:
+                    if family in self.kinds:
                         listed.add(scope)
             for rank in members:
                 for (family, values), position in rank.positions.items():
                     if family in wanted and not replicated[family]:
                         self._add(into, family, values, position)
-                        if family == self.family:
+                        if family in self.kinds:
                             listed.add(scope)
         return out
 
@@ -221,8 +227,20 @@ class PrefillView:
 
     def _figures(self, totals: Totals) -> Figures:
         """One scope's tokens, shares and costs, as the fields of v1.PrefillFigures."""
-        computed, device, host, storage = (totals.get(kind, 0.0) for kind in ("computed", "device", "host", "storage"))
-        total = computed + device + host + storage
+        device = totals.get("device", 0.0)
+        host = storage = None
+        if self.spec.apart:
+            host, storage = totals.get("host", 0.0), totals.get("storage", 0.0)
+            offload = host + storage
+        else:
+            offload = totals.get("offload", 0.0)
+        if self.spec.prompt is not None:
+            # A hit may be counted twice up to a chunk (lmcache.yaml's prefill note): computed is never below 0.
+            total = totals.get("prompt", 0.0)
+            computed = max(total - device - offload, 0.0)
+        else:
+            computed = totals.get("computed", 0.0)
+            total = computed + device + offload
 
         def share(part: float) -> float | None:
             return min(part / total, 1.0) if total > 0 else None
@@ -230,7 +248,8 @@ class PrefillView:
         # A storage hit is prefetched into host memory and loaded back from there (L2 -> L1) as a host hit is
         # (sglang 0.5.23 schedule_batch.py:231-265): the host tier's reads and fills serve both, so they are
         # paid per host and storage hit token, as the recording rules divide them (config/generator/rules.py).
-        hits = {"host": host + storage, "storage": storage}
+        # An offload tier (host and storage together) is read back from L2 the same way.
+        hits = {"host": offload, "storage": storage or 0.0, "offload": offload}
         costs = {}
         for tier in self.tiers:
             hit = hits[tier.tier]
@@ -249,10 +268,12 @@ class PrefillView:
                 bytes_per_hit_token=per_hit(read_bytes), seconds_per_hit_token=per_hit(read_seconds),
                 fill_bytes_per_hit_token=per_hit(fill_bytes))
         return {
-            "tokens": v1.PrefillTokens(computed=computed, device=device, host=host, storage=storage, total=total),
-            "hit_ratio": v1.HitRatio(device=share(device), host=share(host), storage=share(storage)),
+            "tokens": v1.PrefillTokens(computed=computed, device=device, host=host, storage=storage, offload=offload,
+                                       total=total),
+            "hit_ratio": v1.HitRatio(device=share(device), host=None if host is None else share(host),
+                                     storage=None if storage is None else share(storage), offload=share(offload)),
             "computed_ratio": share(computed),
-            "cost": v1.TierCosts(host=costs["host"], storage=costs["storage"]),
+            "cost": v1.TierCosts(host=costs.get("host"), storage=costs.get("storage"), offload=costs.get("offload")),
         }
 
 

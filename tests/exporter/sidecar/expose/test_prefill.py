@@ -30,8 +30,8 @@ from tests.exporter.sidecar.harness import Harness, hist, one_hot
 from tests.exporter.test_top import NOW, screen_text
 from tests.exporter.test_top import view_of as top_view
 
-PREFILL = SGLANG_PREFILL.family
-MODES = SGLANG_PREFILL.modes()  # computed, device, host, storage -> the engine's mode values
+PREFILL = SGLANG_PREFILL.device.family
+MODES = {kind: count.value for kind, count in SGLANG_PREFILL.counts().items()}  # kind -> the engine's mode
 KINDS = ("computed", "device", "host", "storage")
 # Per dp group: the tokens its scheduler counted (every replica counts the same: replicated).
 GROUP_TOKENS = {0: {"computed": 100, "device": 610, "host": 220, "storage": 70},
@@ -66,16 +66,18 @@ def two_by_two(h: Harness) -> dict[tuple[int, int], tuple[object, RankState]]:
 
 def shares(tokens: dict[str, float]) -> tuple[dict[str, float], float]:
     total = sum(tokens.values())
-    return {kind: tokens[kind] / total for kind in ("device", "host", "storage")}, tokens["computed"] / total
+    hit_ratio = {kind: tokens[kind] / total for kind in ("device", "host", "storage")}
+    return {**hit_ratio, "offload": (tokens["host"] + tokens["storage"]) / total}, tokens["computed"] / total
 
 
 def check_figures(figures: dict[str, Any], tokens: dict[str, float], shards: int, scale: float = 1) -> None:
     """A scope's tokens and shares exactly; its costs from `shards` ranks' bytes and seconds (times `scale`)."""
     total = sum(tokens.values())
-    assert figures["tokens"] == {**tokens, "total": total}
+    assert figures["tokens"] == {**tokens, "offload": tokens["host"] + tokens["storage"], "total": total}
     hit_ratio, computed = shares(tokens)
     assert figures["hit_ratio"] == hit_ratio and figures["computed_ratio"] == computed
     host, storage = figures["cost"]["host"], figures["cost"]["storage"]
+    assert figures["cost"]["offload"] is None  # the profile tells host from storage
     # A storage hit is loaded back from host memory too: the host tier is paid per host and storage hit token.
     host_read = tokens["host"] + tokens["storage"]
     assert host["read_bytes"] == shards * SHARD["load_back_bytes_total"] * scale
@@ -100,14 +102,14 @@ def test_two_dp_groups_of_two_replicas_give_exact_shares_not_tp_times() -> None:
     doc = doc_of(view_of(h))
     assert_valid("status", doc)
     report = doc["prefill"]
-    assert (report["profile"], report["family"], report["label"], report["modes"]) == (
-        "sglang", PREFILL, "mode", MODES)
-    assert report["exported"] == "sglang_rollup_prefill_effective_tokens"
+    assert report["profile"] == "sglang"
+    assert report["counts"] == {kind: {"family": PREFILL, "exported": "sglang_rollup_prefill_effective_tokens",
+                                       "label": "mode", "value": value} for kind, value in MODES.items()}
     # The costs' transfers, from the profile's tiers: L2 hits are read back L2->L1 and filled L1->L2, L3 hits
     # are read L3->L2 and filled L2->L3.
     assert report["tiers"] == {
         "host": {"level": "L2", "read_transfer": "load_back", "fill_transfer": "backup"},
-        "storage": {"level": "L3", "read_transfer": "prefetch", "fill_transfer": "storage_backup"}}
+        "storage": {"level": "L3", "read_transfer": "prefetch", "fill_transfer": "storage_backup"}, "offload": None}
     whole = summed(GROUP_TOKENS[0], GROUP_TOKENS[1])
     assert whole == {"computed": 400, "device": 710, "host": 300, "storage": 90}  # one replica per group, not 2x
     for period in ("since_start", "window"):  # everything happened inside the window
@@ -120,7 +122,8 @@ def test_two_dp_groups_of_two_replicas_give_exact_shares_not_tp_times() -> None:
         assert list(groups) == [("v0", 0), ("v0", 1)]
         for dp in (0, 1):
             check_figures(groups[("v0", dp)], summed(GROUP_TOKENS[dp]), shards=2)
-    assert report["since_start"]["hit_ratio"] == {"device": 710 / 1500, "host": 300 / 1500, "storage": 90 / 1500}
+    assert report["since_start"]["hit_ratio"] == {"device": 710 / 1500, "host": 300 / 1500, "storage": 90 / 1500,
+                                                  "offload": 390 / 1500}
 
 
 def test_a_lagging_replica_leaves_its_group_at_the_furthest_one() -> None:
@@ -131,7 +134,8 @@ def test_a_lagging_replica_leaves_its_group_at_the_furthest_one() -> None:
     doc = doc_of(view_of(h))
     for period in ("since_start", "window"):
         groups = {g["dp_rank"]: g for g in doc["prefill"][period]["dp_groups"]}
-        assert groups[0]["tokens"] == {**summed(ahead), "total": float(sum(ahead.values()))}
+        assert groups[0]["tokens"] == {**summed(ahead), "offload": float(ahead["host"] + ahead["storage"]),
+                                       "total": float(sum(ahead.values()))}
         assert doc["prefill"][period]["tokens"]["total"] == sum(ahead.values()) + sum(GROUP_TOKENS[1].values())
 
 
@@ -165,11 +169,11 @@ def test_the_window_is_the_increase_of_the_positions_and_since_start_everything(
     window = doc["prefill"]["window"]
     check_figures(window, summed(more[0], more[1]), shards=4)  # the bytes and seconds moved once more
     groups = {g["dp_rank"]: g for g in window["dp_groups"]}
-    assert groups[0]["hit_ratio"] == {"device": 0.75, "host": 0.0, "storage": 0.0}
+    assert groups[0]["hit_ratio"] == {"device": 0.75, "host": 0.0, "storage": 0.0, "offload": 0.0}
     assert groups[0]["computed_ratio"] == 0.25
     assert groups[0]["cost"]["host"]["bytes_per_hit_token"] is None  # no host hit in the window: no quotient
     assert groups[0]["cost"]["host"]["read_bytes"] == 2 * SHARD["load_back_bytes_total"]
-    assert groups[1]["hit_ratio"] == {"device": 0.25, "host": 0.25, "storage": 0.25}
+    assert groups[1]["hit_ratio"] == {"device": 0.25, "host": 0.25, "storage": 0.25, "offload": 0.5}
     since = doc["prefill"]["since_start"]
     check_figures(since, summed(*(GROUP_TOKENS[dp] for dp in (0, 1)), *more.values()), shards=4, scale=2)
 
@@ -189,13 +193,19 @@ def test_no_prefill_token_yet_gives_null_shares_and_lists_no_group() -> None:
     doc = doc_of(view_of(h))
     assert_valid("status", doc)
     since = doc["prefill"]["since_start"]
-    assert since["hit_ratio"] == {"device": None, "host": None, "storage": None} and since["computed_ratio"] is None
+    assert since["hit_ratio"] == {"device": None, "host": None, "storage": None, "offload": None}
+    assert since["computed_ratio"] is None
     assert since["tokens"]["total"] == 0 and since["servers"] == since["dp_groups"] == []
 
 
+def untold_catalog() -> Catalog:
+    """The default catalog with a profile that does not say where its prefill tokens are counted."""
+    untold = SGLANG_PROFILE.model_copy(update={"prefill": None})
+    return Catalog(families=default_catalog().families, profiles={"sglang": untold})
+
+
 def test_a_sidecar_of_a_profile_without_tier_counts_has_no_prefill() -> None:
-    catalog = load_profiles(None, ["lmcache"]).of_profile("lmcache")
-    doc = doc_of(view_of(Harness(catalog=catalog)))
+    doc = doc_of(view_of(Harness(catalog=untold_catalog())))
     assert doc["prefill"] is None
     assert_valid("status", doc)
 
@@ -214,7 +224,9 @@ def test_the_shares_are_the_rollups_on_metrics_which_gains_no_ratio_gauges() -> 
             rolled[mode.group(1)] = float(line.rsplit(" ", 1)[1])
     total = sum(rolled.values())
     report = doc_of(view_of(h))["prefill"]["since_start"]
-    assert report["hit_ratio"] == {kind: rolled[MODES[kind]] / total for kind in ("device", "host", "storage")}
+    assert report["hit_ratio"] == {
+        **{kind: rolled[MODES[kind]] / total for kind in ("device", "host", "storage")},
+        "offload": (rolled[MODES["host"]] + rolled[MODES["storage"]]) / total}
     assert report["computed_ratio"] == rolled[MODES["computed"]] / total
     assert not any(word in text for word in ("hit_ratio", "per_hit", "prefill_share", "computed_ratio"))
 
@@ -262,8 +274,7 @@ def test_the_page_says_when_there_is_no_prefill_token_or_no_profile_counts_them(
     h = Harness()
     h.hello()
     assert '<p class="empty">no prefill token counted yet.</p>' in render_page(typed(doc_of(view_of(h))))
-    catalog = load_profiles(None, ["lmcache"]).of_profile("lmcache")
-    body = render_page(typed(doc_of(view_of(Harness(catalog=catalog)))))
+    body = render_page(typed(doc_of(view_of(Harness(catalog=untold_catalog())))))
     assert "No profile in use counts prefill tokens by tier." in body
 
 
@@ -332,9 +343,10 @@ def test_the_profile_says_which_transfers_serve_and_fill_each_tier_and_its_prefi
     assert (read and read.name, fill and fill.name) == ("retrieve", "store")
     read, fill = lmcache.tier_transfers("L3")
     assert (read and read.name, fill and fill.name) == ("remote_read", "remote_write")
-    assert lmcache.tier_transfers("L1") == (None, None) and lmcache.prefill is None
+    assert lmcache.tier_transfers("L1") == (None, None)
     catalog = default_catalog()
-    bad = SGLANG_PREFILL.model_copy(update={"family": "load_back_bytes_total"})  # a counter without the label
+    device = SGLANG_PREFILL.device.model_copy(update={"family": "load_back_bytes_total"})  # no `mode` label
+    bad = SGLANG_PREFILL.model_copy(update={"device": device})
     with pytest.raises(ValidationError, match="must be a counter labelled 'mode'"):
         Catalog(families=catalog.families, profiles={"sglang": SGLANG_PROFILE.model_copy(update={"prefill": bad})})
 
@@ -361,7 +373,83 @@ def test_one_document_reads_one_moment_while_metrics_shows_the_last_save() -> No
         h.push(ranks[(0, tp)][1], *prefill(more), *shard())
     since, window = (doc_of(view_of(h))["prefill"][period] for period in ("since_start", "window"))
     (server,) = since["servers"]
+    both = summed(more, GROUP_TOKENS[1])
     assert server["tokens"] == since["tokens"] == {
-        **summed(more, GROUP_TOKENS[1]), "total": sum(summed(more, GROUP_TOKENS[1]).values())}
+        **both, "offload": both["host"] + both["storage"], "total": sum(both.values())}
     assert sum(g["tokens"]["total"] for g in since["dp_groups"]) == server["tokens"]["total"]
     assert window["tokens"]["total"] <= since["tokens"]["total"]
+
+
+# --- the lmcache profile: its prompt counted apart, vLLM's own hits and LMCache's (one offload tier) ---
+
+LMCACHE_LABELS = {"model_name": "m", "served_model_name": "m", "role": "worker"}
+# Per dp group (each vLLM engine), what every worker of it counts: prompt, vLLM's hits, LMCache's hits.
+LMCACHE_TOKENS = {0: (2000, 900, 700), 1: (1000, 100, 300)}
+RETRIEVE_SECONDS = 0.125  # each worker's own time retrieving
+
+
+def lmcache_two_by_two(tokens: dict[int, tuple[int, int, int]] = LMCACHE_TOKENS) -> Harness:
+    """2 vLLM engines (dp groups) x 2 workers (tp), each worker counting its engine's tokens."""
+    catalog = load_profiles(None, ["lmcache"]).of_profile("lmcache")
+    h = Harness(catalog=catalog)
+    bounds = catalog.get("time_to_retrieve").buckets
+    assert bounds is not None
+    for dp, (prompt, vllm_hit, hit) in tokens.items():
+        for worker in (0, 1):
+            _, rank = h.hello(tp=worker, dp=dp, labels={**LMCACHE_LABELS, "worker_id": str(worker)})
+            h.push(rank, ScalarSample(family="num_prompt_tokens_total", labels={}, value=prompt),
+                   ScalarSample(family="num_vllm_hit_tokens_total", labels={}, value=vllm_hit),
+                   ScalarSample(family="num_hit_tokens_total", labels={}, value=hit),
+                   hist("time_to_retrieve", one_hot("time_to_retrieve", 2, finite=bounds), RETRIEVE_SECONDS,
+                        finite=bounds))
+    return h
+
+
+def test_an_lmcache_sidecar_gives_vllms_hits_lmcaches_and_what_the_prompt_leaves_one_replica_per_engine() -> None:
+    doc = doc_of(view_of(lmcache_two_by_two()))
+    assert_valid("status", doc)
+    report = doc["prefill"]
+    assert report["profile"] == "lmcache"
+    assert {kind: count["family"] for kind, count in report["counts"].items()} == {
+        "prompt": "num_prompt_tokens_total", "device": "num_vllm_hit_tokens_total", "offload": "num_hit_tokens_total"}
+    assert report["counts"]["offload"]["exported"].endswith("_rollup_num_hit_tokens")  # its profile's namespace
+    # Its families cannot tell LMCache's CPU hits from its remote ones: one offload tier, read back L2->L1.
+    assert report["tiers"] == {"host": None, "storage": None,
+                               "offload": {"level": "L2", "read_transfer": "retrieve", "fill_transfer": "store"}}
+    since = report["since_start"]
+    # One worker per engine, the engines summed: never the 2x a sum over workers gives.
+    assert since["tokens"] == {"computed": 1000.0, "device": 1000.0, "host": None, "storage": None,
+                               "offload": 1000.0, "total": 3000.0}
+    assert since["hit_ratio"] == {"device": 1000 / 3000, "host": None, "storage": None, "offload": 1000 / 3000}
+    assert since["computed_ratio"] == 1000 / 3000
+    assert since["cost"]["host"] is None and since["cost"]["storage"] is None
+    offload = since["cost"]["offload"]
+    # LMCache times a retrieve (every worker its own: 4 x 0.125 s) and counts no bytes of it or of a store.
+    assert offload["read_seconds"] == 4 * RETRIEVE_SECONDS and offload["seconds_per_hit_token"] == 0.5 / 1000
+    assert offload["read_bytes"] is None and offload["bytes_per_hit_token"] is None
+    assert offload["fill_bytes"] is None and offload["fill_bytes_per_hit_token"] is None
+    groups = {g["dp_rank"]: g for g in since["dp_groups"]}
+    assert groups[0]["hit_ratio"]["device"] == 900 / 2000 and groups[0]["hit_ratio"]["offload"] == 700 / 2000
+    assert groups[1]["tokens"]["computed"] == 600 and groups[1]["computed_ratio"] == 0.6
+    assert report["window"]["tokens"] == since["tokens"]  # everything happened inside the window
+
+
+def test_lmcache_hits_counted_twice_within_a_chunk_leave_nothing_computed_never_less() -> None:
+    """A retrieve starts at the chunk boundary below vLLM's hit, so vLLM's and LMCache's hits can add up to
+    more than the prompt: computed is then 0, and no share exceeds 1."""
+    since = doc_of(view_of(lmcache_two_by_two({0: (1000, 600, 500)})))["prefill"]["since_start"]
+    assert since["tokens"]["computed"] == 0 and since["computed_ratio"] == 0
+    assert since["hit_ratio"]["device"] == 0.6 and since["hit_ratio"]["offload"] == 0.5
+
+
+def test_the_page_and_top_show_lmcaches_shares_with_offload_beside_its_name() -> None:
+    doc = doc_of(view_of(lmcache_two_by_two()))
+    body = render_page(typed(doc))
+    section = body[body.index('id="prefill"'):body.index("</section>", body.index('id="prefill"'))]
+    assert '<p class="shares-text">device 33 % · offload 33 % · computed 33 %</p>' in section
+    assert '<rect class="tier-offload"' in section and "tier-host" not in section
+    assert "<td>retrieve 500 µs per hit token</td>" in section
+    lines = screen_text(render_frame(top_view(doc), now=NOW)).splitlines()
+    assert lines[3].split("  ", 1)[1] == "device 33 % · offload 33 % · computed 33 %"
+    assert [line.split()[:4] for line in lines[4:7]] == [
+        ["device", "33", "%", "1,000"], ["offload", "33", "%", "1,000"], ["computed", "33", "%", "1,000"]]

@@ -221,8 +221,8 @@ def test_every_number_equals_the_metrics_rollups(proxied: tuple[SidecarThread, E
     assert {r["reason"]: r["value"] for r in unfulfilled["by_reason"]}["host_capacity"] == 2000
     # The shares' tokens: the rollup of the prefill family, mode by mode, as /metrics shows it.
     prefill = doc["prefill"]
-    for kind, mode in prefill["modes"].items():
-        on_metrics = sum(s.value for s in scrape.find(prefill["exported"] + "_total", mode=mode))
+    for kind, count in prefill["counts"].items():
+        on_metrics = sum(s.value for s in scrape.find(count["exported"] + "_total", **{count["label"]: count["value"]}))
         assert prefill["since_start"]["tokens"][kind] == on_metrics, kind
     assert prefill["since_start"]["tokens"]["computed"] == 2000  # the pushed replicas' `input`: the furthest one
     assert prefill["since_start"]["computed_ratio"] == 1.0

@@ -512,8 +512,9 @@ def vllm_engine(command: list[str], env: list[dict[str, Any]], mounts: list[dict
         comment=comment, name="vllm", image=VLLM_IMAGE, port=VLLM_PORT,
         image_comment="""
             LMCache's release image for 0.5.6: vLLM with LMCache installed (check the vLLM it carries: this
-            project reads LMCache 0.5.6 under vLLM 0.31.0). Or your own, FROM vllm/vllm-openai with
-            `pip install lmcache`. Pin its digest in production.
+            project reads LMCache 0.5.6 under vLLM 0.31.0, whose wheel these flags, the
+            vllm.general_plugins group and VLLM_PLUGINS were checked against). Or your own, FROM
+            vllm/vllm-openai with `pip install lmcache`. Pin its digest in production.
             """,
         security=engine_security("The vLLM image", "torch compile, Triton, FlashInfer"))
 

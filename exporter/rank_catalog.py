@@ -10,6 +10,7 @@ into exporter/defaults/rank_catalogs.json, and a test fails, naming that command
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -195,3 +196,22 @@ def built_catalog(profile: str = DEFAULT_PROFILE) -> BuiltCatalog:
         return _built[profile]
     except KeyError:
         raise UnknownFamilyError(f"no packaged profile {profile!r} (packaged: {', '.join(_built)})") from None
+
+
+_unreadable: list[str] = []  # why the packaged catalogs could not be read, once said
+
+
+def packaged_engine_family(profile: str, name: str, prefix: str, kind: MetricType) -> BuiltFamily | None:
+    """`built_catalog(profile).engine_family(...)` for code that runs inside an engine, which must never raise
+    into it: None when the packaged catalogs cannot be read (a broken install), said once per process, so
+    the engine's own metric stays and its /metrics serves it."""
+    try:
+        catalog = built_catalog(profile)
+    except Exception as err:
+        if not _unreadable:
+            _unreadable.append(f"{type(err).__name__}: {err}")
+            logging.getLogger("hicache_exporter").warning(
+                "hicache-exporter: its packaged catalogs could not be read (%s); nothing is pushed, the engine's "
+                "/metrics serves its metrics (reinstall the package)", _unreadable[0])
+        return None
+    return catalog.engine_family(name, prefix, kind)

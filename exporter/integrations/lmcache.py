@@ -70,7 +70,7 @@ import prometheus_client
 from exporter.client import CounterChild, GaugeChild, HistogramChild, RankClient
 from exporter.integrations.push_clients import ProcessPushClients, push_interval, set_push_environment
 from exporter.labels import linear_rank_axes, rank_axis
-from exporter.rank_catalog import BuiltFamily, MetricType, bucket_layout_problem, built_catalog
+from exporter.rank_catalog import BuiltFamily, MetricType, bucket_layout_problem, built_catalog, packaged_engine_family
 
 __all__ = ["install", "register", "close", "PushingCounter", "PushingGauge", "PushingHistogram"]
 
@@ -249,7 +249,7 @@ _warned: set[str] = set()
 
 def profile_family(name: str, kind: MetricType) -> BuiltFamily | None:
     """The profile's family that LMCache's metric `name` of type `kind` is, or None."""
-    spec = built_catalog(PROFILE).engine_family(name, ENGINE_PREFIX, kind)
+    spec = packaged_engine_family(PROFILE, name, ENGINE_PREFIX, kind)
     if spec is None or spec.type is not kind:
         return None
     return spec

@@ -60,7 +60,13 @@ from sglang.srt.observability.metrics_collector import (
 from exporter.client import CounterChild, GaugeChild, HistogramChild, LabelError, RankClient
 from exporter.integrations.push_clients import ProcessPushClients, push_interval, set_push_environment
 from exporter.labels import split_rank_labels
-from exporter.rank_catalog import BuiltFamily, MetricType, bucket_layout_problem, built_catalog
+from exporter.rank_catalog import (
+    DEFAULT_PROFILE,
+    BuiltFamily,
+    MetricType,
+    bucket_layout_problem,
+    packaged_engine_family,
+)
 
 __all__ = [
     "stat_loggers", "close", "SidecarCounter", "SidecarGauge", "SidecarHistogram",
@@ -170,7 +176,7 @@ _warned: set[str] = set()
 
 def catalog_family(name: str, kind: MetricType) -> BuiltFamily | None:
     """The catalog family that the engine's metric `name` of type `kind` is, or None."""
-    spec = built_catalog().engine_family(name, ENGINE_PREFIX, kind)
+    spec = packaged_engine_family(DEFAULT_PROFILE, name, ENGINE_PREFIX, kind)
     if spec is None:
         return None
     if spec.type is not kind:

@@ -72,3 +72,28 @@ def test_the_prebuilt_catalogs_ship_as_package_data() -> None:
     assert line is not None
     patterns = re.findall(r'"([^"]+)"', line.group(1))
     assert any(fnmatch.fnmatch(RANK_CATALOGS, pattern) for pattern in patterns), patterns
+
+
+def test_an_engine_whose_packaged_catalogs_cannot_be_read_keeps_its_metrics_and_is_told_once(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Guest code never raises into the engine: with the packaged file gone (a broken install) every lookup
+    is None, so the engine's own metric stays, and one warning says why."""
+    import exporter.rank_catalog as rank_catalog
+
+    monkeypatch.setattr(rank_catalog, "_built", None)
+    monkeypatch.setattr(rank_catalog, "_unreadable", [])
+    monkeypatch.setattr(rank_catalog, "default_path", lambda name: tmp_path / name)  # no such file
+    with pytest.raises(FileNotFoundError):
+        built_catalog()
+    for name in ("sglang:load_back_bytes_total", "sglang:prefill_effective_tokens_total"):
+        assert rank_catalog.packaged_engine_family("sglang", name, "sglang:", MetricType.COUNTER) is None
+    assert rank_catalog.packaged_engine_family("lmcache", "lmcache:num_hit_tokens", "lmcache:",
+                                               MetricType.COUNTER) is None
+    from exporter.integrations import lmcache
+
+    assert lmcache.profile_family("lmcache:num_hit_tokens", MetricType.COUNTER) is None  # the LMCache hook's lookup
+    warnings = [r.getMessage() for r in caplog.records if "packaged catalogs could not be read" in r.getMessage()]
+    assert len(warnings) == 1 and "FileNotFoundError" in warnings[0]
+    monkeypatch.setattr(rank_catalog, "default_path", default_path)
+    spec = rank_catalog.packaged_engine_family("sglang", "sglang:load_back_bytes_total", "sglang:", MetricType.COUNTER)
+    assert spec is not None and spec.name == "load_back_bytes_total"  # read again once the file is back

@@ -9,9 +9,6 @@ from prometheus_client import Histogram
 from exporter.errors import ErrorCode
 from exporter.protocol.messages import World
 
-# The last message of each error kind an upstream had is kept up to this many characters: enough for a
-# line of the sidecar's own words, bounded whatever the upstream's text (kinds are few and fixed).
-MAX_ERROR_MESSAGE_CHARS = 300
 DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -34,9 +31,6 @@ class UpstreamHealth:
         self.scrapes = 0
         self.errors: dict[str, int] = {}  # by kind
         self.last_error: str | None = None  # its kind and line number only: shown on unauthenticated views
-        # The last message of each kind, cut to MAX_ERROR_MESSAGE_CHARS: it may quote the upstream's text
-        # (a secret behind a redirect, say), so it stays off /api/v1/status and the page, as `last_error` says.
-        self.messages: dict[str, str] = {}
         self.ranks = 0  # rank identities this upstream feeds
         self.unranked: set[str] = set()  # catalog families whose series carry no rank axes
         self.cp_colliding: set[str] = set()  # catalog families whose context-parallel peers share labels
@@ -46,11 +40,10 @@ class UpstreamHealth:
         self.world: World | None = None  # the world its ranks are expected in (configured, completed by labels)
         self.world_problems: list[str] = []  # where the engine's labels contradict the configured world
 
-    def error(self, kind: str, message: str = "", line: int | None = None) -> None:
-        """Count an error and keep its message (the last per kind, cut); `last_error` keeps its kind and line only."""
+    def error(self, kind: str, line: int | None = None) -> None:
+        """Count an error by kind. Its message goes to the log only (where it is said, throttled): it may quote
+        the upstream's text (a secret behind a redirect, say), so `last_error` keeps its kind and line only."""
         self.errors[kind] = self.errors.get(kind, 0) + 1
-        self.messages[kind] = message if len(message) <= MAX_ERROR_MESSAGE_CHARS \
-            else message[:MAX_ERROR_MESSAGE_CHARS - 1] + "…"
         self.last_error = kind if line is None else f"{kind} at line {line}"
 
 

@@ -317,14 +317,14 @@ class UpstreamFeed:
                     "upstream %s: family %s writes a name that a family the sidecar makes writes; it is "
                     "not passed through", self.health.name, name)
         if plan.duplicates:
-            self.health.error("duplicate_name", ", ".join(sorted(plan.duplicates)))
+            self.health.error("duplicate_name")
             for name in sorted(plan.duplicates):
                 problem("duplicate", name, logging.ERROR,
                         "upstream %s: family %s writes a name that another family of the upstream passed "
                         "through writes (Prometheus would refuse the exposition); it is not passed through",
                         self.health.name, name)
         for kind, message in plan.cut.items():
-            self.health.error(kind, message)
+            self.health.error(kind)
             problem("cut", kind, logging.WARNING, "upstream %s: %s", self.health.name, message)
         for message in plan.refused:
             result.rejected += 1
@@ -446,7 +446,7 @@ class UpstreamFeed:
         try:
             entry.rank = self.state.join(entry.token, join, self.source).rank
         except ProtocolError as err:
-            self.health.error(err.code.value, err.message)
+            self.health.error(err.code.value)
             self.problems.problem("hello", str(plan.identity), logging.ERROR, "upstream %s: rank refused: %s",
                                   self.health.name, err.message)
             return False

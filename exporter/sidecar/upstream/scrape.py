@@ -253,7 +253,7 @@ class UpstreamScraper:
         try:
             planned, skipped_files = await self.read()
             for skipped in skipped_files:
-                health.error(skipped.kind, skipped.message)
+                health.error(skipped.kind)
                 self._log(skipped.kind, "upstream %s: %s skipped: %s (%s); %d files skipped in this read",
                           health.name, skipped.name, skipped.message, skipped.kind, len(skipped_files))
             result = await self.feed.apply_async(planned)
@@ -273,9 +273,9 @@ class UpstreamScraper:
             health.ranks = result.ranks
             health.pass_through = len(result.pass_through)
             if result.rejected:
-                health.error("rejected_samples", f"{result.rejected} samples refused")
+                health.error("rejected_samples")
             if result.clashes:
-                health.error("name_clash", ", ".join(sorted(result.clashes)))
+                health.error("name_clash")
         health.last_duration = time.perf_counter() - started
         return result
 
@@ -284,7 +284,7 @@ class UpstreamScraper:
         self._log(kind, "upstream %s: %s%s (%s); its ranks turn stale, then expire",
                   self.health.name, message, where, kind, exc_info=exc_info)
         self.health.up = False
-        self.health.error(kind, message, line)
+        self.health.error(kind, line)
         # Identities no read lists any more expire like silent pushed ranks and free their slots,
         # even while the upstream never answers again.
         self.feed.release_expired()

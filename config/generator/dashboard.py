@@ -188,9 +188,10 @@ def prefill_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
     """The first row: each tier's share of prefill tokens over time, stacked, one panel per server (`$server`,
     repeated), and what a hit costs per tier, per server; recording rules only, like the fleet rows. None
     where the profile has no per-tier prefill counter."""
-    spec = rules.prefill_spec(catalog)
-    if spec is None:
+    found = rules.prefill_of(catalog)
+    if found is None:
         return []
+    profile, spec = found
     recorded = set(rules.record_names(ns, catalog))
     shares = _timeseries(
         "Share of prefill tokens by tier: $server",
@@ -205,8 +206,9 @@ def prefill_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
     shares.update({"repeat": "server", "repeatDirection": "h", "maxPerRow": 4})
     moved: list[tuple[str, str]] = []
     timed: list[tuple[str, str]] = []
-    for cost in rules.tier_costs(catalog, spec):
-        hits = "+".join(cost.returned)
+    counts = spec.counts()
+    for cost in rules.tier_costs(profile, spec):
+        hits = "+".join(str(counts[kind].value or kind) for kind in cost.returned)
         for what, transfer, into in (("bytes", cost.read, moved), ("seconds", cost.read, timed),
                                      ("backup_bytes", cost.write, moved)):
             record = rules.cost_ratio(ns, cost.tier, what)

@@ -14,7 +14,9 @@ file could not be used, starts its rollups over. Which of the two it was, the si
 deployment, with no variable to set (docs/kubernetes.md, "Rules, alerts and the dashboard").
 
 The first row answers where prefill tokens come from (PREFILL_ROW): each tier's share of prefill tokens
-and what a hit costs, per server, from the `cluster:` recording rules only, as a fleet row reads.
+over the fleet and per server, and what a hit costs, per server, from the `cluster:` recording rules only,
+as a fleet row reads. Another profile's fleet row draws its own shares per server (LMCache's: device,
+offload, computed), each profile's servers in a variable of their own (SERVER_VARIABLES).
 
 Every profile in use gets its rows: the default profile's (HiCache tiers) first, then a fleet row and
 a pod row for each other profile that has a row builder here (PROFILE_ROWS: lmcache), under the
@@ -26,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from exporter.catalog import Catalog, TransferSpec
+from exporter.catalog import Catalog, PrefillSpec, ProfileSpec, TransferSpec
 
 from . import rules
 
@@ -181,53 +183,98 @@ def fleet_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
 
 
 PREFILL_ROW = "Where prefill tokens come from"
-SERVER = 'server=~"$server"'
+# Each profile's variable of the servers whose prefill shares are drawn, one panel each (the default
+# profile's is `server`).
+SERVER_VARIABLES = {"lmcache": "lmcache_server"}
 
 
-def prefill_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
-    """The first row: each tier's share of prefill tokens over time, stacked, one panel per server (`$server`,
-    repeated), and what a hit costs per tier, per server; recording rules only, like the fleet rows. None
-    where the profile has no per-tier prefill counter."""
-    spec = rules.prefill_spec(catalog)
-    if spec is None:
-        return []
-    recorded = set(rules.record_names(ns, catalog))
+def server_variable(profile: str, default: bool = False) -> str:
+    """The name of the variable that lists `profile`'s servers (the `default` profile's: `server`)."""
+    return "server" if default else SERVER_VARIABLES.get(profile, f"{profile}_server")
+
+
+def shares_panel(ns: str, catalog: Catalog, variable: str, title: str, description: str) -> dict[str, Any]:
+    """Each tier's share of prefill tokens and the computed share, stacked to 100 %, one panel per server of
+    `$variable` (repeated); from the cluster: recording rules."""
+    selected = f'server=~"${variable}"'
     shares = _timeseries(
-        "Share of prefill tokens by tier: $server",
-        f"{rules.prefill_hit_ratio(ns)} by tier and {rules.prefill_computed_ratio(ns)}: each tier's prefill "
-        "hits over all prefill tokens of the server in the rate window (one replica per dp group, groups summed; "
-        "the engine's final per-tier count, retracted re-counts excluded), stacked so the tiers and what was "
-        "computed fill 100 %. One panel per server ($server); no line while the server has no prefill.",
-        [(f"{rules.prefill_hit_ratio(ns)}{{{SERVER}}}", "{{tier}}"),
-         (f"{rules.prefill_computed_ratio(ns)}{{{SERVER}}}", "computed")],
+        title, description,
+        [(f"{rules.prefill_hit_ratio(ns)}{{{selected}}}", "{{tier}}"),
+         (f"{rules.prefill_computed_ratio(ns)}{{{selected}}}", "computed")],
         unit="percentunit", stacked=True, width=24)
     shares["fieldConfig"]["defaults"]["max"] = 1
-    shares.update({"repeat": "server", "repeatDirection": "h", "maxPerRow": 4})
+    shares.update({"repeat": variable, "repeatDirection": "h", "maxPerRow": 4})
+    return shares
+
+
+COST_TITLES = ("Bytes moved per hit token, by tier", "Transfer seconds per hit token, by tier")
+
+
+def cost_panels(ns: str, catalog: Catalog, profile: ProfileSpec, spec: PrefillSpec, variable: str = "server",
+                titles: tuple[str, str] = COST_TITLES, width: int = 12, alerted: bool = True) -> list[dict[str, Any]]:
+    """What a hit costs per tier, per server of `$variable`: the bytes and the seconds panels, each where the
+    recording rules hold a cost of its kind (`alerted`: HiCacheTierNotPaying watches the profile's tiers)."""
+    selected = f'server=~"${variable}"'
+    recorded = set(rules.record_names(ns, catalog))
+    counts = spec.counts()
+    costs = rules.tier_costs(profile, spec)
     moved: list[tuple[str, str]] = []
     timed: list[tuple[str, str]] = []
-    for cost in rules.tier_costs(catalog, spec):
-        hits = "+".join(cost.returned)
+    for cost in costs:
+        hits = "+".join(str(counts[kind].value or kind) for kind in cost.returned)
         for what, transfer, into in (("bytes", cost.read, moved), ("seconds", cost.read, timed),
                                      ("backup_bytes", cost.write, moved)):
             record = rules.cost_ratio(ns, cost.tier, what)
             if transfer is not None and record in recorded:
-                into.append((f"{record}{{{SERVER}}}", f"{{{{server}}}} {cost.tier}: {tier_label(transfer)} per {hits} token"))
-    panels = [_row(f"{PREFILL_ROW}, and what a hit costs: per server, from the cluster: recording rules"), shares]
+                into.append((f"{record}{{{selected}}}", f"{{{{server}}}} {cost.tier}: {tier_label(transfer)} per {hits} token"))
+    reads = ", ".join(tier_label(cost.read) for cost in costs if cost.read is not None)
+    fills = ", ".join(tier_label(cost.write) for cost in costs if cost.write is not None)
     note = ("A tier returns its own hits and those of the tiers below it, staged through it (a storage hit is "
-            "loaded back from host memory), so the host tier's costs are per host_hit+storage_hit token. ")
+            "loaded back from host memory), so the host tier's costs are per host_hit+storage_hit token. "
+            if len(costs) > 1 else "")
+    panels = []
     if moved:
         panels.append(_timeseries(
-            "Bytes moved per hit token, by tier",
-            "What a hit costs: the bytes of the transfer that reads a tier back (L2→L1 load-back, L3→L2 prefetch), "
-            "and of the one that fills it (backup), per prefill token the tier returned; bytes every rank summed, "
-            "tokens one replica per dp group. " + note + "A tier that writes gigabytes per token it returns does not "
-            "pay (HiCacheTierNotPaying).", moved, unit="bytes"))
+            titles[0],
+            f"What a hit costs: the bytes of the transfer that reads a tier back ({reads}), and of the one that fills "
+            f"it ({fills}), per prefill token the tier returned; bytes every rank summed, tokens one replica per dp "
+            "group. " + note + "A tier that writes gigabytes per token it returns does not pay"
+            + (" (HiCacheTierNotPaying)." if alerted else "."), moved, unit="bytes",
+            width=width))
     if timed:
         panels.append(_timeseries(
-            "Transfer seconds per hit token, by tier",
-            "Seconds spent in the transfer that reads a tier back, every rank summed, per prefill token the tier "
-            "returned. " + note, timed, unit="s"))
+            titles[1],
+            f"Seconds spent in the transfer that reads a tier back ({reads}), every rank summed, per prefill token the "
+            "tier returned. " + note, timed, unit="s", width=width))
     return panels
+
+
+def prefill_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
+    """The first row: each tier's share of prefill tokens over the whole fleet, then over time, stacked, one
+    panel per server (`$server`, repeated), and what a hit costs per tier, per server; recording rules only,
+    like the fleet rows. None where the profile has no per-tier prefill counter."""
+    found = rules.prefill_of(catalog)
+    if found is None:
+        return []
+    profile, spec = found
+    fleet = rules.fleet_tokens(ns, catalog, spec)
+    everyone = _timeseries(
+        "Share of prefill tokens by tier: all servers",
+        "Each tier's prefill hits over all prefill tokens of every server, and what was computed, stacked to "
+        f"100 %: the summed cluster: rates of {rules.cluster_rate(ns, catalog.get(spec.counts()['device'].family))} "
+        "(one replica per dp group, groups summed), so a busy server weighs as its tokens do. No line while no "
+        "server has prefill.",
+        [(rules.hit_ratio_expr(spec, fleet), "fleet {{tier}}"), (rules.computed_ratio_expr(spec, fleet), "fleet computed")],
+        unit="percentunit", stacked=True, width=24)
+    everyone["fieldConfig"]["defaults"]["max"] = 1
+    shares = shares_panel(
+        ns, catalog, "server", "Share of prefill tokens by tier: $server",
+        f"{rules.prefill_hit_ratio(ns)} by tier and {rules.prefill_computed_ratio(ns)}: each tier's prefill "
+        "hits over all prefill tokens of the server in the rate window (one replica per dp group, groups summed; "
+        "the engine's final per-tier count, retracted re-counts excluded), stacked so the tiers and what was "
+        "computed fill 100 %. One panel per server ($server); no line while the server has no prefill.")
+    return [_row(f"{PREFILL_ROW}, and what a hit costs: per server, from the cluster: recording rules"), everyone,
+            shares, *cost_panels(ns, catalog, profile, spec)]
 
 
 def pod_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
@@ -338,14 +385,36 @@ def _query_variable(name: str, label: str, query: str, multi: bool) -> dict[str,
     }
 
 
+def lmcache_prefill_panels(ns: str, catalog: Catalog) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Where LMCache's prefill tokens come from, one panel per server (`$lmcache_server`), and what an offload
+    hit costs; none where its prefill counters are missing (a trimmed profile file)."""
+    found = rules.prefill_of(catalog)
+    if found is None:
+        return [], []
+    profile, spec = found
+    variable = server_variable(profile.name)
+    shares = shares_panel(
+        ns, catalog, variable, f"Where LMCache's prefill tokens come from: ${variable}",
+        f"{rules.prefill_hit_ratio(ns)} by tier and {rules.prefill_computed_ratio(ns)}, over the prompt tokens of the "
+        "server in the rate window (one worker per engine, engines summed), stacked: device, the prefix vLLM's own "
+        "GPU prefix cache held; offload, what LMCache retrieved, from its CPU backend or its remote one (no family "
+        "tells those apart); computed, what the prompt leaves after both, never below 0. A retrieve starts at the "
+        "chunk boundary below vLLM's hit, so up to chunk_size - 1 tokens of a request count in both tiers: the "
+        "stack may reach a little past 100 %. One panel per server; no line while the server has no prompt tokens.")
+    return [shares], cost_panels(ns, catalog, profile, spec, variable, width=16, alerted=False, titles=(
+        "LMCache bytes moved per hit token, by tier", "LMCache retrieve seconds per offload hit token"))
+
+
 def lmcache_fleet_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
     """LMCache over every pod: its cluster: recording rules only (one worker per engine for tokens)."""
     spec = catalog.get
     hit, asked = rules.cluster_rate(ns, spec("num_hit_tokens_total")), rules.cluster_rate(ns, spec("num_requested_tokens_total"))
     lookup_hits, lookups = (rules.cluster_rate(ns, spec("num_lookup_hits_total")),
                             rules.cluster_rate(ns, spec("num_lookup_tokens_total")))
+    shares, costs = lmcache_prefill_panels(ns, catalog)
     return [
         _row(f"{FLEET_ROW_PREFIX}, LMCache (vLLM): every pod, from the cluster:{ns} recording rules"),
+        *shares,
         _timeseries(
             "LMCache hit tokens vs requested tokens/s (once per engine)",
             "Tokens vLLM asked LMCache to retrieve and the tokens LMCache had: per engine its furthest worker "
@@ -392,6 +461,7 @@ def lmcache_fleet_rows(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
             [(f"sum({rules.bytes_rate(ns, spec(name))})", f"fleet {label}") for name, label in (
                 ("local_cpu_evict_count_total", "evictions"), ("local_cpu_evict_keys_count_total", "evicted keys"),
                 ("local_cpu_evict_failed_count_total", "failed evictions"))], width=8),
+        *costs,
     ]
 
 
@@ -457,6 +527,26 @@ def profile_rows(catalog: Catalog) -> list[dict[str, Any]]:
     return panels
 
 
+def server_variables(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
+    """For each profile in use whose rows draw prefill shares, the variable of its servers: those that count
+    prefill tokens (the default profile's under `ns`, every other's under its own namespace)."""
+    variables = []
+    for name, profile in catalog.profiles.items():
+        default = name == catalog.default_profile.name
+        if not default and name not in PROFILE_ROWS:
+            continue
+        own = catalog.of_profile(name) if len(catalog.profiles) > 1 else catalog
+        found = rules.prefill_of(own)
+        if found is None:
+            continue
+        counted = found[1].prompt or found[1].device
+        rate = rules.cluster_rate(ns if default else profile.namespace, own.get(counted.family))
+        variables.append(_query_variable(server_variable(name, default),
+                                         "Server (prefill shares)" if default else f"{name} server (prefill shares)",
+                                         f"label_values({rate}, server)", multi=True))
+    return variables
+
+
 def build(ns: str, catalog: Catalog, uid: str, title: str) -> dict[str, Any]:
     """The dashboard for namespace `ns` (the default profile's) and every other profile in use."""
     others = [name for name in catalog.profiles if name != catalog.default_profile.name and name in PROFILE_ROWS]
@@ -484,10 +574,8 @@ def build(ns: str, catalog: Catalog, uid: str, title: str) -> dict[str, Any]:
                             multi=False),
             _query_variable("dp_rank", "dp_rank", 'label_values(hicache_exporter_rank_up{instance="$instance"}, dp_rank)',
                             multi=True),
-            # The first row's servers: one panel of tier shares each.
-            _query_variable("server", "Server (prefill shares)",
-                            f"label_values({rules.cluster_rate(ns, default.get('prefill_effective_tokens_total'))}, server)",
-                            multi=True),
+            # The first row's servers (and each other profile's): one panel of tier shares each.
+            *server_variables(ns, catalog),
         ]},
         "time": {"from": "now-1h", "to": "now"}, "timepicker": {}, "timezone": "browser",
         "title": title,

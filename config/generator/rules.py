@@ -5,17 +5,32 @@ cluster-wide rate, every replicated counter a one-replica-per-dp-group rate and 
 groups, and every bytes counter paired with a duration histogram an active-bandwidth ratio. A
 family added to the catalog therefore gets its rules at the next `python config/generate.py`.
 Every profile in use gets its own groups, in the same shape, under its own namespace (the default
-profile's is the `namespace` given); a profile's hit ratios (HIT_RATIOS) follow its counters.
+profile's is the `namespace` given); a profile's hit ratios (HIT_RATIOS) follow its counters, and
+where its catalog says where its prefill tokens are counted (exporter.catalog's PrefillSpec: one
+family by label, or a family per kind with the prompt apart), its prefill-tiers group: each tier's
+share per server and per dp group, the computed share, and what a hit costs where its transfers
+count it.
 """
 
 from __future__ import annotations
 
 import re
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from exporter.catalog import Catalog, FamilySpec, MetricType, ProfileSpec, Semantics, TransferSpec
+from exporter.catalog import (
+    Catalog,
+    FamilySpec,
+    MetricType,
+    PrefillKind,
+    PrefillSpec,
+    ProfileSpec,
+    Semantics,
+    TokenCount,
+    TransferSpec,
+)
 
 from .yamltext import Folded, Key
 
@@ -45,32 +60,6 @@ HIT_RATIOS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "lmcache": (("retrieve_hit_rate", "num_hit_tokens_total", "num_requested_tokens_total"),
                 ("lookup_hit_rate", "num_lookup_hits_total", "num_lookup_tokens_total")),
 }
-
-
-@dataclass(frozen=True)
-class PrefillSpec:
-    """Where a profile's prefill tokens come from: its final per-tier prefill counter, the label that
-    names the tier, the value that counts computed tokens, and each cache tier (its name, the tier
-    level it is) whose hits the label value `<name><suffix>` counts, nearest the device first."""
-
-    family: str
-    label: str
-    computed: str
-    suffix: str
-    tiers: tuple[tuple[str, str], ...]
-
-    def value(self, tier: str) -> str:
-        return tier + self.suffix
-
-
-# SGLang 0.5.23: prefill_effective_tokens_total{mode} (metrics_collector.py:1040-1053), `input` the
-# computed extend tokens, `<tier>_hit` the cached prefix split by tier (schedule_policy.py:975-983),
-# retracted re-counts excluded (metrics_reporter.py:826-847). The engine's own help: a tier's share is
-# rate(<tier>_hit) over the rate of all modes.
-PREFILL: dict[str, PrefillSpec] = {
-    "sglang": PrefillSpec("prefill_effective_tokens_total", "mode", "input", "_hit",
-                          (("device", "L1"), ("host", "L2"), ("storage", "L3"))),
-}
 # HiCacheTierNotPaying: below this share of prefill tokens, a tier that keeps writing does not pay.
 NOT_PAYING_SHARE = 0.01
 NOT_PAYING_FOR = "1h"
@@ -78,50 +67,42 @@ NOT_PAYING_FOR = "1h"
 
 @dataclass(frozen=True)
 class TierCost:
-    """One offload tier's cost: `returned`, the tier values of the hits it returned toward the device (its
-    own and those of every tier below, which are staged through it); `read`, the transfer that brings them
-    up; `write`, the transfer that fills it from the tier above."""
+    """One offload tier's cost: `returned`, the kinds of hits it returned toward the device (its own and those
+    of every tier below, which are staged through it); `read`, the transfer that brings them up; `write`, the
+    transfer that fills it from the tier above."""
 
     tier: str
-    returned: tuple[str, ...]
+    returned: tuple[PrefillKind, ...]
     read: TransferSpec | None
     write: TransferSpec | None
 
 
-def prefill_spec(catalog: Catalog) -> PrefillSpec | None:
-    """The default profile's PrefillSpec, or None where its counter is missing (a trimmed catalog)."""
-    spec = PREFILL.get(catalog.default_profile.name)
-    if spec is None:
+def prefill_of(catalog: Catalog) -> tuple[ProfileSpec, PrefillSpec] | None:
+    """The profile of `catalog` that counts its prefill tokens by tier (its catalog's PrefillSpec), with the
+    spec; None where none does, or a count's family is missing (a trimmed catalog) or no replicated counter."""
+    found = catalog.prefill()
+    if found is None:
         return None
-    fam = catalog.find(spec.family)
-    if fam is None or not fam.replicated_counter:
-        return None
-    preset = fam.preset.get(spec.label, ())
-    missing = [v for v in (spec.computed, *(spec.value(t) for t, _ in spec.tiers)) if v not in preset]
-    if missing:
-        raise ValueError(f"{spec.family}: its {spec.label} preset lacks {missing}")
-    return spec
+    for count in found[1].counts().values():
+        fam = catalog.get(count.family)
+        if not fam.replicated_counter:
+            return None
+        if count.label is not None and count.value not in fam.preset.get(count.label, ()):
+            raise ValueError(f"{count.family}: its {count.label} preset lacks {count.value!r}")
+    return found
 
 
-def tier_costs(catalog: Catalog, spec: PrefillSpec) -> list[TierCost]:
-    """Every tier past the device's, with the transfers the default profile declares to and from it."""
-    levels = [level for _, level in spec.tiers]
-    transfers = [t for t in catalog.default_profile.transfers
-                 if t.bytes is None or t.bytes in catalog]
-    costs = []
-    for i, (tier, level) in enumerate(spec.tiers):
-        if i == 0:
-            continue
-        above = levels[i - 1]
-        read = next((t for t in transfers if t.source == level and t.target == above), None)
-        write = next((t for t in transfers if t.source == above and t.target == level), None)
-        costs.append(TierCost(tier, tuple(spec.value(t) for t, _ in spec.tiers[i:]), read, write))
-    return costs
+def tier_costs(profile: ProfileSpec, spec: PrefillSpec) -> list[TierCost]:
+    """Every tier past the device's, with the transfers the profile declares to and from it."""
+    tiers = spec.tiers()
+    return [TierCost(tier, tuple(kind for kind, _ in tiers[i:]), *profile.tier_transfers(level))
+            for i, (tier, level) in enumerate(tiers) if i]
 
 
-def prefill_hit_ratio(ns: str) -> str:
-    """`cluster:<ns>prefill_hit_ratio:ratio_rate5m{tier}`: each tier's share of prefill tokens."""
-    return f"cluster:{ns}prefill_hit_ratio:ratio_rate{RATE_WINDOW}"
+def prefill_hit_ratio(ns: str, level: str = "cluster") -> str:
+    """`<level>:<ns>prefill_hit_ratio:ratio_rate5m{tier}`: each tier's share of prefill tokens, per server
+    (level cluster) or per dp group of a server (dp_group)."""
+    return f"{level}:{ns}prefill_hit_ratio:ratio_rate{RATE_WINDOW}"
 
 
 def prefill_computed_ratio(ns: str) -> str:
@@ -148,21 +129,109 @@ def per_server(catalog: Catalog, expr: str, *own: str) -> str:
     return f"sum {without(*stream_labels(catalog), *own)} ({expr})"
 
 
-def tokens_of(ns: str, catalog: Catalog, spec: PrefillSpec, values: tuple[str, ...] | None = None) -> str:
-    """The cluster rate of prefill tokens of `values` (every value: None), summed to the server's labels."""
-    rate = cluster_rate(ns, catalog.get(spec.family))
-    if values is not None:
-        rate += f'{{{spec.label}{"=" if len(values) == 1 else "=~"}"{"|".join(values)}"}}'
-    return per_server(catalog, rate, spec.label)
+def shared_label(spec: PrefillSpec) -> str | None:
+    """The label that tells the kinds apart where one family counts every kind (SGLang's `mode`), else None."""
+    counts = list(spec.counts().values())
+    first = counts[0]
+    return first.label if all(c.family == first.family and c.label == first.label for c in counts) else None
 
 
-def cost_rules(ns: str, catalog: Catalog, spec: PrefillSpec) -> list[tuple[str, str, str]]:
+RateOf = Callable[[str, FamilySpec], str]
+
+
+def _selections(ns: str, catalog: Catalog, spec: PrefillSpec, kinds: tuple[PrefillKind, ...] | None,
+                rate_of: RateOf) -> list[tuple[str, tuple[str, ...]]]:
+    """(selector, the family's own labels) of each family that counts prefill tokens of `kinds` (None: every
+    prefill token, the prompt or the sum of every kind counted), each its `rate_of` (cluster: or dp_group:)."""
+    counts = spec.counts()
+    if kinds is None:
+        label = shared_label(spec)
+        if spec.prompt is None and label is not None:  # the family's every value: all kinds
+            fam = catalog.get(counts["device"].family)
+            return [(rate_of(ns, fam), fam.labels)]
+        kinds = ("prompt",) if spec.prompt is not None else tuple(counts)
+    by_family: dict[str, list[TokenCount]] = {}
+    for kind in kinds:
+        by_family.setdefault(counts[kind].family, []).append(counts[kind])
+    found = []
+    for name, selected in by_family.items():
+        fam = catalog.get(name)
+        rate = rate_of(ns, fam)
+        labels = {count.label for count in selected}
+        if None not in labels:
+            if len(labels) > 1:
+                raise ValueError(f"prefill: {name!r} counts kinds by two labels, {sorted(map(str, labels))}")
+            values = [str(count.value) for count in selected]
+            rate += f'{{{selected[0].label}{"=" if len(values) == 1 else "=~"}"{"|".join(values)}"}}'
+        found.append((rate, fam.labels))
+    return found
+
+
+def tokens_of(ns: str, catalog: Catalog, spec: PrefillSpec, kinds: tuple[PrefillKind, ...] | None = None,
+              rate_of: RateOf | None = None) -> str:
+    """The rate (cluster: unless `rate_of` says) of prefill tokens of `kinds` (None: every prefill token),
+    summed to the server's labels: each family's own and the streams' labels go, so that rates of different
+    families and collectors meet."""
+    return " + ".join(per_server(catalog, selector, *labels)
+                      for selector, labels in _selections(ns, catalog, spec, kinds, rate_of or cluster_rate))
+
+
+def share_tokens(ns: str, catalog: Catalog, spec: PrefillSpec, kinds: tuple[PrefillKind, ...] | None = None,
+                 rate_of: RateOf | None = None) -> str:
+    """tokens_of, for the two sides of a share: where one family counts every kind, only the label that tells
+    them apart goes (both sides are the same family's: every other label is kept, the stream's among them)."""
+    label = shared_label(spec)
+    if label is None:
+        return tokens_of(ns, catalog, spec, kinds, rate_of)
+    return " + ".join(f"sum without ({label}) ({selector})"
+                      for selector, _ in _selections(ns, catalog, spec, kinds, rate_of or cluster_rate))
+
+
+Tokens = Callable[[tuple[PrefillKind, ...] | None], str]
+
+
+def hit_ratio_expr(spec: PrefillSpec, tokens: Tokens) -> str:
+    """Each tier's tokens as `tier="<kind>"`, over every prefill token; `tokens(kinds)` sums them (None: every
+    prefill token) to the scope of the ratio (share_tokens, or the fleet's sum)."""
+    tiers = "\n  or\n  ".join(f'label_replace({tokens((kind,))}, "tier", "{kind}", "", "")' for kind, _ in spec.tiers())
+    return f"(\n  {tiers}\n)\n/ ignoring (tier) group_left ()\n({tokens(None)} > 0)\n"
+
+
+def computed_ratio_expr(spec: PrefillSpec, tokens: Tokens) -> str:
+    """The computed tokens over every prefill token; where the prompt is counted apart, what the hits leave of
+    it, never below 0 (`tokens` as in hit_ratio_expr)."""
+    everything = f"({tokens(None)} > 0)"
+    if spec.computed is not None:
+        return f"{tokens(('computed',))} / {everything}"
+    return f"clamp_min(1 - ({tokens(tuple(kind for kind, _ in spec.tiers()))}) / {everything}, 0)"
+
+
+def fleet_tokens(ns: str, catalog: Catalog, spec: PrefillSpec) -> Tokens:
+    """`tokens` for a ratio over every server: each family's cluster rate summed whole."""
+    return lambda kinds: " + ".join(f"sum({selector})" for selector, _ in _selections(ns, catalog, spec, kinds, cluster_rate))
+
+
+def timed_histograms(catalog: Catalog) -> list[FamilySpec]:
+    """The duration histograms whose `_sum` gets a cluster rate: each one the catalog pairs with a bytes
+    counter (active bandwidth's denominator), then each that times the transfer reading a prefill tier back
+    and pairs with none (the numerator of that tier's seconds per hit token: LMCache's time_to_retrieve)."""
+    hists = [hist for _, hist in catalog.bandwidth_pairs()]
+    found = prefill_of(catalog)
+    for cost in tier_costs(*found) if found is not None else ():
+        hist = catalog.find(cost.read.seconds) if cost.read is not None and cost.read.seconds is not None else None
+        if (hist is not None and hist.type is MetricType.HISTOGRAM and hist.per_shard
+                and hist.name not in {h.name for h in hists}):
+            hists.append(hist)
+    return hists
+
+
+def cost_rules(ns: str, catalog: Catalog, profile: ProfileSpec, spec: PrefillSpec) -> list[tuple[str, str, str]]:
     """(record, numerator, denominator) of every cost ratio the catalog's transfers allow, each side summed
     to the server's labels."""
     summed = {f.name for f in summed_counters(catalog)}
-    timed = {hist.name for _, hist in catalog.bandwidth_pairs()}
+    timed = {hist.name for hist in timed_histograms(catalog)}
     found = []
-    for cost in tier_costs(catalog, spec):
+    for cost in tier_costs(profile, spec):
         hits = tokens_of(ns, catalog, spec, cost.returned)
         read, write = cost.read, cost.write
         if read is not None and read.bytes in summed:
@@ -182,62 +251,123 @@ def cost_rules(ns: str, catalog: Catalog, spec: PrefillSpec) -> list[tuple[str, 
 def not_paying(ns: str, catalog: Catalog) -> list[tuple[TierCost, str]]:
     """(tier, alert expression) of each tier that a transfer fills: its share of prefill tokens below
     NOT_PAYING_SHARE while that transfer writes."""
-    spec = prefill_spec(catalog)
-    if spec is None:
+    found = prefill_of(catalog)
+    if found is None:
         return []
+    profile, spec = found
     summed = {f.name for f in summed_counters(catalog)}
-    found = []
-    for cost in tier_costs(catalog, spec):
+    alerts = []
+    for cost in tier_costs(profile, spec):
         if cost.write is None or cost.write.bytes not in summed:
             continue
         fam = catalog.get(cost.write.bytes)
-        found.append((cost, (
+        alerts.append((cost, (
             f"(\n  {tokens_of(ns, catalog, spec, cost.returned)}\n  /\n  ({tokens_of(ns, catalog, spec)} > 0)\n"
             f") < {NOT_PAYING_SHARE:g}\nand\n{per_server(catalog, bytes_rate(ns, fam), *fam.labels)} > 0\n")))
-    return found
+    return alerts
 
 
-def prefill_group(ns: str, catalog: Catalog) -> list[dict[str, Any]]:
-    """The group of where prefill tokens come from and what a hit costs (none without the prefill counter)."""
-    spec = prefill_spec(catalog)
-    if spec is None:
+def _prose(text: str) -> str:
+    """`text` as one paragraph (a comment reflows it)."""
+    return " ".join(text.split())
+
+
+# What a profile's prefill rules add to their comments, by profile: (on the shares, on what a hit costs).
+PREFILL_NOTES: dict[str, tuple[str, str]] = {
+    "sglang": ("""
+        SGLang 0.5.23's final per-tier count (prefill_effective_tokens_total, metrics_collector.py:1040-1053;
+        `input` the computed extend tokens, <tier>_hit the cached prefix by tier, schedule_policy.py:975-983),
+        retracted re-counts excluded (metrics_reporter.py:826-847). The engine's own help: a tier's share is
+        rate(<tier>_hit) over the rate of all modes.
+        """, """
+        A storage hit is prefetched into host memory and loaded back from there (sglang 0.5.23
+        schedule_batch.py:231-265, the materialized host hit holds the storage hit), so host_* divides by
+        host_hit and storage_hit tokens, storage_* by storage_hit tokens.
+        """),
+    "lmcache": ("""
+        LMCache 0.5.6 under vLLM (exporter/defaults/lmcache.yaml, `prefill:`): each worker counts the prompt
+        of every request LMCache looks up (num_prompt_tokens) and the prefix vLLM's own GPU prefix cache held
+        (num_vllm_hit_tokens, tier="device"); a retrieve counts the tokens LMCache brought back (num_hit_tokens,
+        tier="offload"), from its CPU backend or, staged through it, its remote one: no family tells those two
+        apart, so there is no host or storage tier here. Computed is what the prompt leaves after both. A
+        retrieve starts at the chunk boundary below vLLM's hit (vllm_v1_adapter.py:816-822), so up to
+        chunk_size - 1 tokens of a request count in both: the shares may add up to a little more than 1,
+        and computed is clamped at 0.
+        """, """
+        LMCache counts no bytes of a retrieve (L2→L1) or a store (L1→L2): the offload tier's one cost is the
+        seconds its retrieves took (time_to_retrieve, each worker's own wall time, every worker summed) per
+        offload hit token, and it has no backup_bytes. Its remote reads and writes (L3↔L2, bytes) serve only
+        the remote part of the offload hits, which no family tells from the CPU backend's: over every offload
+        hit they would misstate a remote hit's cost, so they get no rule.
+        """),
+}
+
+
+def prefill_group(ns: str, catalog: Catalog, other: ProfileSpec | None = None) -> list[dict[str, Any]]:
+    """The group of where prefill tokens come from and what a hit costs (none where the profile's counters are
+    missing); `other`: a profile besides the default, whose group is named as its own."""
+    found = prefill_of(catalog)
+    if found is None:
         return []
-    rate = cluster_rate(ns, catalog.get(spec.family))
-    tiers = [tier for tier, _ in spec.tiers]
-    all_modes = f"sum without ({spec.label}) ({rate})"
+    profile, spec = found
+    shares_note, cost_note = (_prose(note) for note in PREFILL_NOTES.get(profile.name, ("", "")))
+    counts = spec.counts()
+    tiers = [kind for kind, _ in spec.tiers()]
+    label = shared_label(spec)
+    if label is not None:
+        rate = cluster_rate(ns, catalog.get(counts["device"].family))
+        computed = counts.get("computed")
+        adds_up = ("" if computed is None else f', computed ({label}="{computed.value}") included, so the shares '
+                   "and the computed ratio add up to 1")
+        scope = (f'{label}={"|".join(str(counts[tier].value) for tier in tiers)} as tier={"|".join(tiers)}: the '
+                 f"tier's cluster rate (one replica per dp group, groups summed) over the rate of all {label}s"
+                 f"{adds_up}. Every label of {rate} but {label} is kept (server among them).")
+    else:
+        prompt = counts.get("prompt")
+        whole = "all kinds'" if prompt is None else f"the prompt's ({ns}{prompt.family})"
+        scope = (", ".join(f'tier="{tier}" {ns}{counts[tier].family}' for tier in tiers)
+                 + f": the tier's cluster rate (one replica per dp group, groups summed) over {whole}, both summed "
+                 f"to the server's labels (the streams' own, {', '.join(stream_labels(catalog))}, and the families' "
+                 "own go) so that they meet.")
     rules = [
-        _rule(prefill_hit_ratio(ns),
-              f"sum without ({spec.label}) (label_replace(\n"
-              f'  {rate}{{{spec.label}=~"{"|".join(spec.value(t) for t in tiers)}"}},\n'
-              f'  "tier", "$1", "{spec.label}", "({"|".join(tiers)}){re.escape(spec.suffix)}"))\n'
-              f"/ ignoring (tier) group_left ()\n({all_modes} > 0)\n", f"""
-            Each tier's share of prefill tokens per server, {spec.label}={"|".join(spec.value(t) for t in tiers)} as
-            tier={"|".join(tiers)}: the tier's cluster rate (one replica per dp group, groups summed) over the rate of
-            all modes, computed ({spec.label}="{spec.computed}") included, so the shares and the computed ratio add up
-            to 1. Every label of {rate} but {spec.label} is kept (server among them). `> 0` drops idle windows.
+        _rule(prefill_hit_ratio(ns), hit_ratio_expr(spec, lambda kinds: share_tokens(ns, catalog, spec, kinds)),
+              f"Each tier's share of prefill tokens per server, {scope} `> 0` drops idle windows."
+              + (f"\n\n{shares_note}" if shares_note else "")),
+        _rule(prefill_hit_ratio(ns, "dp_group"),
+              hit_ratio_expr(spec, lambda kinds: share_tokens(ns, catalog, spec, kinds, dp_group_rate)), """
+            The same per dp group of a server, from the dp_group: rates (one replica per group), keeping
+            dp_rank: a group whose requests hit less than its server's others shows here.
             """),
-        _rule(prefill_computed_ratio(ns),
-              f'sum without ({spec.label}) ({rate}{{{spec.label}="{spec.computed}"}}) / ({all_modes} > 0)', """
+        _rule(prefill_computed_ratio(ns), computed_ratio_expr(spec, lambda kinds: share_tokens(ns, catalog, spec, kinds)), """
             What remained computed: the share of prefill tokens no cache tier served.
+            """ if spec.computed is not None else """
+            What remained computed: the share of the prompt no cache tier served, 1 - the tiers' hits over the
+            prompt, clamped at 0 (the hits may overlap).
             """),
     ]
-    for i, (record, numerator, hits) in enumerate(cost_rules(ns, catalog, spec)):
-        rules.append(_rule(record, f"{numerator}\n/\n({hits} > 0)\n", "" if i else f"""
-            What a hit costs, per server: a tier's transfer bytes (or seconds) per prefill token it returned.
-            Bytes and seconds are per_shard (every rank summed), tokens replicated (one replica per dp group),
-            each from its own cluster: rule; both are summed to the server's labels (the streams' own labels,
-            {", ".join(stream_labels(catalog))}, and the families' own go) so that they meet. A tier returns
-            its own hits and those of the tiers below it, which are staged through it: a storage hit is
-            prefetched into host memory and loaded back from there (sglang 0.5.23 schedule_batch.py:231-265,
-            the materialized host hit holds the storage hit), so host_* divides by host_hit and storage_hit
-            tokens, storage_* by storage_hit tokens. <tier>_bytes and <tier>_seconds: the transfer that reads
-            the tier back (L2→L1 load-back, L3→L2 prefetch); <tier>_backup_bytes: the one that fills it (L1→L2
-            backup, L2→L3 storage backup), bytes written per token read back. No sample while the tier returns
-            nothing (`> 0`): HiCacheTierNotPaying watches that case.
-            """))
-    return [{Key("name", """
-        ---- prefill tiers: where prefill tokens come from, and what a hit costs (per server) --
-        """): GROUP_PREFILL, "rules": rules}]
+    costs = tier_costs(profile, spec)
+    reads = ", ".join(f"{c.read.tiers} {c.read.title}" for c in costs if c.read is not None)
+    fills = ", ".join(f"{c.write.tiers} {c.write.title}" for c in costs if c.write is not None)
+    cost_comment = " ".join(part for part in (
+        "What a hit costs, per server: a tier's transfer bytes (or seconds) per prefill token it returned. Bytes and "
+        "seconds are per_shard (every rank summed), tokens replicated (one replica per dp group), each from its own "
+        "cluster: rule; both are summed to the server's labels (the streams' own labels, "
+        f"{', '.join(stream_labels(catalog))}, and the families' own go) so that they meet.",
+        "A tier returns its own hits and those of the tiers below it, which are staged through it." if len(costs) > 1
+        else "",
+        cost_note,
+        f"<tier>_bytes and <tier>_seconds: the transfer that reads the tier back ({reads}); <tier>_backup_bytes: the "
+        f"one that fills it ({fills}), bytes written per token read back. No sample while the tier returns nothing "
+        f"(`> 0`){'' if other else ': HiCacheTierNotPaying watches that case'}.") if part)
+    for i, (record, numerator, hits) in enumerate(cost_rules(ns, catalog, profile, spec)):
+        rules.append(_rule(record, f"{numerator}\n/\n({hits} > 0)\n", "" if i else cost_comment))
+    if other is None:
+        return [{Key("name", """
+            ---- prefill tiers: where prefill tokens come from, and what a hit costs (per server) --
+            """): GROUP_PREFILL, "rules": rules}]
+    return [{Key("name", f"""
+        ---- {other.name} prefill tiers: where prefill tokens come from, and what a hit costs (per server) --
+        """): f"{other.name}-prefill-tiers", "rules": rules}]
 
 
 # What a profile besides the default one adds to its groups' comments: (per_shard, replicated).
@@ -357,6 +487,13 @@ def profile_groups(ns: str, catalog: Catalog, other: ProfileSpec | None = None) 
             counter (`duration_histogram`): seconds spent transferring per second of wall time,
             summed over ranks. The denominator of active bandwidth below.
             """))
+    for i, hist in enumerate(timed_histograms(catalog)[len(pairs):]):
+        per_shard.append(_rule(duration_sum_rate(ns, hist), f"{sum_ranks} (rate({ns}{hist.name}_sum[{RATE_WINDOW}]))",
+                               "" if i else """
+            The `_sum` of each per_shard duration histogram that times the transfer reading a prefill
+            tier back and pairs with no bytes counter: seconds spent per second of wall time, summed
+            over ranks, the numerator of that tier's seconds per hit token (its prefill-tiers group).
+            """))
     for i, (bytes_fam, hist) in enumerate(pairs):
         per_shard.append(_rule(bandwidth_ratio(ns, bytes_fam),
                                f"{bytes_rate(ns, bytes_fam)} / ({duration_sum_rate(ns, hist)} > 0)", "" if i else """
@@ -391,7 +528,7 @@ def profile_groups(ns: str, catalog: Catalog, other: ProfileSpec | None = None) 
             {Key("name", f"---- {other.name} replicated (one replica per dp group, then sum the groups) ----\n\n"
                          f"{replica_note}"):
              f"{other.name}-replicated", "rules": replicated},
-        ]
+        ] + prefill_group(ns, catalog, other)
 
     return [
         {Key("name", """
@@ -417,8 +554,16 @@ def recording_header(ns: str, others: tuple[ProfileSpec, ...] = ()) -> str:
     return _header_text(ns) + "".join(f"""
         Profile {p.name!r} (namespace {p.namespace!r}) follows in the groups {p.name}-per-shard and
         {p.name}-replicated, in the same shape, from its own per-rank series (its derived labels,
-        {", ".join(p.derived_labels) or "none"}, go with the rank axes){_ratios_note(p)}.
+        {", ".join(p.derived_labels) or "none"}, go with the rank axes){_ratios_note(p)}{_prefill_note(p)}.
         """ for p in others)
+
+
+def _prefill_note(profile: ProfileSpec) -> str:
+    if profile.prefill is None:
+        return ""
+    tiers = "|".join(kind for kind, _ in profile.prefill.tiers())
+    return (f"; and where its prefill tokens come from, group {profile.name}-prefill-tiers "
+            f"(tier={tiers}, in the same names)")
 
 
 def _ratios_note(profile: ProfileSpec) -> str:
@@ -450,6 +595,7 @@ def _header_text(ns: str) -> str:
           dp_group:{ns}<x>_tokens:rate5m                    one replica per data-parallel group
           cluster:{ns}<x>_tokens:rate5m                     the dp groups summed
           cluster:{ns}prefill_hit_ratio:ratio_rate5m{{tier}}  each tier's share of prefill tokens
+          dp_group:{ns}prefill_hit_ratio:ratio_rate5m{{tier}} the same per dp group
           cluster:{ns}prefill_computed_ratio:ratio_rate5m   the share computed
           cluster:{ns}<tier>_<bytes|seconds|backup_bytes>_per_hit_token:ratio_rate5m
                                                             what a hit costs (group {GROUP_PREFILL})

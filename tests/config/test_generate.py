@@ -120,7 +120,7 @@ def test_the_rules_and_dashboard_cover_every_profile_in_use(tmp_path: Path) -> N
     committed = (CONFIG / "prometheus" / "recording_rules.yml").read_text(encoding="utf-8")
     groups = [g["name"] for g in yaml.safe_load(committed)["groups"]]
     assert groups == ["hicache-per-shard", "hicache-replicated", "hicache-prefill-tiers", "lmcache-per-shard",
-                      "lmcache-replicated"]
+                      "lmcache-replicated", "lmcache-prefill-tiers"]
     assert "LMCache" in (CONFIG / "grafana" / "hicache-exporter.json").read_text(encoding="utf-8")
     assert generate("--profiles", "").returncode == 2, "never over the committed set"
     assert generate("--profiles", "", "--output-dir", str(tmp_path)).returncode == 0

@@ -52,6 +52,14 @@ TIER_RETURNS = {"host": ("host_hit", "storage_hit"), "storage": ("storage_hit",)
 # (tier, cost): the numerator, a bytes counter ("bytes") or a duration histogram's _sum ("seconds").
 TIER_COSTS = [("host", "bytes", "bytes"), ("host", "seconds", "seconds"), ("host", "backup_bytes", "bytes"),
               ("storage", "bytes", "bytes"), ("storage", "seconds", "seconds"), ("storage", "backup_bytes", "bytes")]
+# A profile that counts the prompt apart, written here from LMCache 0.5.6 under vLLM: its prompt's counter and each
+# tier's (vLLM's own GPU prefix hits, vllm_v1_adapter.py:799-806; LMCache's retrieve hits, cache_engine.py:966-970,
+# its CPU and remote backends together: `offload`); what they leave of the prompt was computed, never below 0.
+PROMPT_APART = {"lmcache": ("num_prompt_tokens_total", {"device": "num_vllm_hit_tokens_total",
+                                                        "offload": "num_hit_tokens_total"})}
+# Its one cost: the seconds of the transfer that reads the offload tier back (retrieve, L2→L1; LMCache counts no
+# bytes of it), a histogram no bytes counter pairs, whose `_sum` gets a cluster rate of its own for it.
+READ_SECONDS = {"lmcache": [("offload", "time_to_retrieve")]}
 
 
 def profiles_in_use() -> list[tuple[Catalog, str | None]]:
@@ -133,9 +141,15 @@ def expected_records(catalog: Catalog, ns: str = DEFAULT_NAMESPACE, profile: str
         names.add(f"cluster:{ns}{bytes_fam.bandwidth_name}:ratio_rate5m")
     for gauge, _, _ in HIT_RATIOS.get(profile or "", []):
         names.add(f"cluster:{ns}{gauge}:ratio_rate5m")
+    shares = {f"cluster:{ns}prefill_hit_ratio:ratio_rate5m", f"dp_group:{ns}prefill_hit_ratio:ratio_rate5m",
+              f"cluster:{ns}prefill_computed_ratio:ratio_rate5m"}
     if profile in PREFILL and PREFILL[profile][0] in {f.name for f in catalog}:
-        names |= {f"cluster:{ns}prefill_hit_ratio:ratio_rate5m", f"cluster:{ns}prefill_computed_ratio:ratio_rate5m"}
+        names |= shares
         names |= {f"cluster:{ns}{tier}_{cost}_per_hit_token:ratio_rate5m" for tier, cost, _ in TIER_COSTS}
+    if profile in PROMPT_APART and {PROMPT_APART[profile][0], *PROMPT_APART[profile][1].values()} <= {f.name for f in catalog}:
+        names |= shares
+        for tier, hist in READ_SECONDS[profile]:
+            names |= {f"cluster:{ns}{hist}_sum:rate5m", f"cluster:{ns}{tier}_seconds_per_hit_token:ratio_rate5m"}
     return names
 
 
@@ -466,6 +480,11 @@ def generated_tests(catalog: Catalog, ns: str = DEFAULT_NAMESPACE, recording: Pa
         record = f"cluster:{ns}prefill_hit_ratio:ratio_rate5m"
         check(record, [{"labels": _series(record, {**kept, "tier": tier}), "value": 3 * mode_pace[mode] / total}
                        for mode, tier in modes.items() if tier is not None])
+        # Per dp group: dp 0 counts each mode at its pace, dp 1 at twice it.
+        record = f"dp_group:{ns}prefill_hit_ratio:ratio_rate5m"
+        check(record, [{"labels": _series(record, {**kept, "tier": tier, "dp_rank": str(dp)}),
+                        "value": (dp + 1) * mode_pace[mode] / ((dp + 1) * sum(mode_pace.values()))}
+                       for dp in (0, 1) for mode, tier in modes.items() if tier is not None])
         record = f"cluster:{ns}prefill_computed_ratio:ratio_rate5m"
         computed = next(mode for mode, tier in modes.items() if tier is None)
         check(record, [sample(record, 3 * mode_pace[computed] / total)])
@@ -473,6 +492,32 @@ def generated_tests(catalog: Catalog, ns: str = DEFAULT_NAMESPACE, recording: Pa
             record = f"cluster:{ns}{tier}_{cost}_per_hit_token:ratio_rate5m"
             returned = 3 * sum(mode_pace[mode] for mode in TIER_RETURNS[tier])
             check(record, [{"labels": _series(record, server), "value": (36 if kind == "bytes" else 2) / returned}])
+
+    if profile in PROMPT_APART:
+        # Each tier's cluster rate (3 x its family's pace) over the prompt's, both summed to the server's labels
+        # (role goes); computed is what the hits leave of the prompt, never below 0; the read-back's seconds
+        # (15 s a minute on each of 8 ranks: 2 s/s) over the offload hits.
+        prompt, hits = PROMPT_APART[profile]
+        server = {k: v for k, v in kept.items() if k != "role"}
+        record = f"cluster:{ns}prefill_hit_ratio:ratio_rate5m"
+        check(record, [{"labels": _series(record, {**server, "tier": tier}), "value": 3 * pace[fam] / (3 * pace[prompt])}
+                       for tier, fam in hits.items()])
+        record = f"dp_group:{ns}prefill_hit_ratio:ratio_rate5m"
+        check(record, [{"labels": _series(record, {**server, "tier": tier, "dp_rank": str(dp)}),
+                        "value": (dp + 1) * pace[fam] / ((dp + 1) * pace[prompt])}
+                       for dp in (0, 1) for tier, fam in hits.items()])
+        record = f"cluster:{ns}prefill_computed_ratio:ratio_rate5m"
+        check(record, [{"labels": _series(record, server),
+                        "value": max(1 - sum(3 * pace[fam] for fam in hits.values()) / (3 * pace[prompt]), 0)}])
+        for tier, hist in READ_SECONDS[profile]:
+            fam = catalog.get(hist)
+            for pod, instance, tp, dp in LAYOUT:
+                inputs.append({"series": _series(f"{ns}{hist}_sum", rank_labels(fam, pod, instance, tp, dp)),
+                               "values": "0+15x10"})
+            record = f"cluster:{ns}{hist}_sum:rate5m"
+            check(record, [sample(record, 2, **_own_labels(fam))])
+            record = f"cluster:{ns}{tier}_seconds_per_hit_token:ratio_rate5m"
+            check(record, [{"labels": _series(record, server), "value": 2 / (3 * pace[hits[tier]])}])
 
     return {
         "rule_files": [str(recording)],

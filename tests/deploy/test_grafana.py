@@ -41,6 +41,7 @@ VARIABLE_VALUES = {
     "instance": "127.0.0.1:9400",
     "dp_rank": ".*",
     "server": ".*",
+    "lmcache_server": ".*",
 }
 RECORD_LEVELS = ("cluster:", "dp_group:")
 PREFILL_ROW = "Where prefill tokens come from"
@@ -434,12 +435,18 @@ def test_fleet_rows_read_recording_rules_and_pod_rows_one_pod(ns: str) -> None:
 
 @pytest.mark.parametrize("ns", NAMESPACES)
 def test_the_first_row_is_where_prefill_tokens_come_from(ns: str) -> None:
-    """Each tier's share over time, stacked, one panel per server, and what a hit costs per tier, per server,
-    from the recording rules (issue 32)."""
+    """Each tier's share over the whole fleet, then over time, stacked, one panel per server, and what a hit
+    costs per tier, per server, from the recording rules (issue 32)."""
     board = dashboard(ns)
     assert board["panels"][0]["type"] == "row" and board["panels"][0]["title"].startswith(PREFILL_ROW)
     panels = [panel for row, panel in sections(ns) if row.startswith(PREFILL_ROW)]
-    shares, moved, timed = panels
+    fleet, shares, moved, timed = panels
+    # Every server's tokens summed before the division: a busy server weighs as its tokens do.
+    assert [t["legendFormat"] for t in fleet["targets"]] == ["fleet {{tier}}", "fleet computed"]
+    for target in fleet["targets"]:
+        metrics, _ = referenced_names(target["expr"])
+        assert metrics == {f"cluster:{ns}prefill_effective_tokens:rate5m"} and "sum(" in target["expr"]
+    assert "repeat" not in fleet and fleet["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
     assert [t["expr"] for t in shares["targets"]] == [f'cluster:{ns}prefill_hit_ratio:ratio_rate5m{{server=~"$server"}}',
                                                     f'cluster:{ns}prefill_computed_ratio:ratio_rate5m{{server=~"$server"}}']
     assert [t["legendFormat"] for t in shares["targets"]] == ["{{tier}}", "computed"]
@@ -530,6 +537,17 @@ def test_every_profile_in_use_has_its_fleet_and_pod_rows(ns: str) -> None:
                    "cluster:lmcache_num_remote_write_bytes:rate5m", "lmcache_rollup_num_hit_tokens_total",
                    "lmcache_num_remote_read_bytes_total", "lmcache_local_cache_usage", "lmcache_rollup_local_cache_usage"):
         assert needed in exprs, needed
+    # Where LMCache's prefill tokens come from, one stacked panel per server of its own variable, and what an
+    # offload hit costs (seconds only: LMCache counts no bytes of a retrieve or a store).
+    shares = next(panel for row, panel in sections(ns) if "LMCache" in row and panel.get("repeat"))
+    assert shares["repeat"] == "lmcache_server"
+    assert [(t["expr"], t["legendFormat"]) for t in shares["targets"]] == [
+        ('cluster:lmcache_prefill_hit_ratio:ratio_rate5m{server=~"$lmcache_server"}', "{{tier}}"),
+        ('cluster:lmcache_prefill_computed_ratio:ratio_rate5m{server=~"$lmcache_server"}', "computed")]
+    assert shares["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    assert 'cluster:lmcache_offload_seconds_per_hit_token:ratio_rate5m{server=~"$lmcache_server"}' in exprs
+    variable = {v["name"]: v for v in dashboard(ns)["templating"]["list"]}["lmcache_server"]
+    assert variable["query"]["query"] == "label_values(cluster:lmcache_num_prompt_tokens:rate5m, server)"
     own = ("lmcache_", "cluster:lmcache_", "dp_group:lmcache_", "hicache_exporter_", "process_")  # the guard's
     strays = {name for name in referenced_names(exprs)[0] if not name.startswith(own)}
     assert not strays, f"the LMCache rows read only the lmcache profile's names: {sorted(strays)}"

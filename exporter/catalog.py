@@ -515,14 +515,16 @@ class Catalog(BaseModel, FamilyLookup[FamilySpec]):
         return [(profile, transfer) for profile in self.profiles.values() for transfer in profile.transfers
                 if transfer.tokens in self or transfer.bytes in self]
 
+    def prefills(self) -> list[tuple[ProfileSpec, PrefillSpec]]:
+        """Every profile in use that counts prefill tokens by tier, with its spec, the default profile first (a
+        trimmed profile file that leaves out one of its counts does not)."""
+        return [(profile, spec) for profile in self.profiles.values() if (spec := profile.prefill) is not None
+                and all(count.family in self for count in spec.counts().values())]
+
     def prefill(self) -> tuple[ProfileSpec, PrefillSpec] | None:
-        """The first profile in use that counts prefill tokens by tier, with its spec; None if none does (or a
-        trimmed profile file leaves out one of its counts)."""
-        for profile in self.profiles.values():
-            spec = profile.prefill
-            if spec is not None and all(count.family in self for count in spec.counts().values()):
-                return profile, spec
-        return None
+        """The first of `prefills()`; None if no profile in use counts prefill tokens by tier."""
+        found = self.prefills()
+        return found[0] if found else None
 
     def bandwidth_pairs(self) -> list[tuple[FamilySpec, FamilySpec]]:
         """(bytes counter, duration histogram) pairs that get active-bandwidth gauges."""

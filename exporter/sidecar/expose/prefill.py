@@ -18,7 +18,7 @@ from typing import TypedDict, TypeVar
 
 from exporter.api import v1
 from exporter.api.view import server_id
-from exporter.catalog import Catalog, MetricType, Tier
+from exporter.catalog import Catalog, MetricType, PrefillSpec, ProfileSpec, Tier
 from exporter.sidecar.core.history import Increases
 from exporter.sidecar.core.keys import GroupKey, HistAccumulator, RollupCounter, StaticKey
 from exporter.sidecar.core.ranks import RankState
@@ -54,14 +54,29 @@ class TierFamilies:
 
 
 class PrefillView:
-    """Builds `prefill` from the state; what depends only on the catalog is worked out once."""
+    """Builds `prefill` from the state: of the profiles in use that count prefill tokens by tier, the first
+    with a series of its counts (the default profile's while none has one). A sidecar serving LMCache alone
+    still has the default profile, whose counts no rank sends."""
 
     def __init__(self, catalog: Catalog, families: ExposedFamilies) -> None:
-        found = catalog.prefill()
-        self.enabled = found is not None
-        if found is None:
-            return
-        profile, spec = found
+        self.profiles = [ProfilePrefill(catalog, families, profile, spec) for profile, spec in catalog.prefills()]
+
+    def report(self, state: SidecarState, increases: dict[int, Increases], servers: list[Server],
+               groups: dict[GroupKey, list[RankState]]) -> v1.Prefill | None:
+        """`prefill` as of now; None when no profile in use counts prefill tokens by tier."""
+        first = None
+        for profile in self.profiles:
+            found = profile.report(state, increases, servers, groups)
+            if found.since_start.servers_count or found.since_start.dp_groups_count:
+                return found
+            first = first or found
+        return first
+
+
+class ProfilePrefill:
+    """One profile's `prefill`; what depends only on the catalog is worked out once."""
+
+    def __init__(self, catalog: Catalog, families: ExposedFamilies, profile: ProfileSpec, spec: PrefillSpec) -> None:
         self.profile, self.spec = profile.name, spec
         # family -> (the index of its label, the label's value, the kind it counts) of each kind it counts
         self.kinds: dict[str, list[tuple[int | None, str | None, str]]] = {}
@@ -100,11 +115,9 @@ class PrefillView:
         if family in self.cost_families:
             into[family] = into.get(family, 0.0) + amount
 
-    def report(self, state: SidecarState, known: list[RankState], increases: dict[int, Increases],
-               servers: list[Server], groups: dict[GroupKey, list[RankState]]) -> v1.Prefill | None:
-        """`prefill` as of now; None when no profile in use counts prefill tokens by tier."""
-        if not self.enabled:
-            return None
+    def report(self, state: SidecarState, increases: dict[int, Increases], servers: list[Server],
+               groups: dict[GroupKey, list[RankState]]) -> v1.Prefill:
+        """This profile's `prefill` as of now."""
         server_ids = [server_id(n) for n in range(len(servers))]  # as the document numbers them
         scope_of: dict[int, Scope] = {}  # id(rank) -> its dp group
         server_of_shared: dict[StaticKey, str] = {}

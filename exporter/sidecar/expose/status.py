@@ -304,7 +304,7 @@ class StatusView:
             reasons=self._reasons(rolled),
             spread=self._spread(registry_groups, increases, ids),
             upstreams=upstream_rows(self.stats),
-            prefill=self.prefill.report(state, known, increases, built, registry_groups),
+            prefill=self.prefill.report(state, increases, built, registry_groups),
         )
 
     def encode(self) -> bytes:

@@ -388,9 +388,12 @@ LMCACHE_TOKENS = {0: (2000, 900, 700), 1: (1000, 100, 300)}
 RETRIEVE_SECONDS = 0.125  # each worker's own time retrieving
 
 
-def lmcache_two_by_two(tokens: dict[int, tuple[int, int, int]] = LMCACHE_TOKENS) -> Harness:
-    """2 vLLM engines (dp groups) x 2 workers (tp), each worker counting its engine's tokens."""
-    catalog = load_profiles(None, ["lmcache"]).of_profile("lmcache")
+def lmcache_two_by_two(tokens: dict[int, tuple[int, int, int]] = LMCACHE_TOKENS, alone: bool = True) -> Harness:
+    """2 vLLM engines (dp groups) x 2 workers (tp), each worker counting its engine's tokens; the catalog
+    holds the lmcache profile `alone`, or beside the default one (as `serve --profile lmcache` has it)."""
+    catalog = load_profiles(None, ["lmcache"])
+    if alone:
+        catalog = catalog.of_profile("lmcache")
     h = Harness(catalog=catalog)
     bounds = catalog.get("time_to_retrieve").buckets
     assert bounds is not None
@@ -453,3 +456,15 @@ def test_the_page_and_top_show_lmcaches_shares_with_offload_beside_its_name() ->
     assert lines[3].split("  ", 1)[1] == "device 33 % · offload 33 % · computed 33 %"
     assert [line.split()[:4] for line in lines[4:7]] == [
         ["device", "33", "%", "1,000"], ["offload", "33", "%", "1,000"], ["computed", "33", "%", "1,000"]]
+
+
+def test_a_sidecar_of_both_profiles_shows_the_one_whose_ranks_count_prefill_tokens() -> None:
+    """`serve --profile lmcache` keeps the default profile, whose counts no LMCache rank sends: the document
+    shows LMCache's shares, not the default profile's empty ones. Before: profile sglang, every token 0."""
+    report = doc_of(view_of(lmcache_two_by_two(alone=False)))["prefill"]
+    assert report["profile"] == "lmcache" and report["since_start"]["tokens"]["total"] == 3000
+    quiet = doc_of(view_of(Harness(catalog=load_profiles(None, ["lmcache"]))))["prefill"]
+    assert quiet["profile"] == "sglang" and quiet["since_start"]["tokens"]["total"] == 0  # none counted yet
+    h = Harness(catalog=load_profiles(None, ["lmcache"]))
+    two_by_two(h)
+    assert doc_of(view_of(h))["prefill"]["since_start"]["tokens"]["total"] == 1500  # SGLang's ranks count

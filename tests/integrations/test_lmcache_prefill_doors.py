@@ -29,10 +29,9 @@ the hand-computed tokens and shares exactly: one replica per engine, summed over
 They equal the shares computed from the sidecar's own rollups of the three families, while the sum of the
 per-rank series is TP times the truth.
 
-A sidecar bug shows here: with the documented flags alone (`--profile lmcache`, `--upstream-profile lmcache`)
-the sidecar also serves sglang, its default profile, first; `Catalog.prefill()` takes the first profile in use
-that counts prefill tokens, so `prefill` is sglang's, all zeros, whatever LMCache counted (the last test, a
-strict xfail). Until that is fixed the three doors run with lmcache as the default profile (LMCACHE_FIRST).
+The sidecars run with the documented flags alone (`--profile lmcache`, `--upstream-profile lmcache`), which
+keep sglang, the default profile, beside lmcache: `prefill` is the profile whose ranks count (before, it was
+sglang's, all zeros, whatever LMCache counted).
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import Scrape, free_port, http_get, wait_until
-from tests.integrations.support import REPO, ServeProcess, run_processes
+from tests.integrations.support import ServeProcess, run_processes
 from tests.integrations.test_proxy import DIRECTORY_PACE, HTTP_PACE, EngineServer
 
 pytestmark = pytest.mark.usefixtures("released_wheel")  # the wheel checked once, before any process starts
@@ -60,12 +59,6 @@ SERVED = "qwen3-8b"
 CHUNK = 256  # LMCache's chunk_size
 SETTLE = 30.0  # a bound on how long a sidecar may take to show what the workers counted
 DOORS = ("hook", "directory", "url")
-# A sidecar bug: `prefill` is the first profile in use that counts prefill tokens (Catalog.prefill), and
-# sglang, the default profile (metrics.catalog), always comes first: with the documented flags alone an
-# LMCache sidecar's document gives sglang's zeros (test_..._with_the_documented_flags_alone, xfail). Until it
-# is fixed the doors here run with lmcache as the default profile, under its own namespace: the same families,
-# names and shares.
-LMCACHE_FIRST = {"metrics": {"catalog": str(REPO / "exporter" / "defaults" / "lmcache.yaml"), "namespace": "lmcache_"}}
 # The kinds the lmcache profile counts, by the family that counts each (exporter/defaults/lmcache.yaml).
 FAMILIES = {"prompt": "num_prompt_tokens_total", "device": "num_vllm_hit_tokens_total",
             "offload": "num_hit_tokens_total"}
@@ -208,8 +201,7 @@ def multiproc(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def doors(multiproc: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seen]:
-    """The workers counted through each door, each sidecar settled on them (lmcache the default profile: see
-    LMCACHE_FIRST)."""
+    """The workers counted through each door, each sidecar settled on them."""
     root = tmp_path_factory.mktemp("lmcache-prefill")
     started: list[Any] = []
     try:
@@ -217,11 +209,11 @@ def doors(multiproc: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         started.append(engine)
         proxy = ["--upstream-profile", "lmcache", "--upstream-world", WORLD]
         sidecars = {
-            "hook": Serve(root / "hook", LMCACHE_FIRST, ["--profile", "lmcache"]),
-            "directory": Serve(root / "dir", {**LMCACHE_FIRST, "upstreams": [
+            "hook": Serve(root / "hook", {}, ["--profile", "lmcache"]),
+            "directory": Serve(root / "dir", {"upstreams": [
                 {"name": "engine", "multiprocess_dir": str(multiproc), **DIRECTORY_PACE}]},
                 ["--upstream-multiprocess-dir", str(multiproc), *proxy]),
-            "url": Serve(root / "url", {**LMCACHE_FIRST, "upstreams": [
+            "url": Serve(root / "url", {"upstreams": [
                 {"name": "engine", "url": engine.url, **HTTP_PACE}]}, ["--upstream", engine.url, *proxy]),
         }
         started.extend(sidecars.values())
@@ -321,21 +313,3 @@ def test_the_document_has_one_offload_tier_and_no_bytes_of_it(doors: Seen) -> No
         assert cost["host"] is None and cost["storage"] is None
         # LMCache times its retrieves (each worker its own) and counts no bytes of them.
         assert cost["offload"]["read_bytes"] is None and cost["offload"]["read_seconds"] >= 0
-
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "sidecar bug: Catalog.prefill() takes the first profile in use that counts prefill tokens, and sglang (the "
-    "default profile, always loaded first) does: an LMCache sidecar's document gives profile sglang, all zeros"))
-def test_the_directory_door_with_the_documented_flags_alone_gives_lmcaches_shares(
-        multiproc: Path, tmp_path: Path) -> None:
-    sidecar = Serve(tmp_path / "documented", {"upstreams": [
-        {"name": "engine", "multiprocess_dir": str(multiproc), **DIRECTORY_PACE}]},
-        ["--upstream-multiprocess-dir", str(multiproc), "--upstream-profile", "lmcache", "--upstream-world", WORLD])
-    try:
-        wait_until(lambda: per_rank(sidecar.scrape(), FAMILIES["prompt"]) == per_rank_expected("directory", "prompt"),
-                   timeout=SETTLE)
-        prefill = sidecar.status()["prefill"]
-    finally:
-        sidecar.stop()
-    assert (prefill["profile"], figures(prefill["since_start"])) == ("lmcache", expected())

@@ -14,13 +14,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from prometheus_client.metrics_core import Metric
-from prometheus_client.mmap_dict import MmapedDict
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
 from exporter.sidecar.upstream.feed import UpstreamFeed
 from exporter.sidecar.upstream.files import MERGED, Exposition, Skipped, read_directory
 from exporter.sidecar.upstream.merged import HeldProcesses, _key
 from tests.exporter.sidecar.durable.test_relocate import LM_HITS, Sidecar, lm_rollup
-from tests.exporter.sidecar.upstream.test_profiles import catalog, write_process
+from tests.exporter.sidecar.upstream.test_profiles import LABELS, catalog, write_process
 
 
 def read(feed: UpstreamFeed, directory: Path) -> None:
@@ -145,6 +145,38 @@ def test_a_pid_reused_while_one_of_its_files_is_skipped_is_a_new_process(tmp_pat
     MmapedDict(str(tmp_path / "histogram_10.db")).close()
     write_process(tmp_path, "10", {"0": 10})
     assert held_hits(held, tmp_path) == {"0": 2010}
+
+
+def histogram(directory: Path, pid: str, worker: str, entries: int) -> None:
+    """A process's histogram file as prometheus_client's writer fills it when a series is made: its _sum, then
+    its buckets in order, +Inf last (the first `entries` of them)."""
+    name, labels = "lmcache:time_to_retrieve", ["m", worker, "worker", "s"]
+    bounds = ["0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1", "0.25", "0.5", "0.75", "1.0", "2.5",
+              "5.0", "7.5", "10.0", "+Inf"]
+    keys = [mmap_key(name, name + "_sum", list(LABELS), labels, "t"),
+            *(mmap_key(name, name + "_bucket", [*LABELS, "le"], [*labels, le], "t") for le in bounds)]
+    values = MmapedDict(str(directory / f"histogram_{pid}.db"))
+    for key in keys[:entries]:
+        values.write_value(key, 0.0, 0.0)
+    values.close()
+
+
+def test_a_histogram_read_while_its_buckets_are_added_is_no_new_layout_that_starts_its_rank_again(tmp_path: Path) -> None:
+    processes = tmp_path / "multiproc"
+    processes.mkdir()
+    sidecar = Sidecar(tmp_path / "state", directory_upstream(processes), catalog())
+    write_process(processes, "10", {"0": 1000})  # replica A's worker 0 has logged its counters,
+    histogram(processes, "10", "0", 5)  # and is making its first histogram series: its _sum and 4 buckets so far
+    read(sidecar.feed, processes)
+    histogram(processes, "10", "0", 18)
+    write_process(processes, "11", {"0": 500})  # replica B's worker 0
+    histogram(processes, "11", "0", 18)
+    read(sidecar.feed, processes)
+    (rank,) = sidecar.h.state.ranks.values()
+    # 500 before (replica B's part alone), rollups at 1500: the 4 buckets and then 17 read as a new bucket
+    # layout, which started the rank's epoch again from what it had counted.
+    assert rank.values[(LM_HITS, ())] == 1500 and rank.restarts == 0
+    assert lm_rollup(sidecar, LM_HITS) == 1500
 
 
 # --- any reads: the merged values are what the reads saw of each process, each once ---

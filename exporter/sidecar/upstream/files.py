@@ -157,6 +157,21 @@ def _parse_key(key: str, kind: str) -> tuple[str, str, dict[str, str], tuple[tup
     return metric_name, name, labels, tuple(sorted(labels.items())), help_text
 
 
+def _whole_histograms(entries: list[Any]) -> None:
+    """`_FileProblem` where a histogram's series has no +Inf bucket: its writer adds a series' _sum, then its
+    buckets in order, +Inf last, one entry at a time (prometheus_client's Histogram._metric_init), so a file
+    read between two of them holds fewer buckets, a bucket layout that would read as a new one."""
+    series: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+    whole: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+    for (metric_name, name, labels, labels_key, _), _, _ in entries:
+        of = (metric_name, tuple(pair for pair in labels_key if pair[0] != "le"))
+        series.add(of)
+        if name == metric_name + "_bucket" and labels.get("le") == "+Inf":
+            whole.add(of)
+    if series - whole:
+        raise _FileProblem("truncated", "a histogram without its +Inf bucket (read while its writer adds its buckets)")
+
+
 @dataclass
 class _File:
     name: str
@@ -216,6 +231,8 @@ def read_directory(directory: Path, merged: bool = True, max_entries: int | None
                         # the byte caps can hold 10 times an engine's samples in short keys.
                         raise TooLarge(f"the directory's files hold more than {max_entries} samples")
                     entries.append((_parse_key(key, kind), value, timestamp))
+                if kind == "histogram":
+                    _whole_histograms(entries)
             except FileNotFoundError:  # removed since the listing (a live gauge's process died)
                 continue
             except _FileProblem as err:

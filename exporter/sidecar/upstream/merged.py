@@ -6,10 +6,12 @@ its value the sum over the processes that wrote it. Counters and histograms of a
 in its files, so the sum goes on. If some processes' files are removed while others remain (a replica's
 processes cleaned up), or one file cannot be read this time, the sum falls by their part, and a fall is a
 reset: the survivors would be counted again from there. So a process's last counter and histogram values
-are kept: a process whose files are gone keeps adding them (retired), and one whose file was skipped this
-read adds them in place of what was read of it. A pid whose counters fell is a new process under a reused
+are kept: a process whose files are gone keeps adding them (retired), and one with a file skipped this
+read adds them for that file's values (its files read count as read, and are kept as its last values). A
+pid whose counters fell (of a pid with a file skipped: the values read) is a new process under a reused
 pid (a container restarted with the same pids): the old process is retired, the new one counts from its
-own values. When no process of the last read goes on (every one gone or replaced: the engine restarted in a
+own values. A pid whose files were listed but none read is a process of that read, with nothing counted
+yet. When no process of the last read goes on (every one gone or replaced: the engine restarted in a
 wiped directory, whether or not its pids were reused), nothing is kept: the fall is a restart, and the
 rollups continue past it. Gauges are left as read: they are current values, not sums to continue.
 
@@ -74,9 +76,11 @@ class HeldProcesses:
             return self._hold(exposition, current, {s.pid for s in skipped if s.pid is not None})
 
     def _hold(self, exposition: Exposition, current: dict[str, dict[Key, float]], skipped: set[str]) -> Exposition:
-        held = skipped & self.last.keys()
-        # A pid whose values fell is another process under a reused pid: the one read before is retired.
-        replaced = {pid for pid, values in current.items() if pid in self.last and _fell(self.last[pid], values)}
+        # A pid whose values fell is another process under a reused pid: the one read before is retired (of a
+        # pid with a file skipped, only the values read are compared: the skipped file's are not in `current`).
+        replaced = {pid for pid, values in current.items()
+                    if pid in self.last and _fell(self.last[pid], values, partly=pid in skipped)}
+        held = (skipped & self.last.keys()) - replaced
         going_on = (current.keys() - replaced) | held
         if self.last and not self.last.keys() & going_on:
             self.last.clear()  # every process is new: the engine restarted; its counters start again
@@ -84,13 +88,16 @@ class HeldProcesses:
         for pid in [pid for pid in self.last if pid not in going_on]:
             self._retire(self.last.pop(pid))
         extra = dict(self.retired)
-        for pid in held:  # what was read of it this time (maybe nothing) stands for its last values
+        for pid in held:  # its files read this time are its values now; its last values stand for the others
             now = current.get(pid, {})
+            self.last[pid].update(now)
             for key, value in self.last[pid].items():
                 extra[key] = extra.get(key, 0.0) + value - now.get(key, 0.0)
         for pid, values in current.items():
             if pid not in held:
                 self.last[pid] = values
+        for pid in skipped - self.last.keys():  # listed but none of its files read: a process of this read all the same
+            self.last[pid] = {}
         if extra:
             for source, _, families in exposition:
                 if source == MERGED:
@@ -120,9 +127,10 @@ class HeldProcesses:
             self.retired = {key: value for key, value in retired[:self.max_keys] if _counted(value)}
 
 
-def _fell(last: dict[Key, float], now: dict[Key, float]) -> bool:
-    """Whether any value a process had is lower now (its counters never fall: another process wrote these)."""
-    return any(now.get(key, 0.0) < value for key, value in last.items())
+def _fell(last: dict[Key, float], now: dict[Key, float], partly: bool = False) -> bool:
+    """Whether any value a process had is lower now (its counters never fall: another process wrote these);
+    `partly`: some of its files were skipped, and only the values read are compared."""
+    return any(now.get(key, 0.0) < value for key, value in last.items() if not partly or key in now)
 
 
 def _counted(value: float) -> bool:

@@ -109,6 +109,8 @@ HOSTILE: dict[str, tuple[str, Callable[[Path], object], str]] = {  # name: (file
     "deeply nested JSON": ("counter_9.db", writes(with_entries(b"[" * 100000)), "corrupt"),
     "a bucket bound that is no number": (
         "histogram_9.db", written([(mmap_key("h", "h_bucket", ["le"], ["abc"], "x"), 1.0)]), "corrupt"),
+    "a histogram read before its writer added its +Inf bucket": ("histogram_9.db", written(
+        [(mmap_key("h", "h_sum", [], [], "x"), 1.0), (mmap_key("h", "h_bucket", ["le"], ["0.1"], "x"), 1.0)]), "truncated"),
     "a gauge with no mode in its name": ("gauge_9.db", written([(radix_key("9"), 1.0)]), "bad_name"),
     "an unknown kind": ("info_9.db", written([(radix_key("9"), 1.0)]), "bad_name"),
     "a FIFO": ("counter_9.db", fifo, "not_regular"),

@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from cache_core.geometry import ModelGeometry
 from cache_core.instrumentation import NOT_EMITTED
 from exporter.catalog import Collector, MetricType, Semantics, default_catalog
+from tests.config.test_prometheus_rules import run_promtool
 from tests.helpers import Scrape, free_port, http_get, wait_until
 
 REQUESTS = 120
@@ -139,8 +141,45 @@ def prefill_shares_match_the_rollups(url: str) -> None:
     wait_until(agree, timeout=10)
 
 
-def test_demo_replicas_agree_and_rollups_follow_the_rules() -> None:
+RULES = Path(__file__).resolve().parents[2] / "config" / "prometheus"
+SERVED_MINUTES = 70  # longer than HiCacheTierNotPaying's `for: 1h`
+
+
+def tier_alert_on(scrape: Scrape, directory: Path) -> None:
+    """HiCacheTierNotPaying stays quiet on the demo's traffic: its ranks' counters, what they counted in the
+    whole run counted again every minute for SERVED_MINUTES, through the shipped rules in promtool. Not
+    vacuous: each tier's backup writes and returns a share of at least 1 %, so the alert's write side holds
+    and its share side decides."""
+    series = []
+    for sample in scrape.samples:
+        if (not sample.name.startswith("sglang_") or sample.name.startswith("sglang_rollup_")
+                or not sample.name.endswith(("_total", "_sum", "_count", "_bucket"))):
+            continue  # the ranks' own counters and histograms, as Prometheus scrapes them from the sidecar
+        labels = {**sample.labels, "job": "hicache", "namespace": "demo", "server": "demo", "pod": "demo-0"}
+        selector = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+        series.append({"series": f"{sample.name}{{{selector}}}", "values": f"0+{sample.value!r}x{SERVED_MINUTES}"})
+    counted = [
+        ("prefill hit share, tier host", 'count(cluster:sglang_prefill_hit_ratio:ratio_rate5m{tier="host"} >= 0.01)'),
+        ("prefill hit share, tier storage",
+         'count(cluster:sglang_prefill_hit_ratio:ratio_rate5m{tier="storage"} >= 0.01)'),
+        ("host backup writes", "count(cluster:sglang_hicache_backup_bytes:rate5m > 0)"),
+        ("storage backup writes", "count(cluster:sglang_storage_backup_bytes:rate5m > 0)"),
+    ]
+    test = {"rule_files": [str(RULES / "recording_rules.yml"), str(RULES / "alerting_rules.yml")],
+            "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series,
+                       "alert_rule_test": [{"eval_time": f"{SERVED_MINUTES}m", "alertname": "HiCacheTierNotPaying",
+                                            "exp_alerts": []}],
+                       "promql_expr_test": [{"expr": expr, "eval_time": f"{SERVED_MINUTES}m",
+                                             "exp_samples": [{"labels": "{}", "value": 1}]} for _, expr in counted]}]}
+    path = directory / "demo_tiers_test.yml"
+    path.write_text(yaml.safe_dump(test, sort_keys=False))
+    run_promtool("test", "rules", str(path))
+
+
+def test_demo_replicas_agree_and_rollups_follow_the_rules(tmp_path: Path) -> None:
     scrape = run_demo("--tp", "2", "--pp", "2", "--dp", "2", while_up=prefill_shares_match_the_rollups)
+    tier_alert_on(scrape, tmp_path)
     assert all(scrape.value(name("rollup_prefill_effective_tokens_total"), mode=mode) > 0
                for mode in ("input", "device_hit", "host_hit", "storage_hit")), "the workload hits every tier"
     # Every collector sent the one server world, and every rank of it reported (the scheduler's

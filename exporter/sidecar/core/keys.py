@@ -81,11 +81,13 @@ def histogram_cost(bounds: Layout) -> int:
 # family's own values, and the renderer keeps each line's text (its prefix, its template, its last
 # filled bytes). So a series weighs at least one unit per LABEL_CHARS_PER_UNIT characters its labels
 # write over its lines (`series_cost`), each character counted at the width CPython holds the line's
-# text at (`label_width`). Ordinary labels (rank axes, a model path of 60 to 120 characters, a few
-# short words: up to about 400 characters a line) keep a counter at 1; a counter whose line writes
-# the most the label limits allow (8 static values sharing 2,304 characters, two own values of 128:
-# about 2,700 characters) counts 6, and 22 where a character of it is outside the BMP, so the series
-# limits bound what label text holds too (docs/reliability.md, "Long label values";
+# text at (`label_width`). A series of one unit may write 512 characters of labels on its line (256 on
+# each of a gauge's or replicated counter's two): ordinary labels (rank axes, a model path of about 60
+# characters, a few short words: up to about 220 characters) keep a counter or gauge at 1, and a budget
+# full of series at that edge takes about what the budget allows a series of short labels (5.3 kB a
+# unit measured, 5.5 kB budgeted). A replicated counter whose line writes the most the label limits
+# allow (8 static values sharing 2,304 characters, two own values of 128: 2,662 characters) weighs 11,
+# 42 where a character of it is outside the BMP (docs/reliability.md, "Long label values";
 # `python -m bench.label_memory`).
 LABEL_CHARS_PER_UNIT = 512
 

@@ -14,6 +14,8 @@ Benchmarks, in order (each module also runs alone: `python -m bench.<name> --hel
   status_api /api/v1/status and the status page at 256 ranks, against the /metrics render (<= 50 ms)
   memory     sidecar RSS holding 256 ranks x the full catalog
   proxy_memory  sidecar peak RSS under the worst upstream answers the proxy's caps allow
+  label_memory  sidecar peak RSS with the series budget full of labels as long as their weight, or the
+             label limits, allow (vs the same budget full of short labels; goal: within the pod's 320 Mi)
   freshness  increment-to-/metrics latency at the 1 s push interval
   persistence  CPU per save of the durable state, its file's bytes per series, and start-to-ready on a
              file, at 64 and 256 ranks (vs pickle of the same state; vs the same start without a file)
@@ -21,7 +23,7 @@ Benchmarks, in order (each module also runs alone: `python -m bench.<name> --hel
              (vs the same process with no file; goal: within the pod's 320 Mi)
   transfer   cache_core page copies vs a plain torch copy (bench/transfer.py)
 
-Bounded: about 4.5 minutes on 2 cores (well under a minute with --quick). Progress goes to stderr.
+Bounded: about 5 minutes on 2 cores (well under a minute with --quick). Progress goes to stderr.
 Goals not met are reported, not fatal; the exit status is 1 only when a benchmark failed to run.
 """
 
@@ -44,10 +46,10 @@ from bench.common import REPO_ROOT
 from bench.report import markdown_table, print_table, row
 
 RESULTS = REPO_ROOT / "bench" / "results"
-ORDER = ("hotpath", "scrape", "ingest", "proxy", "status_api", "memory", "proxy_memory", "freshness", "persistence",
-         "state_load", "transfer")
+ORDER = ("hotpath", "scrape", "ingest", "proxy", "status_api", "memory", "proxy_memory", "label_memory", "freshness",
+         "persistence", "state_load", "transfer")
 
-# Parameters per profile: the full run fits in about 4.5 minutes on 2 cores; quick is a sanity pass;
+# Parameters per profile: the full run fits in about 5 minutes on 2 cores; quick is a sanity pass;
 # smoke is what the test suite runs (tiny, seconds).
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "full": {
@@ -58,6 +60,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "status_api": {"ranks": 256, "repeats": 30, "http_repeats": 20},
         "memory": {"ranks": 256, "rounds": 62, "period": 0.25, "scrapes": 2},
         "proxy_memory": {"reads": 3},
+        "label_memory": {"ranks": 1024},
         "freshness": {"samples": 30, "interval": 1.0, "background_ranks": 7, "pipeline_samples": 10},
         "persistence": {"ranks": (64, 256), "saves": 20, "starts": 3},
         "state_load": {"quick": False},
@@ -71,6 +74,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "status_api": {"ranks": 256, "repeats": 5, "http_repeats": 3},
         "memory": {"ranks": 256, "rounds": 8, "period": 0.1, "scrapes": 1},
         "proxy_memory": {"reads": 2},
+        "label_memory": {"ranks": 256, "series_total": 256 * 24, "rounds": 4, "period": 0.1},
         "freshness": {"samples": 8, "interval": 1.0, "background_ranks": 0, "pipeline_samples": 3},
         "persistence": {"ranks": (256,), "saves": 5, "starts": 1},
         "state_load": {"quick": False},
@@ -84,6 +88,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "status_api": {"ranks": 16, "repeats": 2, "http_repeats": 2},
         "memory": {"ranks": 4, "rounds": 3, "period": 0.05, "scrapes": 1},
         "proxy_memory": {"reads": 1, "cases": ("floods", "ranks"), "body_bytes": 100_000, "interval": 0.5},
+        "label_memory": {"ranks": 8, "series_total": 8 * 24, "rounds": 2, "period": 0.05},
         "freshness": {"samples": 2, "interval": 0.2, "background_ranks": 1, "pipeline_samples": 2},
         "persistence": {"ranks": (4,), "saves": 2, "starts": 1, "goal_ranks": 4},
         "state_load": {"quick": True},
@@ -122,6 +127,7 @@ def _runners() -> dict[str, Callable[..., list[dict[str, Any]]]]:
         freshness,
         hotpath,
         ingest,
+        label_memory,
         memory,
         persistence,
         proxy,
@@ -133,8 +139,8 @@ def _runners() -> dict[str, Callable[..., list[dict[str, Any]]]]:
 
     return {"hotpath": hotpath.run, "scrape": scrape.run, "ingest": ingest.run, "proxy": proxy.run,
             "status_api": status_api.run, "memory": memory.run, "proxy_memory": proxy_memory.run,
-            "freshness": freshness.run, "persistence": persistence.run, "state_load": state_load.run,
-            "transfer": transfer_run}
+            "label_memory": label_memory.run, "freshness": freshness.run, "persistence": persistence.run,
+            "state_load": state_load.run, "transfer": transfer_run}
 
 
 def run_benchmarks(profile: str = "full", only: tuple[str, ...] = ORDER, progress: bool = True

@@ -143,7 +143,9 @@ class RanksConfig(_Strict):
     # model paths (LMCache labels model_name and served_model_name, vLLM's path twice) and a few short words.
     max_static_label_chars: int = Field(2304, ge=1, le=32768)
     max_static_labels: int = Field(8, ge=0, le=64)
-    max_series_total: int = Field(24_576, ge=1)  # rank and rollup series together, sized to a 320 Mi pod
+    # Rank and rollup series together, each weighed by its buckets and by the label characters its lines
+    # write (sidecar/core/keys.py, series_cost): sized to a 320 Mi pod whatever the labels (docs/reliability.md).
+    max_series_total: int = Field(24_576, ge=1)
     max_ranks: int = Field(1024, ge=1)  # rank identities remembered (expired ones are forgotten first)
     # A server over several nodes (a LeaderWorkerSet group): this sidecar sees only its own node's
     # ranks, so it expects only those, by the engine's own placement (nodes: sglang's --nnodes,

@@ -164,3 +164,54 @@ def test_persistence_saves_a_file_that_a_serve_process_loads() -> None:
     # The same state encodes to as many bytes here (the same seeds; times are 8-byte floats, epochs 16 hex digits).
     assert len(persistence.keeper_for(state, persistence.Path("unused")).encode()) == size["file_bytes"]
     assert all(r["goal"] is not None and isinstance(r["met"], bool) for r in rows.values())
+
+
+def test_label_memory_fills_the_budget_in_every_case(smoke: Any) -> None:
+    """bench/label_memory.py's smoke run (8 ranks, a budget of 24 a rank): the cases of labels as long as a
+    series weighing one unit may have fill the budget; the cases of labels at their limits fill it with
+    fewer series, the rest refused (`series_limit`)."""
+    from bench import label_memory
+
+    rows = {r["name"].rsplit(", ", 1)[1].split()[0]: r for r in smoke[0]["label_memory"]}
+    assert set(rows) == set(label_memory.CASES)
+    for case, r in rows.items():
+        # A series pair of the longest labels weighs 17 (11 and its rollup 6); a histogram's, more than this budget.
+        assert r["series_allowed"] == 8 * 24 and r["series_allowed"] - r["series_used"] < (192 if case == "histograms" else 20)
+        assert r["series_used"] > 0, (case, r)
+        assert r["anchor_value"] == pytest.approx(r["value"] / r["ratio"]), r
+        if case != "short":  # measured in the same run: the short case's peak
+            assert r["anchor_value"] == rows["short"]["value"], r
+    # (A new series asks room for its rollup too, even where its group has it: the last replicas' few are refused.)
+    assert [rows[c]["series_refused"] for c in ("short", "edge")] == [0, 0]
+    assert [rows[c]["series_refused"] > 0 for c in ("long", "wide", "histograms")] == [True] * 3
+    assert rows["long"]["views"]["/metrics"] > rows["short"]["views"]["/metrics"]
+
+
+@pytest.mark.parametrize("case, lines", [("edge", 1), ("replicas", 2), ("gauges", 2)])
+def test_label_memory_edge_labels_weigh_exactly_one_unit(case: str, lines: int) -> None:
+    """The edge cases' labels write the most a series of `lines` lines weighing one unit may write."""
+    from exporter.config import RanksConfig
+    from exporter.sidecar.core.keys import LABEL_CHARS_PER_UNIT, label_chars, label_width, series_cost
+
+    from bench import label_memory
+
+    static, own = label_memory.case_labels(case, 7, RanksConfig())
+    sample = label_memory.case_samples(case, own, 1)[0]
+    labels = [*label_memory.AXES.items(), *static.items(), *sample.labels.items()]
+    chars = label_chars(labels)
+    assert label_width(labels) == 1 and chars * lines == LABEL_CHARS_PER_UNIT
+    assert (series_cost(None, chars, lines), series_cost(None, chars + 1, lines)) == (1, 2)
+
+
+def test_label_memory_long_labels_are_at_the_limits() -> None:
+    from exporter.config import RanksConfig
+    from exporter.sidecar.core.keys import label_width
+
+    from bench import label_memory
+
+    limits = RanksConfig()
+    for case, width in (("long", 1), ("wide", 4), ("histograms", 1)):
+        static, own = label_memory.case_labels(case, 1023, limits)
+        assert len(static) == limits.max_static_labels and own == limits.max_family_label_value_length
+        assert sum(map(len, static.values())) == limits.max_static_label_chars
+        assert len(set(static.values())) == len(static) and label_width(static.items()) == width

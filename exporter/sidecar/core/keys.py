@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -71,13 +72,70 @@ BUCKETS_PER_SERIES = 8
 
 
 def histogram_cost(bounds: Layout) -> int:
-    """A histogram series' weight in the series budget and max_series_per_rank."""
+    """A histogram series' weight by its buckets alone (`series_cost` weighs its labels too)."""
     return 1 + len(bounds) // BUCKETS_PER_SERIES
+
+
+# Label values cost memory on every line that writes them: each per-rank line on /metrics carries the
+# rank's static labels and rank axes, each rollup line the static labels its group shares, both the
+# family's own values, and the renderer keeps each line's text (its prefix, its template, its last
+# filled bytes). So a series weighs at least one unit per LABEL_CHARS_PER_UNIT characters its labels
+# write over its lines (`series_cost`), each character counted at the width CPython holds the line's
+# text at (`label_width`). A series of one unit may write 512 characters of labels on its line (256 on
+# each of a gauge's or replicated counter's two): ordinary labels (rank axes, a model path of about 60
+# characters, a few short words: up to about 220 characters) keep a counter or gauge at 1, and a budget
+# full of series at that edge takes about what the budget allows a series of short labels (5.3 kB a
+# unit measured, 5.5 kB budgeted). A replicated counter whose line writes the most the label limits
+# allow (8 static values sharing 2,304 characters, two own values of 128: 2,662 characters) weighs 11,
+# 42 where a character of it is outside the BMP (docs/reliability.md, "Long label values";
+# `python -m bench.label_memory`).
+LABEL_CHARS_PER_UNIT = 512
+
+
+def label_chars(labels: Iterable[tuple[str, str]]) -> int:
+    """The characters `labels` write on one line: per label its name, its value as escaped (a backslash,
+    newline or double quote takes two), `=`, two quotes and a comma."""
+    return sum(len(name) + len(value) + value.count("\\") + value.count("\n") + value.count('"') + 4
+               for name, value in labels)
+
+
+def label_width(labels: Iterable[tuple[str, str]]) -> int:
+    """The bytes each character takes in a string holding `labels`: CPython stores a string at the width
+    of its widest character (PEP 393), 1 for Latin-1, 2 for the rest of the BMP, 4 beyond it."""
+    widest = max((max(name + value) for name, value in labels), default="\x00")
+    return 1 if widest < "\u0100" else 2 if widest < "\U00010000" else 4
+
+
+def line_chars(chars: int, width: int, own_chars: int, own_width: int) -> int:
+    """What the labels of one line weigh: the characters two label sets write on it together
+    (`label_chars`: a rank's or its group's, and the family's own), each at the width of the widest
+    (`label_width`), as the line's text is held."""
+    return (chars + own_chars) * max(width, own_width)
+
+
+def scalar_lines(spec: FamilySpec) -> int:
+    """The lines on /metrics that one rank series of a counter or gauge family accounts for: its own, and
+    one more for a gauge (the rollup line the render sums from the current ranks, which no rollup cell
+    holds) or a replicated counter (its replica group's spread line, `_replica_spread_ratio`)."""
+    return 2 if spec.type is MetricType.GAUGE or spec.replicated_counter else 1
+
+
+def series_cost(bounds: Layout | None, chars: int, lines: int = 1) -> int:
+    """A series' weight in the series budget and max_series_per_rank: the larger of its buckets' weight
+    (`histogram_cost`; a counter or gauge: 1) and one unit per LABEL_CHARS_PER_UNIT characters its labels
+    write over its lines. `bounds`: a histogram's layout (a line per bucket, its count and its sum), or
+    None for a counter or gauge, which writes `lines` (`scalar_lines` for a rank's series, 1 for a rollup
+    cell). `chars`: what its labels weigh on one line (`line_chars`): a rank's series, the rank's labels
+    and axes (RankState.label_chars) with the family's own; a rollup cell, the static labels its group
+    shares with the family's own."""
+    if bounds is None:
+        return max(1, -(-lines * chars // LABEL_CHARS_PER_UNIT))
+    return max(histogram_cost(bounds), -(-(len(bounds) + 2) * chars // LABEL_CHARS_PER_UNIT))
 
 
 @dataclass(slots=True)
 class SeriesBudget:
-    """The series the sidecar holds, against max_series_total, weighted by `histogram_cost`: the
+    """The series the sidecar holds, against max_series_total, weighted by `series_cost`: the
     ranks' own, and the rollups', which outlive the ranks and epochs that made them (so epoch
     churn cannot grow memory past it)."""
 
@@ -85,10 +143,11 @@ class SeriesBudget:
     per_rank: int = 0
     rollup: int = 0
 
-    def has_room(self, pending_rollups: int = 0, cost: int = 1) -> bool:
-        """Room for one more rank series of weight `cost` and the rollup series it may make, on
-        top of `pending_rollups` that accepted series may still make (the ledger makes them later)."""
-        return self.per_rank + self.rollup + pending_rollups + 2 * cost <= self.limit
+    def has_room(self, pending_rollups: int = 0, cost: int = 1, rollup: int | None = None) -> bool:
+        """Room for one more rank series of weight `cost` and the rollup series it may make (of weight
+        `rollup`, by default `cost`), on top of `pending_rollups` that accepted series may still make
+        (the ledger makes them later)."""
+        return self.per_rank + self.rollup + pending_rollups + cost + (cost if rollup is None else rollup) <= self.limit
 
 
 def make_rollup_key(family: str, shared: StaticKey, label_values: LabelValues) -> RollupKey:
@@ -118,13 +177,14 @@ class FamilyPlan:
     per_shard: bool
     labels: tuple[str, ...]
     default_layout: Layout  # the catalog's buckets: what clients send unless told otherwise
+    lines: int = 1  # a counter's or gauge's lines on /metrics per rank series (scalar_lines)
 
     @classmethod
     def of(cls, spec: FamilySpec) -> FamilyPlan:
         return cls(
             name=spec.name, kind=spec.type, histogram=spec.type is MetricType.HISTOGRAM,
             gauge=spec.type is MetricType.GAUGE, per_shard=spec.per_shard,
-            labels=spec.labels, default_layout=(*(spec.buckets or ()), "+Inf"),
+            labels=spec.labels, default_layout=(*(spec.buckets or ()), "+Inf"), lines=scalar_lines(spec),
         )
 
 
@@ -141,6 +201,12 @@ class SeriesRoute:
     plan: FamilyPlan
     key: SeriesKey
     rollup_key: RollupKey
+    # What the family's own labels write on a line (`label_chars`, `label_width`), and what its rollup's
+    # weigh (`line_chars`: the static labels the group shares with the family's own): counted once, when
+    # the route is made.
+    own_chars: int = field(default=0, compare=False)
+    own_width: int = field(default=1, compare=False)
+    rollup_chars: int = field(default=0, compare=False)
     counter: RollupCounter | None = field(default=None, compare=False)
     histogram: HistAccumulator | None = field(default=None, compare=False)
 

@@ -25,6 +25,8 @@ from exporter.sidecar.core.keys import (
     SeriesRoute,
     StaticKey,
     Value,
+    label_chars,
+    label_width,
     static_key,
 )
 
@@ -118,7 +120,7 @@ class RankState:
     # The epoch's other writer, from before its last conflict: a writer that reconnects at or
     # above these values continues from them, so two writers taking turns each add only their own.
     other_writer: Writer | None = None
-    cost: int = 0  # what `values` holds in series budget units (series.histogram_cost)
+    cost: int = 0  # what `values` holds in series budget units (keys.series_cost)
     pushed: bool = False  # has pushed since it last connected: its gauges are current
     # The epoch of an identity its source had when the registry forgot it (to make room, or when
     # another source took the identity over): its per_shard rollups already hold what it pushed
@@ -148,9 +150,23 @@ class RankState:
     replaced_epochs: deque[str] = field(default_factory=lambda: deque(maxlen=REPLACED_EPOCHS_KEPT))
     shared: StaticKey = ()  # the static labels its replica group and rollups carry (derived ones left out)
     derived: frozenset[str] = frozenset()  # its profile's derived labels (Catalog.derived_labels)
+    # What its labels write on each of its lines (keys.label_chars, keys.label_width): rank axes and
+    # static labels, and the shared ones alone (its rollups'). Counted once; its series are weighed by
+    # them (keys.series_cost).
+    label_chars: int = 0
+    label_width: int = 1
+    shared_chars: int = 0
+    shared_width: int = 1
 
     def __post_init__(self) -> None:
         self.shared = tuple(item for item in self.static if item[0] not in self.derived)
+        self.shared_chars, self.shared_width = label_chars(self.shared), label_width(self.shared)
+        self.count_label_chars()
+
+    def count_label_chars(self) -> None:
+        """Count `label_chars` again (its rank axes changed: a restart may add or drop attn_cp_rank)."""
+        labels = self.label_dict().items()
+        self.label_chars, self.label_width = label_chars(labels), label_width(labels)
 
     @property
     def identity(self) -> RankIdentity:
@@ -326,8 +342,9 @@ class RankRegistry:
                 f"epoch {msg.epoch!r} of rank {rank.describe()} was replaced by a newer process start",
             )
         elif msg.epoch != rank.epoch:
-            self._restart(rank, msg.epoch)
+            self._restart(rank, msg.epoch)  # its series are gone: none was weighed by the labels it had
             rank.attn_cp_rank = msg.rank.attn_cp_rank
+            rank.count_label_chars()
             result = HelloResult(rank, restart=True)
         else:
             rank.reconnects += 1

@@ -46,8 +46,8 @@ from exporter.sidecar.core.keys import (
     SeriesKey,
     SeriesRoute,
     Update,
-    histogram_cost,
     make_rollup_key,
+    series_cost,
 )
 from exporter.sidecar.core.ranks import RankState, replica_order
 
@@ -59,7 +59,7 @@ class RollupLedger:
     """Rollup counters and histograms, the watermarks of every replica group, and gauge rollups."""
 
     def __init__(self, catalog: Catalog, budget: SeriesBudget, wall_clock: Callable[[], float] = time.time) -> None:
-        self.budget = budget  # each rollup series created counts against max_series_total (histograms by weight)
+        self.budget = budget  # each rollup series created counts against max_series_total, by keys.series_cost
         self.wall_clock = wall_clock
         self.counter_cells: dict[RollupKey, RollupCounter] = {}
         self.histograms: dict[RollupKey, HistAccumulator] = {}
@@ -92,7 +92,7 @@ class RollupLedger:
                 continue
             cell = route.counter
             if cell is None:  # the rollup series exists from its first accepted value
-                cell = route.counter = self._counter_cell(route.rollup_key)
+                cell = route.counter = self._counter_cell(route)
             if route.plan.per_shard:
                 cell.value += amount
                 continue
@@ -105,12 +105,13 @@ class RollupLedger:
                 cell.value += position - mark.value  # type: ignore[union-attr]
                 mark.value = position  # type: ignore[union-attr]
 
-    def _counter_cell(self, key: RollupKey) -> RollupCounter:
+    def _counter_cell(self, route: SeriesRoute) -> RollupCounter:
+        key = route.rollup_key
         cell = self.counter_cells.get(key)
         if cell is None:
             cell = self.counter_cells[key] = RollupCounter()
             self.created[key] = self.wall_clock()
-            self.budget.rollup += 1
+            self.budget.rollup += series_cost(None, route.rollup_chars)
         return cell
 
     @staticmethod
@@ -138,7 +139,7 @@ class RollupLedger:
             if acc is None:
                 acc = self.histograms[route.rollup_key] = HistAccumulator.empty(bounds)
                 self.created[route.rollup_key] = self.wall_clock()
-                self.budget.rollup += histogram_cost(bounds)
+                self.budget.rollup += series_cost(bounds, route.rollup_chars)
             route.histogram = acc
         if acc.bounds is not bounds and acc.bounds != bounds:
             self._conflict(rank, key, bounds, acc.bounds)

@@ -20,6 +20,7 @@ from exporter.labels import own_labels_problem
 from exporter.protocol.messages import Sample
 from exporter.sidecar.core.keys import (
     BUCKETS_PER_SERIES,
+    LABEL_CHARS_PER_UNIT,
     FamilyPlan,
     HistValue,
     Layout,
@@ -28,7 +29,11 @@ from exporter.sidecar.core.keys import (
     Update,
     Value,
     histogram_cost,
+    label_chars,
+    label_width,
+    line_chars,
     make_rollup_key,
+    series_cost,
 )
 from exporter.sidecar.core.ranks import RankRegistry, RankState
 
@@ -89,11 +94,15 @@ class SampleReader:
                 if not -MAX_VALUE <= value <= MAX_VALUE:
                     raise SampleRejected(ErrorCode.INVALID_VALUE, f"{plan.name!r}: {value} is beyond ±2**63")
                 if previous is None:
-                    self._check_series_room(rank)
+                    chars = line_chars(rank.label_chars, rank.label_width, route.own_chars, route.own_width)
+                    cost = series_cost(None, chars, plan.lines)
+                    # A gauge makes no rollup cell (its rollup line is in its own weight): room for it twice, as ever.
+                    rollup = cost if plan.gauge else series_cost(None, route.rollup_chars)
+                    self._check_series_room(rank, cost, chars, rollup, lines=plan.lines)
                 if plan.gauge:
                     if previous is None:
-                        self.registry.budget.per_rank += 1
-                        rank.cost += 1
+                        self.registry.budget.per_rank += cost
+                        rank.cost += cost
                     values[key] = value
                     rank.version += 1
                     rank.gauge_keys[key] = None
@@ -102,9 +111,9 @@ class SampleReader:
                     raise SampleRejected(ErrorCode.INVALID_VALUE, f"counter {plan.name!r} is negative ({value})")
                 if previous is None:
                     delta = value
-                    self.registry.budget.per_rank += 1
-                    rank.cost += 1
-                    self._new_series += 1
+                    self.registry.budget.per_rank += cost
+                    rank.cost += cost
+                    self._new_series += rollup
                 else:
                     if value < previous:  # type: ignore[operator]
                         raise SampleRejected(
@@ -157,11 +166,13 @@ class SampleReader:
             raise SampleRejected(ErrorCode.INVALID_VALUE, f"{name!r}: a count beyond 2**53 or a sum beyond ±2**63")
         deltas: tuple[int, ...] | list[int]
         if previous is None:
-            cost = histogram_cost(layout)
-            self._check_series_room(rank, cost)
+            chars = line_chars(rank.label_chars, rank.label_width, route.own_chars, route.own_width)
+            cost = series_cost(layout, chars)
+            rollup = series_cost(layout, route.rollup_chars)
+            self._check_series_room(rank, cost, chars, rollup, layout)
             self.registry.budget.per_rank += cost
             rank.cost += cost
-            self._new_series += cost
+            self._new_series += rollup
             deltas, dsum = counts, total
         else:
             deltas = list(map(operator.sub, counts, previous.counts))
@@ -211,10 +222,19 @@ class SampleReader:
                                  f"served ({self._profiles}); another engine's needs its profile served (--profile)")
         label_values = self._label_values(plan, labels) if labels or plan.labels else ()
         name = plan.name  # the catalog's string object, shared by every rank's keys
+        own = tuple(zip(plan.labels, label_values))
+        own_chars, own_width = label_chars(own), label_width(own)
+        rollup_chars = line_chars(rank.shared_chars, rank.shared_width, own_chars, own_width)
         if (name, label_values) not in rank.values:
-            self._check_series_room(rank)  # before anything is interned or indexed for it
+            # Before anything is interned or indexed for it, at its least weight (one line; a histogram's
+            # layout is checked when its value is read).
+            chars = line_chars(rank.label_chars, rank.label_width, own_chars, own_width)
+            self._check_series_room(rank, series_cost(None, chars, plan.lines), chars,
+                                    series_cost(None, rollup_chars), lines=plan.lines)
         intern = self._intern
-        route = intern(SeriesRoute(plan, intern((name, label_values)), intern(make_rollup_key(name, rank.shared, label_values))))
+        route = intern(SeriesRoute(
+            plan, intern((name, label_values)), intern(make_rollup_key(name, rank.shared, label_values)),
+            own_chars=own_chars, own_width=own_width, rollup_chars=rollup_chars))
         # Labels in the catalog's order (as the client library sends them) map one-to-one to
         # series, so the index is bounded like the rank's series; other orders are not kept.
         if tuple(labels) == plan.labels and len(rank.routes) < self.config.max_series_per_rank:
@@ -231,16 +251,24 @@ class SampleReader:
             return interned.setdefault(key, key)  # type: ignore[return-value]
         return interned.get(key, key)  # type: ignore[return-value]
 
-    def _check_series_room(self, rank: RankState, cost: int = 1) -> None:
-        """Refuse a new series of weight `cost` (series.histogram_cost) that a limit has no room for."""
-        weight = f" (a histogram of {(cost - 1) * BUCKETS_PER_SERIES}+ buckets counts {cost})" if cost > 1 else ""
+    def _check_series_room(self, rank: RankState, cost: int, chars: int, rollup: int, layout: Layout | None = None,
+                           lines: int = 1) -> None:
+        """Refuse a new series of weight `cost` (keys.series_cost of `layout`, a histogram's, `chars` and
+        `lines`), whose rollup cell may weigh `rollup`, that a limit has no room for."""
+        weight = ""
+        if cost > 1 and layout is not None and cost == histogram_cost(layout):
+            weight = f" (a histogram of {(cost - 1) * BUCKETS_PER_SERIES}+ buckets counts {cost})"
+        elif cost > 1:
+            count = lines if layout is None else len(layout) + 2
+            where = "its line" if count == 1 else f"each of its {count} lines"
+            weight = f" (a series whose labels write {chars} characters on {where} counts {cost}: one per {LABEL_CHARS_PER_UNIT})"
         if rank.cost + cost > self.config.max_series_per_rank:
             raise SampleRejected(
                 ErrorCode.SERIES_LIMIT,
                 f"rank {rank.describe()} already holds {rank.cost} of max_series_per_rank="
                 f"{self.config.max_series_per_rank} series{weight}",
             )
-        if not self.registry.budget.has_room(self._new_series, cost):
+        if not self.registry.budget.has_room(self._new_series, cost, rollup):
             raise SampleRejected(
                 ErrorCode.SERIES_LIMIT,
                 f"the sidecar already holds max_series_total={self.config.max_series_total} series, rank "

@@ -21,7 +21,18 @@ from exporter.catalog import Catalog, MetricType
 from exporter.labels import MAX_RANK_AXIS
 from exporter.protocol.messages import World
 from exporter.sidecar.core.history import WindowHistory
-from exporter.sidecar.core.keys import HistAccumulator, HistValue, RollupCounter, SeriesKey, histogram_cost, make_rollup_key
+from exporter.sidecar.core.keys import (
+    HistAccumulator,
+    HistValue,
+    RollupCounter,
+    SeriesKey,
+    label_chars,
+    label_width,
+    line_chars,
+    make_rollup_key,
+    scalar_lines,
+    series_cost,
+)
 from exporter.sidecar.core.ranks import WINDOW_HISTORY_ENTRIES, RankIdentity, RankState, rank_identity
 from exporter.sidecar.core.state import SidecarState
 
@@ -230,6 +241,7 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
     window = registry.window
     config = registry.config
     bad_marks = {(mark.family, mark.shared, mark.labels) for mark in saved.marks if not _valid_value(mark.value)}
+    shared_chars: dict[int, tuple[int, int]] = {}  # what each shared label set writes on a line, and its width: counted once
     for item in saved.cells:
         key = key_of(item.family, label_sets[item.labels])
         if key is None:
@@ -240,11 +252,17 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
             continue
         spec = catalog.get(key[0])
         rollup_key = make_rollup_key(key[0], statics[item.shared], key[1])
+        # Weighed as the ledger weighs the cell it makes: by its layout and its labels (the shared static ones, the family's own).
+        shared = shared_chars.get(item.shared)
+        if shared is None:
+            shared = shared_chars[item.shared] = (label_chars(statics[item.shared]), label_width(statics[item.shared]))
+        own = tuple(zip(spec.labels, key[1]))
+        chars = line_chars(*shared, label_chars(own), label_width(own))
         if isinstance(item.value, HistValue):
             if spec.type is not MetricType.HISTOGRAM or not _whole(item.value):
                 result.drop("changed_family")
                 continue
-            cost = histogram_cost(item.value.bounds)
+            cost = series_cost(item.value.bounds, chars)
             if not budget.has_room(0, cost):
                 result.drop("limit")
                 continue
@@ -254,11 +272,12 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
             if spec.type is not MetricType.COUNTER:
                 result.drop("changed_family")
                 continue
-            if not budget.has_room(0, 1):
+            cost = series_cost(None, chars)
+            if not budget.has_room(0, cost):
                 result.drop("limit")
                 continue
             ledger.counter_cells[rollup_key] = RollupCounter(item.value)
-            budget.rollup += 1
+            budget.rollup += cost
         ledger.created[rollup_key] = item.created
         result.cells += 1
     for mark in saved.marks:
@@ -313,7 +332,12 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
                     or (isinstance(value.value, HistValue) and not _whole(value.value)):
                 result.drop("changed_family")
                 continue
-            cost = histogram_cost(value.value.bounds) if isinstance(value.value, HistValue) else 1
+            # Weighed as the reader weighs a pushed series: by its layout and its labels (the rank's, the family's own).
+            spec = catalog.get(key[0])
+            own = tuple(zip(spec.labels, key[1]))
+            cost = series_cost(value.value.bounds if isinstance(value.value, HistValue) else None,
+                               line_chars(rank.label_chars, rank.label_width, label_chars(own), label_width(own)),
+                               scalar_lines(spec))
             if rank.cost + cost > config.max_series_per_rank or not budget.has_room(0, cost):
                 result.drop("limit")
                 continue

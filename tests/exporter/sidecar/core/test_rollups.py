@@ -644,3 +644,24 @@ def test_a_label_derived_from_the_tp_rank_does_not_split_a_replica_group(h: Harn
     assert h.gauges()[rollup_key(USED)] == 30.0
     assert {dict(r.static)["moe_ep_rank"] for r in ranks} == {"0", "1"}  # per-rank series keep the label
     assert len(h.state.registry.groups()) == 1
+
+
+# --- the series budget: a rollup cell weighs the labels its line writes (keys.series_cost) ---
+
+
+def test_a_rollup_cell_weighs_its_own_labels_once_however_many_ranks_feed_it(h: Harness) -> None:
+    """A rollup line writes the static labels its group shares and the family's own values: not the rank
+    axes, nor a derived label (moe_ep_rank), which the ranks' lines write and are weighed by."""
+    derived = [h.hello(tp=tp, labels={**STATIC, "moe_ep_rank": str(tp) + "e" * 999})[1] for tp in (0, 1)]
+    for rank in derived:
+        assert rank.label_chars == 36 + 31 + 1015 and rank.shared_chars == 31
+        assert codes(h.push(rank, tokens(1.0), bytes_(1.0), hist(PGS, one_hot(PGS, 0), 1.0))) == []
+        assert rank.cost == 5 + 3 + 17  # tokens: 1,092 x 2 lines; bytes: 1,082; PGS: 1,082 x 8 lines
+    budget = h.state.registry.budget
+    assert (budget.per_rank, budget.rollup) == (2 * 25, 3)  # three cells of short labels, one each
+    # Long shared labels weigh the rollup: cache_type of 1,000 characters writes 1,014, with pool="kv" 1,024.
+    shared = {"cache_type": "c" * 1000}
+    for tp in (0, 1):
+        _, rank = h.hello(tp=tp, labels=shared)
+        assert codes(h.push(rank, tokens(1.0), bytes_(1.0), hist(PGS, one_hot(PGS, 0), 1.0))) == []
+    assert budget.rollup == 3 + 2 + 2 + 16  # tokens 1,024; bytes 1,014; PGS 1,014 x 8 lines: once for both ranks

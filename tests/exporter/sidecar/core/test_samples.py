@@ -260,7 +260,9 @@ def test_series_limit_rejects_new_series_only() -> None:
 def test_series_total_limit_counts_every_ranks_series_and_the_rollups() -> None:
     h = Harness(ranks_config=RanksConfig(max_series_total=5))
     _, a = h.hello(tp=0)
-    _, b = h.hello(tp=1)
+    # b's labels write 62 characters on each of the histogram's 8 lines (496 of LABEL_CHARS_PER_UNIT): its
+    # buckets weigh it (the harness's cache_type writes 67, which would make it 2: test_series_cost below).
+    _, b = h.hello(tp=1, labels={"cache_type": "HiRadixCache"})
     assert codes(h.push(a, bytes_(1.0), used(1.0))) == []  # 2 rank series, 1 rollup series (gauges have none)
     result = h.push(b, hist(PGS, one_hot(PGS, 0), 1.0), tokens(1.0))  # the histogram (6 buckets: 1) makes it 5
     assert codes(result) == [ErrorCode.SERIES_LIMIT]
@@ -495,10 +497,15 @@ def test_a_histogram_weighs_one_series_plus_one_per_eight_buckets() -> None:
     assert histogram_cost((*WIDE, "+Inf")) == 1 + 1024 // BUCKETS_PER_SERIES == 129
 
 
+# Labels writing at most 64 characters on a line keep a 1,024-bucket histogram (1,026 lines) at its buckets'
+# weight, 129 (the harness's write 67: 135, test_series_cost below).
+SHORT = {"cache_type": "c"}
+
+
 def test_wide_histograms_fill_the_series_total_by_their_buckets() -> None:
     """40 ranks x 9 histograms x 1,024 buckets counted as 369 series made a 38 MiB /metrics."""
     h = Harness(ranks_config=RanksConfig(max_series_total=300))
-    _, rank = h.hello()
+    _, rank = h.hello(labels=SHORT)
     wide = [hist(family, one_hot(family, 0, finite=WIDE), 1.0, finite=WIDE) for family in (DURATION, PGS)]
     result = h.push(rank, *wide, bytes_(1.0))
     assert codes(result) == [ErrorCode.SERIES_LIMIT]  # the second needs 2 x 129 more
@@ -510,20 +517,103 @@ def test_wide_histograms_fill_the_series_total_by_their_buckets() -> None:
 
 def test_wide_histograms_fill_max_series_per_rank_by_their_buckets() -> None:
     h = Harness(ranks_config=RanksConfig(max_series_per_rank=200))
-    _, rank = h.hello()
+    _, rank = h.hello(labels=SHORT)
     result = h.push(rank, *(hist(family, one_hot(family, 0, finite=WIDE), 1.0, finite=WIDE) for family in (DURATION, PGS)))
     assert codes(result) == [ErrorCode.SERIES_LIMIT] and "max_series_per_rank=200" in result.rejections[0][1]
     assert set(rank.values) == {(DURATION, ())} and rank.cost == 129
 
 
 def test_a_restart_frees_a_histograms_whole_weight(h: Harness) -> None:
-    conn, rank = h.hello(epoch="one")
+    conn, rank = h.hello(epoch="one", labels=SHORT)
     h.push(rank, hist(DURATION, one_hot(DURATION, 0, finite=WIDE), 1.0, finite=WIDE), bytes_(1.0))
     budget = h.state.registry.budget
     assert budget.per_rank == rank.cost == 130
     h.state.disconnect(conn, rank)
-    h.hello(epoch="two")
+    h.hello(epoch="two", labels=SHORT)
     assert budget.per_rank == rank.cost == 0 and budget.rollup == 130  # the rollups keep theirs
+
+
+# --- labels weigh what their lines write (keys.series_cost) ---
+
+# The longest static labels the limits allow: 8 values sharing max_static_label_chars (2,304), with the rank axes
+# 2,388 characters a line; a family's own values at max_family_label_value_length (128).
+LONGEST = {f"l{i}": chr(97 + i) * 288 for i in range(8)}
+
+
+def longest_dropped(j: int, value: float = 1.0) -> Sample:
+    """hicache_dropped_tokens_total (replicated: its line and its group's spread line) with own values of 128:
+    2,662 characters a line with LONGEST, 11 units; its rollup cell's 2,626 on one line, 6."""
+    return dropped(value, reason=f"{j:03d}" + "r" * 125, pool="p" * 128)
+
+
+def test_long_labels_fill_the_series_total_sooner() -> None:
+    short = Harness(ranks_config=RanksConfig(max_series_total=100))
+    _, rank = short.hello()
+    assert codes(short.push(rank, *(dropped(1.0, reason=f"{j:03d}", pool="kv") for j in range(12)))) == []
+    assert (short.state.registry.budget.per_rank, short.state.registry.budget.rollup) == (12, 12)
+
+    h = Harness(ranks_config=RanksConfig(max_series_total=100))
+    _, rank = h.hello(labels=LONGEST)
+    assert rank.label_chars == 2388
+    result = h.push(rank, *(longest_dropped(j) for j in range(12)))
+    assert codes(result) == [ErrorCode.SERIES_LIMIT] * 7  # 5 x (11 + 6) = 85; a sixth needs 17 more
+    assert "max_series_total=100" in result.rejections[0][1]
+    assert "write 2662 characters on each of its 2 lines counts 11" in result.rejections[0][1]
+    budget = h.state.registry.budget
+    assert (budget.per_rank, budget.rollup, rank.cost, len(rank.values)) == (55, 30, 55, 5)
+    # The series it holds keep updating; new ones stay refused.
+    result = h.push(rank, *(longest_dropped(j, 2.0) for j in range(6)))
+    assert codes(result) == [ErrorCode.SERIES_LIMIT]
+    assert h.counter(DROPPED, f"{4:03d}" + "r" * 125, "p" * 128, static=tuple(sorted(LONGEST.items()))) == 2.0
+
+
+def test_long_labels_fill_max_series_per_rank_sooner() -> None:
+    h = Harness(ranks_config=RanksConfig(max_series_per_rank=30))
+    _, rank = h.hello(labels=LONGEST)
+    result = h.push(rank, *(longest_dropped(j) for j in range(3)))
+    assert codes(result) == [ErrorCode.SERIES_LIMIT] and "max_series_per_rank=30" in result.rejections[0][1]
+    assert (rank.cost, len(rank.values)) == (22, 2)
+
+
+def test_a_series_weighs_its_lines_by_family_kind() -> None:
+    """Labels writing 300 characters a line: a per_shard counter's one line weighs 1; a replicated counter
+    (and its group's spread line) and a gauge (and the rollup line made of it) 2; a histogram its lines'."""
+    h = Harness()
+    static = {"cache_type": "c" * 250}  # with the rank axes: 36 + 264 = 300
+    _, rank = h.hello(labels=static)
+    assert rank.label_chars == 300
+    costs = []
+    for sample in (bytes_(1.0), used(1.0), tokens(1.0, pool="kv"), hist(PGS, one_hot(PGS, 0), 1.0)):
+        before = rank.cost
+        assert codes(h.push(rank, sample)) == []
+        costs.append(rank.cost - before)
+    assert costs == [1, 2, 2, 5]  # tokens' pool="kv" writes 10 more: 310 x 2 lines; the histogram's 8 lines: 2,400
+
+
+def test_a_label_outside_latin_1_weighs_the_width_of_its_line() -> None:
+    h = Harness()
+    _, narrow = h.hello(tp=0, labels={"cache_type": "c" * 250})
+    _, wide = h.hello(tp=1, labels={"cache_type": "😀" + "c" * 249})
+    assert (narrow.label_chars, narrow.label_width, wide.label_chars, wide.label_width) == (300, 1, 300, 4)
+    assert codes(h.push(narrow, bytes_(1.0))) == codes(h.push(wide, bytes_(1.0))) == []
+    assert (narrow.cost, wide.cost) == (1, 3)  # 1,200 "characters" held for 300
+    # A family's own value of the BMP widens the line of a Latin-1 rank: its labels weigh 2 bytes a character.
+    assert codes(h.push(narrow, tokens(1.0, pool="ā" * 40))) == []
+    assert narrow.cost == 1 + 3  # (300 + 48) x 2 bytes, on 2 lines: 1,392
+
+
+def test_a_restart_frees_a_long_labelled_series_whole_weight(h: Harness) -> None:
+    conn, rank = h.hello(labels=LONGEST, epoch="one")
+    h.push(rank, *(longest_dropped(j) for j in range(3)))
+    budget = h.state.registry.budget
+    assert (budget.per_rank, budget.rollup, rank.cost) == (33, 18, 33)
+    h.state.disconnect(conn, rank)
+    conn, _ = h.hello(labels=LONGEST, epoch="two")
+    assert (budget.per_rank, budget.rollup, rank.cost) == (0, 18, 0)  # the rollups keep theirs
+    # A restart that adds attn_cp_rank counts the rank's labels again: 17 characters more a line.
+    h.state.disconnect(conn, rank)
+    _, again = h.hello(labels=LONGEST, epoch="three", cp=0)
+    assert again is rank and rank.label_chars == 2388 + 17
 
 
 # --- telling an epoch's writers apart (review 19, finding 6) ---

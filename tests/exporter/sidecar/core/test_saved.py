@@ -35,6 +35,7 @@ from tests.exporter.sidecar.harness import (
     TOKENS,
     Harness,
     bytes_,
+    codes,
     dropped,
     hist,
     one_hot,
@@ -369,6 +370,41 @@ def test_a_series_budget_too_small_for_the_rollups_drops_them_as_limit() -> None
     assert result.dropped["limit"] > 0
     assert restored.state.series_budget().rollup + restored.state.series_budget().per_rank <= 3
 
+
+
+def test_a_restored_state_weighs_its_series_as_the_pushes_did() -> None:
+    """The budget weighs each series by its labels (keys.series_cost): a load weighs the same values and
+    cells alike, whatever their labels (long ones, a derived one, one outside the BMP, a histogram's)."""
+    before, after = Harness(ranks_config=LIMITS), Harness(ranks_config=LIMITS)
+    statics = [{f"l{i}": chr(97 + i) * 288 for i in range(8)}, {"cache_type": "😀" * 200, "moe_ep_rank": "7" * 300},
+               {"cache_type": "HiRadixCache"}]
+    for tp, static in enumerate(statics):
+        _, rank = before.hello(tp=tp, labels=static)
+        assert codes(before.push(rank, bytes_(5.0), tokens(7.0, pool="p" * 128), dropped(2.0, reason="ā" * 100, pool="kv"),
+                                 pgs([1, 0, 2, 0, 0, 0], 3.0), duration(0, 19, 0.5))) == []
+    budget = before.state.registry.budget
+    assert budget.per_rank > 100 and budget.rollup > 50  # far from one a series: their labels weigh
+    result = round_trip(before, after)
+    assert result.dropped == {} and result.identities == 3
+    assert after.state.registry.budget == budget
+    costs = {identity: rank.cost for identity, rank in before.state.registry.ranks.items()}
+    assert {identity: rank.cost for identity, rank in after.state.registry.ranks.items()} == costs
+
+
+def test_a_load_leaves_out_what_its_weight_has_no_room_for() -> None:
+    """The same file into a budget that held every series at one unit each: the long-labelled ones are
+    left out as `limit`, and what is loaded stays within the budget."""
+    before = Harness(ranks_config=LIMITS)
+    _, rank = before.hello(labels={f"l{i}": chr(97 + i) * 288 for i in range(8)})
+    before.push(rank, *(dropped(1.0, reason=f"{j:03d}", pool="kv") for j in range(10)))
+    budget = before.state.registry.budget
+    assert (budget.per_rank, budget.rollup) == (10 * 10, 10 * 5)  # 2,411 characters on 2 lines; 2,375 on one
+    small = RanksConfig(stale_after_seconds=10.0, expire_after_seconds=30.0, max_series_total=100)
+    after = Harness(ranks_config=small)
+    result = round_trip(before, after)
+    # The cells first, each with room for itself twice (a rank series may make it again); then the values.
+    assert result.dropped == {"limit": 6}
+    assert (after.state.registry.budget.per_rank, after.state.registry.budget.rollup) == (4 * 10, 10 * 5)
 
 
 def test_the_first_window_after_a_restore_reads_what_moved_since_the_load_not_the_whole_history() -> None:

@@ -38,7 +38,11 @@ def test_a_full_budget_of_the_longest_labels_writes_a_file_that_loads(tmp_path: 
     state = SidecarState(default_catalog(), RanksConfig(max_series_total=4096))
     ranks = _fill(state)
     budget = state.registry.budget
-    assert budget.per_rank + budget.rollup > 4096 - 2 * 2  # within one series pair of the limit
+    # Each series weighs its labels (keys.series_cost): 2,662 characters on its line and its group's spread line
+    # is 11 units, its rollup cell's 2,626 on one line 6; the fill stops within one such pair of the limit.
+    rank = next(iter(state.registry.ranks.values()))
+    assert (rank.cost / len(rank.values), budget.rollup / len(state.ledger.counter_cells)) == (11, 6)
+    assert budget.per_rank + budget.rollup > 4096 - (11 + 6)
     path = tmp_path / "state"
     keeper = StateKeeper(PersistenceConfig(file=path), state, {}, PersistenceHealth(), "sglang_")
     written = keeper.encode()

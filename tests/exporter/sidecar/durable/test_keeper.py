@@ -598,9 +598,11 @@ def long_labelled_state(h: Any) -> None:
 def test_a_file_of_long_label_values_loads_back(tmp_path: Path) -> None:
     """Label values at 4,096 characters: the file loads back, and holds each label set once. (Once, the
     file wrote labels in every place they appear, 2.8 MB for these 90 series, and the bound counted
-    1,024 bytes a series whatever its labels: the next start refused it as too_large.)"""
+    1,024 bytes a series whatever its labels: the next start refused it as too_large.) The series weigh
+    their labels (keys.series_cost): 145 units each and 73 a rollup, 10,890 together, which the limits hold
+    (with the room each new series asks for its rollup)."""
     limits = RanksConfig(max_label_value_length=4096, max_family_label_value_length=4096, max_static_label_chars=32768,
-                         max_series_total=256)
+                         max_series_total=16_384, max_series_per_rank=8192)
     path = tmp_path / "state"
     h = Harness(ranks_config=limits)
     long_labelled_state(h)
@@ -613,6 +615,8 @@ def test_a_file_of_long_label_values_loads_back(tmp_path: Path) -> None:
     second.load()
     assert second.health.load_failures == {} and second.health.loaded_identities == 2
     assert rollups(again) == rollups(h) and len(rollups(again)[0]) == 30
+    assert (h.state.registry.budget.per_rank, h.state.registry.budget.rollup) == (2 * 30 * 145, 30 * 73)
+    assert again.state.registry.budget == h.state.registry.budget  # the load weighs them as the pushes did
 
 
 def test_a_state_larger_than_a_load_reads_is_not_written_and_the_last_file_stays(tmp_path: Path) -> None:

@@ -621,16 +621,18 @@ def escape_heavy(prefix: str, length: int = 128) -> str:
 
 def test_hostile_labels_filling_the_series_limit_keep_the_document_small() -> None:
     """3 ranks x 4096 series of a reason family, every label value 128 characters of \\x01, fill the
-    default series limit (24,576 rank and rollup series); the document was 98 MB, now its listings
-    are bounded and it stays under 1 MB (0.14 MB measured) while its counts and sums stay exact."""
-    h = Harness()
+    series limit; the document was 98 MB, now its listings are bounded and it stays under 1 MB (0.14 MB
+    measured) while its counts and sums stay exact. They filled the default limit (24,576) before the
+    budget weighed labels; each now weighs 6 and its rollup 3 (keys.series_cost: 1,382 characters on its
+    line and its group's spread line, 1,346 on the rollup's), so the limits are raised to hold them all."""
+    h = Harness(ranks_config=RanksConfig(max_series_total=3 * 4096 * (6 + 3), max_series_per_rank=4096 * 6))
     for tp in range(3):
         _, rank = h.hello(tp=tp, labels={f"l{i}": escape_heavy(str(tp)) for i in range(8)})
         for chunk in range(0, 4096, 512):
             h.push(rank, *(dropped(1.5, reason=escape_heavy(f"{i:06d}"), pool=ESCAPED * 128)
                            for i in range(chunk, chunk + 512)))
     budget = h.state.registry.budget
-    assert budget.per_rank + budget.rollup == RanksConfig().max_series_total  # the limit is full
+    assert budget.per_rank + budget.rollup == 3 * 4096 * (6 + 3) == h.state.config.max_series_total  # the limit is full
     body = view_of(h).encode()
     assert len(body) < 1_000_000, len(body)
     doc = json.loads(body)

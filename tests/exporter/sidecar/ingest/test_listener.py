@@ -234,6 +234,28 @@ def test_series_limit(tight_sidecar: SidecarThread) -> None:
     assert scrape.value("hicache_exporter_rejections_total", reason="series_limit") == 10
 
 
+def test_series_limit_weighs_the_labels_a_series_writes(socket_dir: Path) -> None:
+    """The longest static labels the limits allow (8 values of 288) and own values of 128: each series of
+    hicache_dropped_tokens_total weighs 11 of max_series_total and its rollup 6 (keys.series_cost), so a
+    budget of 100 takes 5 of 12, where it takes every one of short labels; the 7 refused are counted."""
+    running = SidecarThread(sidecar_config(socket_dir / "m.sock", ranks={"max_series_total": 100})).start()
+    try:
+        client = RawClient(running.socket_path)
+        client.send(hello(tp=0, epoch="long", **{f"l{i}": chr(97 + i) * 288 for i in range(8)}))
+        assert isinstance(client.recv(), Welcome)
+        client.send(snapshot(1, *(counter("hicache_dropped_tokens_total", 1, reason=f"{j:03d}" + "r" * 125, pool="p" * 128)
+                                  for j in range(12))))
+        reply = client.recv()
+        assert isinstance(reply, ErrorMessage) and reply.code == ErrorCode.SERIES_LIMIT.value
+        assert "counts 11" in reply.message and "and 6 more" in reply.message
+        scrape = running.scrape()
+        assert len(scrape.find("sglang_hicache_dropped_tokens_total", tp_rank="0")) == 5
+        assert scrape.value("hicache_exporter_rejections_total", reason="series_limit") == 7
+        client.close()
+    finally:
+        running.stop()
+
+
 def test_old_seq_is_ignored_and_counted(sidecar: SidecarThread) -> None:
     client = RawClient(sidecar.socket_path)
     client.send(hello(tp=0, epoch="e"))

@@ -1,6 +1,6 @@
 # Two commands: `make demo` runs the sidecar with simulated ranks; `make test` runs the linters
 # (`make lint`: ruff, mypy and the import contracts), then the tests (it first installs or names promtool, Prometheus, Chromium, podman, buildah and mmdebstrap).
-# The tests run in 3 processes, a test file to a process (pytest-xdist, PYTEST_ARGS): 226-261 s for 1,914 tests on
+# The tests run in 3 processes, a test file to a process (pytest-xdist, PYTEST_ARGS): 253-271 s for 1,959 tests on
 # 2 cores, a fresh clone (688 s in one process before their waits were shortened); `make test PYTEST_ARGS=` runs them in one.
 # `make bench` runs the benchmarks (`make bench BENCH_ARGS=--quick` for a short pass).
 VENV ?= .venv

@@ -261,6 +261,15 @@ class PrefillSpec(BaseModel):
         if not ((self.host is not None and self.storage is not None and self.offload is None)
                 or (self.host is None and self.storage is None and self.offload is not None)):
             raise ValueError("prefill: give `host` and `storage`, or `offload` where the engine cannot tell them apart")
+        by_family: dict[str, list[TokenCount]] = {}
+        for count in self.counts().values():
+            by_family.setdefault(count.family, []).append(count)
+        for family, counts in by_family.items():
+            # One family counting two kinds must tell them apart by one label, each kind its own value.
+            if len(counts) > 1 and (len({(c.label, c.value) for c in counts}) < len(counts)
+                                    or len({c.label for c in counts}) > 1 or counts[0].label is None):
+                raise ValueError(f"prefill: {family!r} counts several kinds: give each the same `label` and its "
+                                 "own `value`")
         return self
 
     def counts(self) -> dict[PrefillKind, TokenCount]:

@@ -190,20 +190,30 @@ def share_tokens(ns: str, catalog: Catalog, spec: PrefillSpec, kinds: tuple[Pref
 Tokens = Callable[[tuple[PrefillKind, ...] | None], str]
 
 
+def every_token_expr(spec: PrefillSpec, tokens: Tokens) -> str:
+    """Every prefill token (`tokens` as in hit_ratio_expr): the sum of every kind; where the prompt is counted
+    apart, the prompt or the hits, whichever is more (LMCache counts a prompt cut to whole chunks, fewer than
+    its hits where prompts are short: exporter/defaults/lmcache.yaml), as the status document reckons it."""
+    if spec.prompt is None:
+        return tokens(None)
+    hits = tokens(tuple(kind for kind, _ in spec.tiers()))
+    return f"({tokens(None)} >= ({hits}) or ({hits}))"
+
+
 def hit_ratio_expr(spec: PrefillSpec, tokens: Tokens) -> str:
-    """Each tier's tokens as `tier="<kind>"`, over every prefill token; `tokens(kinds)` sums them (None: every
-    prefill token) to the scope of the ratio (share_tokens, or the fleet's sum)."""
+    """Each tier's tokens as `tier="<kind>"`, over every prefill token; `tokens(kinds)` sums them (None: the
+    prompt, or every kind counted) to the scope of the ratio (share_tokens, or the fleet's sum)."""
     tiers = "\n  or\n  ".join(f'label_replace({tokens((kind,))}, "tier", "{kind}", "", "")' for kind, _ in spec.tiers())
-    return f"(\n  {tiers}\n)\n/ ignoring (tier) group_left ()\n({tokens(None)} > 0)\n"
+    return f"(\n  {tiers}\n)\n/ ignoring (tier) group_left ()\n({every_token_expr(spec, tokens)} > 0)\n"
 
 
 def computed_ratio_expr(spec: PrefillSpec, tokens: Tokens) -> str:
     """The computed tokens over every prefill token; where the prompt is counted apart, what the hits leave of
-    it, never below 0 (`tokens` as in hit_ratio_expr)."""
-    everything = f"({tokens(None)} > 0)"
+    every prefill token (`tokens` as in hit_ratio_expr)."""
+    everything = f"({every_token_expr(spec, tokens)} > 0)"
     if spec.computed is not None:
         return f"{tokens(('computed',))} / {everything}"
-    return f"clamp_min(1 - ({tokens(tuple(kind for kind, _ in spec.tiers()))}) / {everything}, 0)"
+    return f"1 - ({tokens(tuple(kind for kind, _ in spec.tiers()))}) / {everything}"
 
 
 def fleet_tokens(ns: str, catalog: Catalog, spec: PrefillSpec) -> Tokens:
@@ -285,14 +295,16 @@ PREFILL_NOTES: dict[str, tuple[str, str]] = {
         host_hit and storage_hit tokens, storage_* by storage_hit tokens.
         """),
     "lmcache": ("""
-        LMCache 0.5.6 under vLLM (exporter/defaults/lmcache.yaml, `prefill:`): each worker counts the prompt
-        of every request LMCache looks up (num_prompt_tokens) and the prefix vLLM's own GPU prefix cache held
-        (num_vllm_hit_tokens, tier="device"); a retrieve counts the tokens LMCache brought back (num_hit_tokens,
-        tier="offload"), from its CPU backend or, staged through it, its remote one: no family tells those two
-        apart, so there is no host or storage tier here. Computed is what the prompt leaves after both. A
-        retrieve starts at the chunk boundary below vLLM's hit (vllm_v1_adapter.py:816-822), so up to
-        chunk_size - 1 tokens of a request count in both: the shares may add up to a little more than 1,
-        and computed is clamped at 0.
+        LMCache 0.5.6 under vLLM (exporter/defaults/lmcache.yaml, `prefill:`): for every request LMCache
+        looks up, each worker counts the prefix vLLM's own GPU prefix cache held (num_vllm_hit_tokens,
+        tier="device") and, as its prompt, the tokens of the request's first scheduling step cut to whole
+        chunks (num_prompt_tokens: a prompt under chunk_size counts 0, and a long one split by chunked
+        prefill only its first step); a retrieve counts the tokens LMCache brought back (num_hit_tokens,
+        tier="offload"), from its CPU backend or, staged through it, its remote one: no family tells those
+        two apart, so there is no host or storage tier here. Every prefill token is that prompt or the two
+        hits, whichever is more, and computed is what the hits leave of it: a lower bound of what was
+        computed, and the shares are of what LMCache saw. vLLM's own vllm:prompt_tokens_total and
+        vllm:prefix_cache_hits_total (passed through) count the whole prompt.
         """, """
         LMCache counts no bytes of a retrieve (L2→L1) or a store (L1→L2): the offload tier's one cost is the
         seconds its retrieves took (time_to_retrieve, each worker's own wall time, every worker summed) per
@@ -341,8 +353,8 @@ def prefill_group(ns: str, catalog: Catalog, other: ProfileSpec | None = None) -
         _rule(prefill_computed_ratio(ns), computed_ratio_expr(spec, lambda kinds: share_tokens(ns, catalog, spec, kinds)), """
             What remained computed: the share of prefill tokens no cache tier served.
             """ if spec.computed is not None else """
-            What remained computed: the share of the prompt no cache tier served, 1 - the tiers' hits over the
-            prompt, clamped at 0 (the hits may overlap).
+            What remained computed: 1 - the tiers' hits over every prefill token (the prompt as counted, or
+            the hits where they are more).
             """),
     ]
     costs = tier_costs(profile, spec)

@@ -54,7 +54,8 @@ TIER_COSTS = [("host", "bytes", "bytes"), ("host", "seconds", "seconds"), ("host
               ("storage", "bytes", "bytes"), ("storage", "seconds", "seconds"), ("storage", "backup_bytes", "bytes")]
 # A profile that counts the prompt apart, written here from LMCache 0.5.6 under vLLM: its prompt's counter and each
 # tier's (vLLM's own GPU prefix hits, vllm_v1_adapter.py:799-806; LMCache's retrieve hits, cache_engine.py:966-970,
-# its CPU and remote backends together: `offload`); what they leave of the prompt was computed, never below 0.
+# its CPU and remote backends together: `offload`); every prefill token is the prompt as counted or the hits,
+# whichever is more, and what the hits leave of it was computed.
 PROMPT_APART = {"lmcache": ("num_prompt_tokens_total", {"device": "num_vllm_hit_tokens_total",
                                                         "offload": "num_hit_tokens_total"})}
 # Its one cost: the seconds of the transfer that reads the offload tier back (retrieve, L2→L1; LMCache counts no
@@ -494,21 +495,25 @@ def generated_tests(catalog: Catalog, ns: str = DEFAULT_NAMESPACE, recording: Pa
             check(record, [{"labels": _series(record, server), "value": (36 if kind == "bytes" else 2) / returned}])
 
     if profile in PROMPT_APART:
-        # Each tier's cluster rate (3 x its family's pace) over the prompt's, both summed to the server's labels
-        # (role goes); computed is what the hits leave of the prompt, never below 0; the read-back's seconds
-        # (15 s a minute on each of 8 ranks: 2 s/s) over the offload hits.
+        # Each tier's cluster rate (3 x its family's pace) over every prefill token's (the prompt's or the hits',
+        # whichever is more), both summed to the server's labels (role goes); computed is what the hits leave of
+        # it; the read-back's seconds (15 s a minute on each of 8 ranks: 2 s/s) over the offload hits.
         prompt, hits = PROMPT_APART[profile]
         server = {k: v for k, v in kept.items() if k != "role"}
+
+        def whole(n: int) -> float:
+            return max(n * pace[prompt], sum(n * pace[fam] for fam in hits.values()))
+
         record = f"cluster:{ns}prefill_hit_ratio:ratio_rate5m"
-        check(record, [{"labels": _series(record, {**server, "tier": tier}), "value": 3 * pace[fam] / (3 * pace[prompt])}
+        check(record, [{"labels": _series(record, {**server, "tier": tier}), "value": 3 * pace[fam] / whole(3)}
                        for tier, fam in hits.items()])
         record = f"dp_group:{ns}prefill_hit_ratio:ratio_rate5m"
         check(record, [{"labels": _series(record, {**server, "tier": tier, "dp_rank": str(dp)}),
-                        "value": (dp + 1) * pace[fam] / ((dp + 1) * pace[prompt])}
+                        "value": (dp + 1) * pace[fam] / whole(dp + 1)}
                        for dp in (0, 1) for tier, fam in hits.items()])
         record = f"cluster:{ns}prefill_computed_ratio:ratio_rate5m"
         check(record, [{"labels": _series(record, server),
-                        "value": max(1 - sum(3 * pace[fam] for fam in hits.values()) / (3 * pace[prompt]), 0)}])
+                        "value": 1 - sum(3 * pace[fam] for fam in hits.values()) / whole(3)}])
         for tier, hist in READ_SECONDS[profile]:
             fam = catalog.get(hist)
             for pod, instance, tp, dp in LAYOUT:

@@ -5,13 +5,15 @@ Two vLLM DP replicas of a TP-2 engine: 4 spawned processes, one per worker, each
 vLLM fills it (worker_id 0-1 in each replica, world_size 2, engine_id `<uuid>_dp0` / `_dp1`). Every worker
 of a replica counts that replica's requests alike (the replicas serve different traffic) through the released
 `LMCStatsMonitor`, as the connector's start_load_kv does (vllm_v1_adapter.py:799-806, 816-822,
-cache_engine.py:846-859, 966-970): for every request LMCache looked up, its prompt
-(`update_interval_prompt_tokens`) and the prefix vLLM's own GPU cache held (`update_interval_vllm_hit_tokens`);
-where LMCache holds more than vLLM, a retrieve from the LMCache chunk boundary below vLLM's hit
+cache_engine.py:846-859, 966-970): for every request LMCache looked up, its prompt as LMCache counts it
+(`update_interval_prompt_tokens` of its ReqMeta's token ids: the first scheduling step's tokens cut to whole
+chunks, 348-357) and the prefix vLLM's own GPU cache held (`update_interval_vllm_hit_tokens`); where LMCache
+holds more than vLLM, a retrieve from the LMCache chunk boundary below vLLM's hit
 (`on_retrieve_finished(on_retrieve_request(requested), loaded)`). Then `LMCacheStatsLogger`'s one step,
 `log_prometheus(monitor.get_stats_and_clear())`. One request's vLLM hit (288 tokens) is not on a chunk
-boundary: LMCache loads from 256, so 32 of its tokens count both as vLLM's hits and as LMCache's, and the
-shares' `computed` is 32 below what the engine really computed (what LMCache's counts give, as documented).
+boundary: LMCache loads from 256, so 32 of its tokens count both as vLLM's hits and as LMCache's; one prompt
+is under a chunk and counts as 0. The shares' `computed` is a lower bound of what the engine really computed
+(what LMCache's counts give, as documented).
 
 The same processes run twice, each time to real `hicache-exporter serve` sidecars:
 
@@ -72,7 +74,8 @@ REQUESTS: dict[int, tuple[Request, ...]] = {
         (600, 512, 0, 0)),  # vLLM only: LMCache found nothing, no retrieve
     1: ((3000, 1024, 2560, 1280),  # both, on a chunk boundary; the last of 6 chunks asked for is not loaded
         (400, 0, 256, 256),  # LMCache only: 1 chunk
-        (700, 256, 256, 0)),  # LMCache holds no more than vLLM: no retrieve
+        (700, 256, 256, 0),  # LMCache holds no more than vLLM: no retrieve
+        (200, 192, 0, 0)),  # a prompt under a chunk: LMCache counts it as 0 tokens, vLLM's hit as 192
 }
 
 
@@ -92,20 +95,29 @@ def retrieve(request: Request) -> tuple[int, int] | None:
     return requested, loaded
 
 
+def counted_prompt(request: Request) -> int:
+    """What a worker counts as a request's prompt: the token ids of its ReqMeta (vllm_v1_adapter.py:804-806),
+    the tokens of its first scheduling step (here the whole prompt: the token budget holds it) cut to whole
+    chunks (348-357, discard_partial_chunks by default)."""
+    return request[0] // CHUNK * CHUNK
+
+
 def replica_tokens(replica: int) -> dict[str, int]:
     """What every worker of `replica` counts, by kind."""
     requests = REQUESTS[replica]
-    return {"prompt": sum(r[0] for r in requests), "device": sum(r[1] for r in requests),
+    return {"prompt": sum(counted_prompt(r) for r in requests), "device": sum(r[1] for r in requests),
             "offload": sum(hit[1] for r in requests if (hit := retrieve(r)) is not None)}
 
 
 def shares(prompt: float, device: float, offload: float) -> dict[str, Any]:
-    """The figures of `prefill` from the three counts, by hand (docs/api.md, section prefill)."""
-    computed = max(prompt - device - offload, 0.0)
+    """The figures of `prefill` from the three counts, by hand (docs/api.md, section prefill): every prefill
+    token is the prompt as counted or the hits, whichever is more."""
+    total = max(prompt, device + offload)
+    computed = total - device - offload
     return {"tokens": {"computed": computed, "device": device, "host": None, "storage": None, "offload": offload,
-                       "total": prompt},
-            "hit_ratio": {"device": device / prompt, "host": None, "storage": None, "offload": offload / prompt},
-            "computed_ratio": computed / prompt}
+                       "total": total},
+            "hit_ratio": {"device": device / total, "host": None, "storage": None, "offload": offload / total},
+            "computed_ratio": computed / total}
 
 
 def expected(replicas: tuple[int, ...] = tuple(range(REPLICAS))) -> dict[str, Any]:
@@ -152,7 +164,7 @@ def worker(replica: int, worker_id: int, engine: str, hooked: bool) -> None:
     for request in REQUESTS[replica]:
         # start_load_kv: every request with a load spec (vllm_v1_adapter.py:799-806), then its retrieve.
         monitor.update_interval_vllm_hit_tokens(request[1])
-        monitor.update_interval_prompt_tokens(request[0])
+        monitor.update_interval_prompt_tokens(counted_prompt(request))
         if (hit := retrieve(request)) is not None:
             monitor.on_retrieve_finished(monitor.on_retrieve_request(hit[0]), hit[1])
         logger.log_prometheus(monitor.get_stats_and_clear())  # observability.py:1975-1982
@@ -235,16 +247,17 @@ def doors(multiproc: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 def test_the_hand_computed_figures_count_vllms_hits_lmcaches_and_what_the_prompt_leaves() -> None:
     assert [replica_tokens(r) for r in range(REPLICAS)] == [
-        {"prompt": 3700, "device": 800, "offload": 2304}, {"prompt": 4100, "device": 1280, "offload": 1536}]
+        {"prompt": 3328, "device": 800, "offload": 2304}, {"prompt": 3584, "device": 1472, "offload": 1536}]
     truth = expected()
-    assert truth["tokens"] == {"computed": 1880.0, "device": 2080.0, "host": None, "storage": None,
-                               "offload": 3840.0, "total": 7800.0}
-    assert truth["hit_ratio"]["device"] == 2080 / 7800 and truth["computed_ratio"] == 1880 / 7800
-    # What the engine really computed: each prompt past the furthest hit. The shares' computed is 32 tokens
-    # below it: the second request's tokens 256-287, loaded by LMCache over vLLM's own hit.
+    assert truth["tokens"] == {"computed": 800.0, "device": 2272.0, "host": None, "storage": None,
+                               "offload": 3840.0, "total": 6912.0}
+    assert truth["hit_ratio"]["device"] == 2272 / 6912 and truth["computed_ratio"] == 800 / 6912
+    # What the engine really computed: each prompt past the furthest hit. The shares' computed is a lower
+    # bound of it: LMCache's prompt leaves out each prompt's last partial chunk (1,920 against 800 here),
+    # and the second request's tokens 256-287, loaded by LMCache over vLLM's own hit, count in both hits.
     really = sum(prompt - max(vllm, vllm // CHUNK * CHUNK + loaded)
                  for requests in REQUESTS.values() for prompt, vllm, _, loaded in requests)
-    assert really == 1912 == truth["tokens"]["computed"] + 32
+    assert really == 1920 and truth["tokens"]["computed"] < really
 
 
 @pytest.mark.parametrize("door", DOORS)
@@ -273,7 +286,7 @@ def test_through_the_hook_door_each_replica_is_its_dp_group(doors: Seen) -> None
     assert started["dp_groups_count"] == REPLICAS
     groups = {g["dp_rank"]: figures(g) for g in started["dp_groups"]}
     assert groups == {r: expected((r,)) for r in range(REPLICAS)}
-    assert groups[0]["tokens"]["computed"] == 596 and groups[1]["tokens"]["computed"] == 1284
+    assert groups[0]["tokens"]["computed"] == 224 and groups[1]["tokens"]["computed"] == 576
     for kind in ("device", "offload", "total", "computed"):
         assert groups[0]["tokens"][kind] + groups[1]["tokens"][kind] == figures(started)["tokens"][kind]
 
@@ -290,7 +303,7 @@ def test_through_the_proxy_doors_the_replicas_are_one_dp_group_their_sum(doors: 
 def test_the_shares_are_those_of_the_sidecars_own_rollups(doors: Seen, door: str) -> None:
     scrape: Scrape = doors[door]["scrape"]
     assert from_rollups(scrape) == figures(doors[door]["status"]["prefill"]["since_start"]) == expected()
-    assert scrape.value("lmcache_rollup_num_prompt_tokens_total") == 7800
+    assert scrape.value("lmcache_rollup_num_prompt_tokens_total") == 6912
 
 
 def test_every_door_gives_the_same_prefill_figures(doors: Seen) -> None:
@@ -301,7 +314,7 @@ def test_every_door_gives_the_same_prefill_figures(doors: Seen) -> None:
         assert seen[door]["counts"] == seen["hook"]["counts"] and seen[door]["tiers"] == seen["hook"]["tiers"]
     rollups = {door: [doors[door]["scrape"].value(f"lmcache_rollup_{family}") for family in FAMILIES.values()]
                for door in DOORS}
-    assert rollups["directory"] == rollups["url"] == rollups["hook"] == [7800, 2080, 3840]
+    assert rollups["directory"] == rollups["url"] == rollups["hook"] == [6912, 2272, 3840]
 
 
 def test_the_document_has_one_offload_tier_and_no_bytes_of_it(doors: Seen) -> None:

@@ -155,10 +155,12 @@ class ProfilePrefill:
         )
 
     def tokens(self, totals: Totals) -> float:
-        """All prefill tokens of a scope: its prompt where counted apart, else the sum of every kind."""
-        if self.spec.prompt is not None:
-            return totals.get("prompt", 0.0)
-        return sum(totals.get(kind, 0.0) for kind in self.spec.counts())
+        """All prefill tokens of a scope: the sum of every kind; where the prompt is counted apart, the prompt
+        or the hits, whichever is more (LMCache counts a prompt cut to whole chunks, fewer than its hits where
+        prompts are short: exporter/defaults/lmcache.yaml), as the recording rules reckon it."""
+        if self.spec.prompt is None:
+            return sum(totals.get(kind, 0.0) for kind in self.spec.counts())
+        return max(totals.get("prompt", 0.0), sum(totals.get(kind, 0.0) for kind, _ in self.spec.tiers()))
 
     def family_in(self, totals: Totals) -> bool:
         return any(kind in totals for kind in self.spec.counts())
@@ -248,9 +250,8 @@ class ProfilePrefill:
         else:
             offload = totals.get("offload", 0.0)
         if self.spec.prompt is not None:
-            # A hit may be counted twice up to a chunk (lmcache.yaml's prefill note): computed is never below 0.
-            total = totals.get("prompt", 0.0)
-            computed = max(total - device - offload, 0.0)
+            total = self.tokens(totals)
+            computed = total - device - offload  # what the hits leave: a lower bound (lmcache.yaml's note)
         else:
             computed = totals.get("computed", 0.0)
             total = computed + device + offload

@@ -16,7 +16,15 @@ from pydantic import ValidationError
 
 from exporter.api import view
 from exporter.api.v1 import PREFILL_SCOPES_LISTED
-from exporter.catalog import SGLANG_PREFILL, SGLANG_PROFILE, Catalog, default_catalog, load_profiles
+from exporter.catalog import (
+    SGLANG_PREFILL,
+    SGLANG_PROFILE,
+    Catalog,
+    PrefillSpec,
+    TokenCount,
+    default_catalog,
+    load_profiles,
+)
 from exporter.protocol.messages import Sample, ScalarSample
 from exporter.sidecar.core.health import SidecarHealth
 from exporter.sidecar.core.ranks import RankState
@@ -345,6 +353,11 @@ def test_the_profile_says_which_transfers_serve_and_fill_each_tier_and_its_prefi
     assert (read and read.name, fill and fill.name) == ("remote_read", "remote_write")
     assert lmcache.tier_transfers("L1") == (None, None)
     catalog = default_catalog()
+    with pytest.raises(ValidationError, match="counts several kinds"):  # the same series counted as two kinds
+        PrefillSpec(prompt=TokenCount(family="num_prompt_tokens_total"),
+                    device=TokenCount(family="num_hit_tokens_total"), offload=TokenCount(family="num_hit_tokens_total"))
+    with pytest.raises(ValidationError, match="counts several kinds"):  # two kinds with one mode's value
+        PrefillSpec.model_validate({**SGLANG_PREFILL.model_dump(), "host": SGLANG_PREFILL.device.model_dump()})
     device = SGLANG_PREFILL.device.model_copy(update={"family": "load_back_bytes_total"})  # no `mode` label
     bad = SGLANG_PREFILL.model_copy(update={"device": device})
     with pytest.raises(ValidationError, match="must be a counter labelled 'mode'"):
@@ -437,12 +450,15 @@ def test_an_lmcache_sidecar_gives_vllms_hits_lmcaches_and_what_the_prompt_leaves
     assert report["window"]["tokens"] == since["tokens"]  # everything happened inside the window
 
 
-def test_lmcache_hits_counted_twice_within_a_chunk_leave_nothing_computed_never_less() -> None:
-    """A retrieve starts at the chunk boundary below vLLM's hit, so vLLM's and LMCache's hits can add up to
-    more than the prompt: computed is then 0, and no share exceeds 1."""
+def test_lmcache_hits_beyond_the_prompt_it_counted_are_every_prefill_token_and_the_shares_still_add_up() -> None:
+    """LMCache counts a prompt cut to whole chunks (a short one as 0), and a retrieve starts at the chunk
+    boundary below vLLM's hit: the hits can come to more than the prompt it counted. Every prefill token is
+    then the hits, nothing was computed, and the shares add up to 1 (before: 0.6 + 0.5)."""
     since = doc_of(view_of(lmcache_two_by_two({0: (1000, 600, 500)})))["prefill"]["since_start"]
-    assert since["tokens"]["computed"] == 0 and since["computed_ratio"] == 0
-    assert since["hit_ratio"]["device"] == 0.6 and since["hit_ratio"]["offload"] == 0.5
+    assert since["tokens"] == {"computed": 0.0, "device": 600.0, "host": None, "storage": None, "offload": 500.0,
+                               "total": 1100.0}
+    assert since["hit_ratio"]["device"] == 600 / 1100 and since["hit_ratio"]["offload"] == 500 / 1100
+    assert since["computed_ratio"] == 0
 
 
 def test_the_page_and_top_show_lmcaches_shares_with_offload_beside_its_name() -> None:

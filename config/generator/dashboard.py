@@ -395,12 +395,13 @@ def lmcache_prefill_panels(ns: str, catalog: Catalog) -> tuple[list[dict[str, An
     variable = server_variable(profile.name)
     shares = shares_panel(
         ns, catalog, variable, f"Where LMCache's prefill tokens come from: ${variable}",
-        f"{rules.prefill_hit_ratio(ns)} by tier and {rules.prefill_computed_ratio(ns)}, over the prompt tokens of the "
-        "server in the rate window (one worker per engine, engines summed), stacked: device, the prefix vLLM's own "
+        f"{rules.prefill_hit_ratio(ns)} by tier and {rules.prefill_computed_ratio(ns)}, over the server's prefill "
+        "tokens in the rate window (one worker per engine, engines summed), stacked: device, the prefix vLLM's own "
         "GPU prefix cache held; offload, what LMCache retrieved, from its CPU backend or its remote one (no family "
-        "tells those apart); computed, what the prompt leaves after both, never below 0. A retrieve starts at the "
-        "chunk boundary below vLLM's hit, so up to chunk_size - 1 tokens of a request count in both tiers: the "
-        "stack may reach a little past 100 %. One panel per server; no line while the server has no prompt tokens.")
+        "tells those apart); computed, what the hits leave. LMCache counts a prompt only up to its first scheduling "
+        "step, cut to whole chunks (a short prompt as 0), so every prefill token is that prompt or the hits, "
+        "whichever is more, and computed is a lower bound (vLLM's own vllm:prompt_tokens_total counts whole "
+        "prompts). One panel per server; no line while the server has no prefill tokens.")
     return [shares], cost_panels(ns, catalog, profile, spec, variable, width=16, alerted=False, titles=(
         "LMCache bytes moved per hit token, by tier", "LMCache retrieve seconds per offload hit token"))
 

@@ -282,6 +282,13 @@ class PrefillSpec(BaseModel):
         is staged through host memory)."""
         return PREFILL_TIERS if self.offload is None else (("device", "L1"), ("offload", "L2"))
 
+    def returned(self, tier: str) -> tuple[PrefillKind, ...]:
+        """The kinds of hits a tier returns toward the device: its own and those of every tier below it, which
+        are staged through it (a storage hit is prefetched into host memory and loaded back from there,
+        sglang 0.5.23 schedule_batch.py:231-265), so the tier's reads and fills are paid by all of them."""
+        kinds = [kind for kind, _ in self.tiers()]
+        return tuple(kinds[kinds.index(tier):])  # type: ignore[arg-type]  # a tier name of tiers()
+
     @property
     def apart(self) -> bool:
         """Whether its families tell host hits from storage hits."""

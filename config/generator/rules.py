@@ -94,9 +94,8 @@ def prefill_of(catalog: Catalog) -> tuple[ProfileSpec, PrefillSpec] | None:
 
 def tier_costs(profile: ProfileSpec, spec: PrefillSpec) -> list[TierCost]:
     """Every tier past the device's, with the transfers the profile declares to and from it."""
-    tiers = spec.tiers()
-    return [TierCost(tier, tuple(kind for kind, _ in tiers[i:]), *profile.tier_transfers(level))
-            for i, (tier, level) in enumerate(tiers) if i]
+    return [TierCost(tier, spec.returned(tier), *profile.tier_transfers(level))
+            for tier, level in spec.tiers() if level != "L1"]
 
 
 def prefill_hit_ratio(ns: str, level: str = "cluster") -> str:

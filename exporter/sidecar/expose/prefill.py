@@ -259,14 +259,10 @@ class ProfilePrefill:
         def share(part: float) -> float | None:
             return min(part / total, 1.0) if total > 0 else None
 
-        # A storage hit is prefetched into host memory and loaded back from there (L2 -> L1) as a host hit is
-        # (sglang 0.5.23 schedule_batch.py:231-265): the host tier's reads and fills serve both, so they are
-        # paid per host and storage hit token, as the recording rules divide them (config/generator/rules.py).
-        # An offload tier (host and storage together) is read back from L2 the same way.
-        hits = {"host": offload, "storage": storage or 0.0, "offload": offload}
         costs = {}
         for tier in self.tiers:
-            hit = hits[tier.tier]
+            # Paid per hit token the tier returned (PrefillSpec.returned), as the recording rules divide them.
+            hit = sum(totals.get(kind, 0.0) for kind in self.spec.returned(tier.tier))
 
             def amount(family: str | None) -> float | None:
                 # None where no rank reports the family (the released collectors count no L3 bytes): a cost

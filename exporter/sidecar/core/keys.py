@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -104,6 +104,11 @@ def label_width(labels: Iterable[tuple[str, str]]) -> int:
     of its widest character (PEP 393), 1 for Latin-1, 2 for the rest of the BMP, 4 beyond it."""
     widest = max((max(name + value) for name, value in labels), default="\x00")
     return 1 if widest < "\u0100" else 2 if widest < "\U00010000" else 4
+
+
+def label_size(labels: Collection[tuple[str, str]]) -> tuple[int, int]:
+    """(`label_chars`, `label_width`) of `labels`: what they write on a line, and the width it is held at."""
+    return label_chars(labels), label_width(labels)
 
 
 def line_chars(chars: int, width: int, own_chars: int, own_width: int) -> int:

@@ -25,8 +25,7 @@ from exporter.sidecar.core.keys import (
     SeriesRoute,
     StaticKey,
     Value,
-    label_chars,
-    label_width,
+    label_size,
     static_key,
 )
 
@@ -160,13 +159,12 @@ class RankState:
 
     def __post_init__(self) -> None:
         self.shared = tuple(item for item in self.static if item[0] not in self.derived)
-        self.shared_chars, self.shared_width = label_chars(self.shared), label_width(self.shared)
+        self.shared_chars, self.shared_width = label_size(self.shared)
         self.count_label_chars()
 
     def count_label_chars(self) -> None:
         """Count `label_chars` again (its rank axes changed: a restart may add or drop attn_cp_rank)."""
-        labels = self.label_dict().items()
-        self.label_chars, self.label_width = label_chars(labels), label_width(labels)
+        self.label_chars, self.label_width = label_size(self.label_dict().items())
 
     @property
     def identity(self) -> RankIdentity:

@@ -29,8 +29,7 @@ from exporter.sidecar.core.keys import (
     Update,
     Value,
     histogram_cost,
-    label_chars,
-    label_width,
+    label_size,
     line_chars,
     make_rollup_key,
     series_cost,
@@ -222,8 +221,7 @@ class SampleReader:
                                  f"served ({self._profiles}); another engine's needs its profile served (--profile)")
         label_values = self._label_values(plan, labels) if labels or plan.labels else ()
         name = plan.name  # the catalog's string object, shared by every rank's keys
-        own = tuple(zip(plan.labels, label_values))
-        own_chars, own_width = label_chars(own), label_width(own)
+        own_chars, own_width = label_size(tuple(zip(plan.labels, label_values)))
         rollup_chars = line_chars(rank.shared_chars, rank.shared_width, own_chars, own_width)
         if (name, label_values) not in rank.values:
             # Before anything is interned or indexed for it, at its least weight (one line; a histogram's

@@ -26,8 +26,7 @@ from exporter.sidecar.core.keys import (
     HistValue,
     RollupCounter,
     SeriesKey,
-    label_chars,
-    label_width,
+    label_size,
     line_chars,
     make_rollup_key,
     scalar_lines,
@@ -255,9 +254,8 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
         # Weighed as the ledger weighs the cell it makes: by its layout and its labels (the shared static ones, the family's own).
         shared = shared_chars.get(item.shared)
         if shared is None:
-            shared = shared_chars[item.shared] = (label_chars(statics[item.shared]), label_width(statics[item.shared]))
-        own = tuple(zip(spec.labels, key[1]))
-        chars = line_chars(*shared, label_chars(own), label_width(own))
+            shared = shared_chars[item.shared] = label_size(statics[item.shared])
+        chars = line_chars(*shared, *label_size(tuple(zip(spec.labels, key[1]))))
         if isinstance(item.value, HistValue):
             if spec.type is not MetricType.HISTOGRAM or not _whole(item.value):
                 result.drop("changed_family")
@@ -334,9 +332,8 @@ def restore(state: SidecarState, saved: SavedCore) -> Restored:
                 continue
             # Weighed as the reader weighs a pushed series: by its layout and its labels (the rank's, the family's own).
             spec = catalog.get(key[0])
-            own = tuple(zip(spec.labels, key[1]))
             cost = series_cost(value.value.bounds if isinstance(value.value, HistValue) else None,
-                               line_chars(rank.label_chars, rank.label_width, label_chars(own), label_width(own)),
+                               line_chars(rank.label_chars, rank.label_width, *label_size(tuple(zip(spec.labels, key[1])))),
                                scalar_lines(spec))
             if rank.cost + cost > config.max_series_per_rank or not budget.has_room(0, cost):
                 result.drop("limit")

@@ -8,6 +8,7 @@ rows and the table) this is the bottom of the bench import graph: it imports no 
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import itertools
 import json
@@ -22,7 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,15 @@ def child_env(**overrides: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env.update(overrides)
     return env
+
+
+def chosen_cases(parser: argparse.ArgumentParser, only: str | None, cases: Sequence[str]) -> tuple[str, ...]:
+    """The cases `--only` names (comma-separated; all of `cases` without it); an unknown one is the parser's error."""
+    chosen = tuple(c.strip() for c in only.split(",")) if only else tuple(cases)
+    unknown = set(chosen) - set(cases)
+    if unknown:
+        parser.error(f"unknown case(s): {', '.join(sorted(unknown))}")
+    return chosen
 
 
 def free_port() -> int:

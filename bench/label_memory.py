@@ -59,7 +59,7 @@ from exporter.protocol.messages import (
 from exporter.sidecar.core.keys import LABEL_CHARS_PER_UNIT, label_chars
 from exporter.sidecar.core.ranks import WINDOW_HISTORY_ENTRIES
 
-from bench.common import Sidecar, progress_printer, read_reply
+from bench.common import Sidecar, chosen_cases, progress_printer, read_reply
 from bench.proxy_memory import memory_limit_bytes
 from bench.report import report, row
 
@@ -278,10 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help=f"comma-separated subset of {','.join(CASES)} (short, the anchor, always runs)")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     args = parser.parse_args(argv)
-    cases = tuple(c.strip() for c in args.only.split(",")) if args.only else CASES
-    unknown = set(cases) - set(CASES)
-    if unknown:
-        parser.error(f"unknown case(s): {', '.join(sorted(unknown))}")
+    cases = chosen_cases(parser, args.only, CASES)
     report(run(args.ranks, cases, args.series_total, args.rounds, args.period), args.json)
     return 0
 

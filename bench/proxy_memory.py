@@ -33,7 +33,7 @@ from exporter.sidecar.upstream.feed import READ_LINES_PER_SERIES
 from exporter.sidecar.upstream.plan import MAX_PASS_THROUGH_SAMPLES
 from exporter.sidecar.upstream.scrape import MAX_BODY_BYTES
 
-from bench.common import Sidecar, progress_printer
+from bench.common import Sidecar, chosen_cases, progress_printer
 from bench.report import report, row
 
 MB = 1e6
@@ -234,10 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help=f"comma-separated subset of {','.join(CASES)}")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     args = parser.parse_args(argv)
-    cases = tuple(c.strip() for c in args.only.split(",")) if args.only else CASES
-    unknown = set(cases) - set(CASES)
-    if unknown:
-        parser.error(f"unknown case(s): {', '.join(sorted(unknown))}")
+    cases = chosen_cases(parser, args.only, CASES)
     report(run(args.reads, cases), args.json)
     return 0
 

@@ -271,7 +271,8 @@ def not_paying(ns: str, catalog: Catalog) -> list[tuple[TierCost, str]]:
             continue
         fam = catalog.get(cost.write.bytes)
         alerts.append((cost, (
-            f"(\n  {tokens_of(ns, catalog, spec, cost.returned)}\n  /\n  ({tokens_of(ns, catalog, spec)} > 0)\n"
+            f"(\n  {tokens_of(ns, catalog, spec, cost.returned)}\n  /\n"
+            f"  ({every_token_expr(spec, lambda kinds: tokens_of(ns, catalog, spec, kinds))} > 0)\n"
             f") < {NOT_PAYING_SHARE:g}\nand\n{per_server(catalog, bytes_rate(ns, fam), *fam.labels)} > 0\n")))
     return alerts
 
